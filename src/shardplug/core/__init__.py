@@ -1,0 +1,1 @@
+"""The host: hook specs, registry, meshes, sharding rules and the trainer."""

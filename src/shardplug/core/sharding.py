@@ -1,0 +1,161 @@
+"""Sharding rules shared by strategies, and the checks core applies to what strategies return."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardplug.errors import BatchError, PluginError
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    """``('blocks', 0, 'mlp', 'kernel')`` as ``blocks/0/mlp/kernel``.
+
+    The ``value`` attribute through which a Flax NNX variable holds its array is left out.
+    """
+    keys = [k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")]
+    return jax.tree_util.keystr(tuple(keys), simple=True, separator="/")
+
+
+def leaf_paths(tree: Any) -> list[str]:
+    """The path of every leaf of ``tree``, in ``jax.tree.leaves`` order."""
+    return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def largest_divisible_dim(shape: tuple[int, ...], divisor: int) -> int | None:
+    """The index of the largest dimension that ``divisor`` divides (the first among equals)."""
+    best = None
+    for i, size in enumerate(shape):
+        if size % divisor == 0 and (best is None or size > shape[best]):
+            best = i
+    return best
+
+
+def shard_largest_dim(shape: tuple[int, ...], axis: str, mesh: Mesh, min_size: int) -> P:
+    """The size rule: split the largest dimension that divides ``axis``, or replicate.
+
+    Arrays with fewer than ``min_size`` elements stay replicated: gathering them would cost
+    more in latency than their memory is worth.
+    """
+    if math.prod(shape) < max(min_size, 1):
+        return P()
+    dim = largest_divisible_dim(shape, mesh.shape[axis])
+    if dim is None:
+        return P()
+    return P(*(axis if i == dim else None for i in range(len(shape))))
+
+
+def logical_to_mesh(
+    shape: tuple[int, ...], logical: P, rules: Mapping[str, str], mesh: Mesh
+) -> P:
+    """Map a spec of logical axis names onto mesh axes.
+
+    A dimension is split over ``rules[name]`` when a rule exists, the mesh axis divides the
+    dimension, and no earlier dimension already took that mesh axis; otherwise it stays whole.
+    """
+    used: set[str] = set()
+    out: list[str | None] = []
+    for size, name in zip(shape, tuple(logical) + (None,) * (len(shape) - len(logical))):
+        axis = rules.get(name) if isinstance(name, str) else None
+        if axis is not None and axis not in used and size % mesh.shape[axis] == 0:
+            used.add(axis)
+            out.append(axis)
+        else:
+            out.append(None)
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def to_named(tree: Any, mesh: Mesh, *, plugin: str, hook: str, like: Any) -> Any:
+    """Check a hook's answer against ``like`` and turn every leaf into a ``NamedSharding``."""
+    is_spec = lambda x: isinstance(x, (P, NamedSharding))  # noqa: E731
+    try:
+        named = jax.tree.map(
+            lambda s, _: s if isinstance(s, NamedSharding) else NamedSharding(mesh, s),
+            tree,
+            like,
+            is_leaf=is_spec,
+        )
+    except (ValueError, TypeError) as exc:
+        raise PluginError(
+            f"strategy {plugin!r}: {hook} must return a PartitionSpec or NamedSharding for "
+            f"every leaf, in the same tree structure as its input ({exc})"
+        ) from None
+    for path, (sharding, leaf) in zip(
+        leaf_paths(like), zip(jax.tree.leaves(named), jax.tree.leaves(like))
+    ):
+        if not isinstance(sharding, NamedSharding):
+            raise PluginError(
+                f"strategy {plugin!r}: {hook} returned {sharding!r} for {path}; "
+                "return a PartitionSpec or NamedSharding"
+            )
+        spec = sharding.spec
+        if len(spec) > len(leaf.shape):
+            raise PluginError(
+                f"strategy {plugin!r}: {hook} gave {path} of shape {leaf.shape} the spec {spec}, "
+                "which has more entries than the array has dimensions"
+            )
+        unknown = set(mesh_axes(spec)) - set(mesh.axis_names)
+        if unknown:
+            raise PluginError(
+                f"strategy {plugin!r}: {hook} gave {path} the spec {spec}, naming axes "
+                f"{sorted(unknown)} that the mesh {tuple(mesh.axis_names)} does not have"
+            )
+    return named
+
+
+def mesh_axes(spec: P) -> list[str]:
+    """Every mesh axis a spec splits over, in order."""
+    axes: list[str] = []
+    for entry in spec:
+        if entry is None:
+            continue
+        axes.extend(entry if isinstance(entry, tuple) else (entry,))
+    return axes
+
+
+def check_batch(batch: Any, shardings: Any) -> None:
+    """Raise :class:`BatchError` if a split dimension of the batch does not divide its axes."""
+    for path, leaf, sharding in zip(
+        leaf_paths(batch), jax.tree.leaves(batch), jax.tree.leaves(shardings)
+    ):
+        for dim, entry in enumerate(sharding.spec):
+            if entry is None:
+                continue
+            axes = entry if isinstance(entry, tuple) else (entry,)
+            parts = math.prod(sharding.mesh.shape[a] for a in axes)
+            if leaf.shape[dim] % parts:
+                where = f"batch leaf {path!r}" if path else "the batch"
+                raise BatchError(
+                    f"{where} has {leaf.shape[dim]} rows in dimension {dim}, which do not "
+                    f"split over the {parts} devices of mesh axes {axes}: "
+                    f"use a global batch size that is a multiple of {parts}"
+                )
+
+
+def optimizer_shardings(
+    optimizer: optax.GradientTransformation,
+    abstract_params: Any,
+    param_shardings: Any,
+    replicated: NamedSharding,
+) -> Any:
+    """Shard every optimizer-state leaf like the parameter it mirrors; replicate the rest.
+
+    Adam's ``mu`` and ``nu`` follow their parameters, a step count is replicated. This uses
+    optax's own knowledge of which state leaves are per-parameter, so it holds for any optax
+    transformation, chained ones included.
+    """
+    return optax.tree_utils.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        jax.eval_shape(optimizer.init, abstract_params),
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+    )

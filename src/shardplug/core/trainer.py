@@ -1,0 +1,305 @@
+"""The trainer: owns the loop, asks the strategy where things live and how devices meet."""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardplug.core.devices import select_devices
+from shardplug.core.mesh import parse_mesh
+from shardplug.core.registry import Strategy, get_strategy
+from shardplug.core.sharding import optimizer_shardings
+from shardplug.errors import BatchError, ConfigError, PluginError
+from shardplug.models.adapters import Adapter
+
+LossFn = Callable[[Any, Any], Any]
+
+
+class TrainState(NamedTuple):
+    """Everything one step reads and writes; a pytree of global arrays."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    model_state: Any
+
+
+def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    loss, metrics = out if isinstance(out, tuple) else (out, {})
+    if not isinstance(metrics, Mapping):
+        raise ConfigError("loss_fn must return a loss, or (loss, dict of metrics)")
+    if jnp.shape(loss) != ():
+        raise ConfigError(
+            f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}: average it"
+        )
+    return loss, dict(metrics)
+
+
+def make_step(
+    adapter: Adapter,
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    strategy: Strategy,
+    mesh: Any,
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+    """One optimizer step on the global batch: loss, gradients, ``reduce_grads``, update."""
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        def loss_of(params):
+            model = adapter.bind(params, state.model_state)
+            loss, metrics = _split_loss(loss_fn(model, batch))
+            return loss, (metrics, adapter.state_of(model))
+
+        (loss, (metrics, model_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+            state.params
+        )
+        grads = strategy.reduce_grads(grads, mesh)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(state.step + 1, params, opt_state, model_state), {
+            "loss": loss,
+            **metrics,
+        }
+
+    return step
+
+
+class Trainer:
+    """Trains a model on many devices with a strategy chosen by name.
+
+    :param adapter: the model, from :func:`shardplug.from_nnx` (or another adapter).
+    :param loss_fn: ``loss_fn(model, batch)`` returning the loss, or ``(loss, metrics)``;
+        ``model`` is in its framework's own form (for NNX, the module holding the current
+        parameters) and ``batch`` is the global batch.
+    :param optimizer: any optax transformation; its state is sharded like the parameters.
+    :param strategy: a strategy name (``"dp"``, ``"fsdp"``, ``"2d"``, ``"pmap"`` or an
+        installed plugin's) or a :class:`Strategy` from :func:`shardplug.get_strategy`.
+    :param devices: how many of the default backend's devices to use (all for None), or the
+        devices themselves.
+    :param mesh: the mesh's axis sizes, as ``"data=2,model=4"`` or a dict; the strategy's
+        default for None.
+    :param seed: seeds the parameter initialisation of a model the adapter builds.
+    :param log_every: the loop waits for the devices only every ``log_every`` steps (and at
+        the end), to read the metrics; ``step_time`` is the mean over that window.
+    """
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        *,
+        loss_fn: LossFn,
+        optimizer: optax.GradientTransformation,
+        strategy: str | Strategy = "dp",
+        devices: int | Sequence[Any] | None = None,
+        mesh: str | Mapping[str, int] | None = None,
+        seed: int = 0,
+        log_every: int = 10,
+    ):
+        if not isinstance(adapter, Adapter):
+            raise ConfigError(
+                f"Trainer needs a model adapter (shardplug.from_nnx(model)), got "
+                f"{type(adapter).__name__}"
+            )
+        if not callable(loss_fn):
+            raise ConfigError("loss_fn must be a function loss_fn(model, batch)")
+        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+            raise ConfigError("optimizer must be an optax GradientTransformation")
+        if not isinstance(log_every, int) or log_every < 1:
+            raise ConfigError(f"log_every must be a positive integer, got {log_every!r}")
+        if not isinstance(seed, int):
+            raise ConfigError(f"seed must be an integer, got {seed!r}")
+        self.adapter = adapter
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.strategy = get_strategy(strategy) if isinstance(strategy, str) else strategy
+        self.log_every = log_every
+        self.history: list[dict[str, float]] = []
+        self.compile_seconds: float | None = None
+
+        if devices is None or isinstance(devices, int):
+            devices = select_devices(devices)
+        mesh_shape = parse_mesh(mesh) if isinstance(mesh, str) else mesh
+        self.mesh = self.strategy.make_mesh(list(devices), None if mesh_shape is None else dict(mesh_shape))
+
+        rng = jax.random.key(seed)
+        abstract_params, abstract_model_state = adapter.abstract(rng)
+        self.annotations = adapter.annotations(abstract_params)
+        replicated = NamedSharding(self.mesh, P())
+        param_shardings = self.strategy.shard_params(
+            abstract_params, self.mesh, self.annotations
+        )
+        self.state_shardings = TrainState(
+            step=replicated,
+            params=param_shardings,
+            opt_state=optimizer_shardings(
+                optimizer, abstract_params, param_shardings, replicated
+            ),
+            model_state=jax.tree.map(lambda _: replicated, abstract_model_state),
+        )
+        self.state = self._create_state(rng)
+        self.batch_shardings: Any = None
+        self._batch_signature: Any = None
+        self._step: Callable | None = None
+
+    @property
+    def param_shardings(self) -> Any:
+        """The ``NamedSharding`` of every parameter, as the strategy chose it."""
+        return self.state_shardings.params
+
+    @property
+    def model(self) -> Any:
+        """The model with the current parameters, in its framework's own form."""
+        return self.adapter.bind(self.state.params, self.state.model_state)
+
+    def _create_state(self, rng: jax.Array) -> TrainState:
+        shardings = self.state_shardings
+        if self.adapter.variables is None:
+            # Build every array inside one jit whose outputs are the strategy's shardings:
+            # no device ever holds a full copy of a sharded parameter.
+            def create(rng):
+                params, model_state = self.adapter.init(rng)
+                return TrainState(
+                    jnp.zeros((), jnp.int32), params, self.optimizer.init(params), model_state
+                )
+
+            return jax.jit(create, out_shardings=shardings)(rng)
+        # A model that already exists is copied once into the shardings; never aliased,
+        # since the step donates its state and the caller's model must stay valid.
+        params, model_state = jax.device_put(
+            self.adapter.variables, (shardings.params, shardings.model_state), may_alias=False
+        )
+        opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
+        return TrainState(
+            jax.device_put(jnp.zeros((), jnp.int32), shardings.step), params, opt_state, model_state
+        )
+
+    def _signature(self, batch: Any) -> tuple[Any, list[tuple[tuple[int, ...], Any]]]:
+        leaves, treedef = jax.tree.flatten(batch)
+        return treedef, [(np.shape(x), np.asarray(x).dtype) for x in leaves]
+
+    def _prepare(self, batch: Any) -> None:
+        """Choose the batch shardings and compile the step, once, for the first batch."""
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch)
+        self.batch_shardings = self.strategy.shard_batch(abstract, self.mesh)
+        step_fn = make_step(self.adapter, self.loss_fn, self.optimizer, self.strategy, self.mesh)
+        program = self.strategy.compile_step(
+            step_fn, self.mesh, self.state_shardings, self.batch_shardings
+        )
+        if not hasattr(program, "lower"):
+            raise PluginError(
+                f"strategy {self.strategy.name!r}: compile_step must return a jax.jit "
+                f"object (something with .lower), got {type(program).__name__}"
+            )
+
+        def with_sharding(x, s):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+        start = time.perf_counter()
+        self._step = program.lower(
+            jax.tree.map(with_sharding, self.state, self.state_shardings),
+            jax.tree.map(with_sharding, abstract, self.batch_shardings),
+        ).compile()
+        self.compile_seconds = time.perf_counter() - start
+        self._batch_signature = self._signature(batch)
+
+    def _put(self, batch: Any, index: int) -> Any:
+        """The host batch as a global array in the batch shardings."""
+        if self._step is None:
+            self._prepare(batch)
+        elif self._signature(batch) != self._batch_signature:
+            treedef, shapes = self._batch_signature
+            raise BatchError(
+                f"batch {index} differs from the first batch in structure, shape or dtype "
+                f"(first: {[s for s, _ in shapes]}): every batch must look alike"
+            )
+        return jax.tree.map(
+            lambda x, s: jax.make_array_from_process_local_data(s, np.asarray(x)),
+            batch,
+            self.batch_shardings,
+        )
+
+    def fit(
+        self,
+        batches: Iterable[Any],
+        steps: int,
+        *,
+        callback: Callable[[list[dict[str, float]]], None] | None = None,
+    ) -> list[dict[str, float]]:
+        """Train for ``steps`` steps on ``batches``, continuing from any earlier ``fit``.
+
+        :param batches: an iterable of global batches (pytrees of arrays); ``steps`` of them
+            are consumed. Training stops early, with a warning, if it runs out.
+        :param callback: called with the new history rows each time the loop reads metrics.
+        :return: this call's history rows: ``step`` (counted across calls, from 0), ``loss``,
+            the loss function's metrics, ``step_time`` (seconds) and ``samples_per_sec``.
+            ``trainer.history`` holds the rows of every call.
+        """
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ConfigError(f"steps must be a positive integer, got {steps!r}")
+        iterator = iter(batches)
+        first_step = len(self.history)
+        rows: list[dict[str, float]] = []
+        pending: list[dict[str, jax.Array]] = []
+        samples = 0
+        started = time.perf_counter()
+        for i in range(steps):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                warnings.warn(f"batches ran out after {i} of {steps} steps", stacklevel=2)
+                break
+            compiling = self._step is None
+            global_batch = self._put(batch, first_step + i)
+            if compiling:
+                started = time.perf_counter()
+                samples = _batch_rows(global_batch)
+            self.state, metrics = self._step(self.state, global_batch)
+            pending.append(metrics)
+            if len(pending) == self.log_every or i == steps - 1:
+                new = self._rows(pending, first_step + len(rows), started, samples)
+                started = time.perf_counter()
+                rows += new
+                self.history += new
+                pending = []
+                if callback is not None:
+                    callback(new)
+        if pending:
+            new = self._rows(pending, first_step + len(rows), started, samples)
+            rows += new
+            self.history += new
+            if callback is not None:
+                callback(new)
+        return rows
+
+    def _rows(
+        self, pending: list[dict[str, jax.Array]], first: int, started: float, samples: int
+    ) -> list[dict[str, float]]:
+        values = jax.device_get(pending)  # the loop's only wait on the devices
+        step_time = (time.perf_counter() - started) / len(values)
+        return [
+            {
+                "step": first + k,
+                **{name: float(v) for name, v in metrics.items()},
+                "step_time": step_time,
+                "samples_per_sec": samples / step_time if step_time > 0 else math.inf,
+            }
+            for k, metrics in enumerate(values)
+        ]
+
+
+def _batch_rows(batch: Any) -> int:
+    leaves = [x for x in jax.tree.leaves(batch) if x.ndim]
+    return int(leaves[0].shape[0]) if leaves else 1
+
+
+__all__ = ["TrainState", "Trainer", "make_step"]

@@ -1,0 +1,53 @@
+"""The exceptions shardplug raises for input it cannot use.
+
+Every one of them derives from :class:`ShardplugError`, and its message is one line that says
+what was wrong and what to do instead. The command line prints that line and exits non-zero;
+Python callers can catch the base class or a specific one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class ShardplugError(Exception):
+    """Base class of every error shardplug raises for input it cannot use."""
+
+
+class UnknownStrategyError(ShardplugError, LookupError):
+    """No installed strategy has the requested name."""
+
+    def __init__(self, name: str, available: Iterable[str]):
+        self.name = name
+        self.available = sorted(available)
+        super().__init__(
+            f"unknown strategy {name!r}; available: {', '.join(self.available) or '(none)'}"
+        )
+
+
+class UnknownModelError(ShardplugError, LookupError):
+    """No reference model or adapter has the requested name."""
+
+
+class StrategyOptionError(ShardplugError, TypeError):
+    """A strategy was given an option it does not accept, or a value it cannot use."""
+
+
+class MeshError(ShardplugError, ValueError):
+    """A mesh description is malformed or does not match the devices."""
+
+
+class DeviceError(ShardplugError, RuntimeError):
+    """Fewer devices are available than were asked for."""
+
+
+class BatchError(ShardplugError, ValueError):
+    """A batch cannot be split the way the strategy asks."""
+
+
+class ConfigError(ShardplugError, ValueError):
+    """A training argument is out of range or of the wrong kind."""
+
+
+class PluginError(ShardplugError):
+    """A strategy plugin failed to load or one of its hooks failed or returned something unusable."""
