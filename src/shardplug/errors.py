@@ -50,4 +50,4 @@ class ConfigError(ShardplugError, ValueError):
 
 
 class PluginError(ShardplugError):
-    """A strategy plugin failed to load or one of its hooks failed or returned something unusable."""
+    """A strategy plugin failed to load, or a hook of it failed or returned something unusable."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -16,10 +17,9 @@ def simulate_cpu_devices(count: int) -> None:
     does nothing, and :func:`select_devices` reports if too few devices exist. It only affects
     the CPU backend: on a GPU machine the GPUs are still the default devices.
     """
-    try:
+    # Once backends exist this raises; select_devices then checks what we got.
+    with contextlib.suppress(RuntimeError):
         jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:
-        pass  # backends already exist; select_devices checks what we got
 
 
 def select_devices(count: int | None = None) -> list[Any]:

@@ -7,7 +7,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
@@ -80,4 +79,3 @@ def build_mesh(
 def describe(mesh: Mesh) -> str:
     """``data=2,model=4``: the mesh written the way ``--mesh`` takes it."""
     return ",".join(f"{name}={size}" for name, size in mesh.shape.items())
-

@@ -77,8 +77,10 @@ def _options(plugin: Any) -> tuple[StrategyOption, ...]:
     for param in inspect.signature(plugin).parameters.values():
         if param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
             continue
-        kind = param.annotation if isinstance(param.annotation, str) else getattr(
-            param.annotation, "__name__", "any"
+        kind = (
+            param.annotation
+            if isinstance(param.annotation, str)
+            else getattr(param.annotation, "__name__", "any")
         )
         default = None if param.default is param.empty else param.default
         found.append(StrategyOption(param.name, kind, default))
@@ -91,7 +93,9 @@ def _load(ep: importlib.metadata.EntryPoint) -> _Entry:
     try:
         plugin = ep.load()
     except Exception as exc:  # a broken plugin must not take the others down
-        return _Entry(None, error=f"{package} {version}: import failed: {type(exc).__name__}: {exc}")
+        return _Entry(
+            None, error=f"{package} {version}: import failed: {type(exc).__name__}: {exc}"
+        )
     info = StrategyInfo(ep.name, _describe(plugin), package, version, _options(plugin))
     return _Entry(info, plugin)
 
@@ -104,8 +108,7 @@ def _discover() -> dict[str, _Entry]:
         if ep.name in entries:
             first, second = entries[ep.name], entry
             providers = [
-                e.info.source if e.info else (e.error or "?").split(":")[0]
-                for e in (first, second)
+                e.info.source if e.info else (e.error or "?").split(":")[0] for e in (first, second)
             ]
             entry = _Entry(
                 None,
@@ -178,7 +181,9 @@ class Strategy:
             self.pm.register(plugin, name=info.name)
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
-            raise PluginError(f"strategy {info.name!r} does not fit the hook specs: {exc}") from None
+            raise PluginError(
+                f"strategy {info.name!r} does not fit the hook specs: {exc}"
+            ) from None
 
     @property
     def name(self) -> str:

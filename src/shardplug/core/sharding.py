@@ -51,9 +51,7 @@ def shard_largest_dim(shape: tuple[int, ...], axis: str, mesh: Mesh, min_size: i
     return P(*(axis if i == dim else None for i in range(len(shape))))
 
 
-def logical_to_mesh(
-    shape: tuple[int, ...], logical: P, rules: Mapping[str, str], mesh: Mesh
-) -> P:
+def logical_to_mesh(shape: tuple[int, ...], logical: P, rules: Mapping[str, str], mesh: Mesh) -> P:
     """Map a spec of logical axis names onto mesh axes.
 
     A dimension is split over ``rules[name]`` when a rule exists, the mesh axis divides the
@@ -61,7 +59,7 @@ def logical_to_mesh(
     """
     used: set[str] = set()
     out: list[str | None] = []
-    for size, name in zip(shape, tuple(logical) + (None,) * (len(shape) - len(logical))):
+    for size, name in zip(shape, (*logical, *(None,) * len(shape)), strict=False):
         axis = rules.get(name) if isinstance(name, str) else None
         if axis is not None and axis not in used and size % mesh.shape[axis] == 0:
             used.add(axis)
@@ -75,28 +73,23 @@ def logical_to_mesh(
 
 def to_named(tree: Any, mesh: Mesh, *, plugin: str, hook: str, like: Any) -> Any:
     """Check a hook's answer against ``like`` and turn every leaf into a ``NamedSharding``."""
-    is_spec = lambda x: isinstance(x, (P, NamedSharding))  # noqa: E731
-    try:
-        named = jax.tree.map(
-            lambda s, _: s if isinstance(s, NamedSharding) else NamedSharding(mesh, s),
-            tree,
-            like,
-            is_leaf=is_spec,
-        )
-    except (ValueError, TypeError) as exc:
+    paths, leaves = leaf_paths(like), jax.tree.leaves(like)
+    specs, structure = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, (P, NamedSharding)))
+    if structure != jax.tree.structure(like):
         raise PluginError(
-            f"strategy {plugin!r}: {hook} must return a PartitionSpec or NamedSharding for "
-            f"every leaf, in the same tree structure as its input ({exc})"
-        ) from None
-    for path, (sharding, leaf) in zip(
-        leaf_paths(like), zip(jax.tree.leaves(named), jax.tree.leaves(like))
-    ):
-        if not isinstance(sharding, NamedSharding):
+            f"strategy {plugin!r}: {hook} returned a tree of {len(specs)} leaves that does not "
+            f"match its input's {len(leaves)}; return one PartitionSpec or NamedSharding per "
+            "leaf, in the input's tree structure (jax.tree.map over it)"
+        )
+    named = []
+    for path, leaf, spec in zip(paths, leaves, specs, strict=True):
+        if isinstance(spec, NamedSharding):
+            spec = spec.spec
+        if not isinstance(spec, P):
             raise PluginError(
-                f"strategy {plugin!r}: {hook} returned {sharding!r} for {path}; "
+                f"strategy {plugin!r}: {hook} returned {spec!r} for {path}; "
                 "return a PartitionSpec or NamedSharding"
             )
-        spec = sharding.spec
         if len(spec) > len(leaf.shape):
             raise PluginError(
                 f"strategy {plugin!r}: {hook} gave {path} of shape {leaf.shape} the spec {spec}, "
@@ -108,7 +101,8 @@ def to_named(tree: Any, mesh: Mesh, *, plugin: str, hook: str, like: Any) -> Any
                 f"strategy {plugin!r}: {hook} gave {path} the spec {spec}, naming axes "
                 f"{sorted(unknown)} that the mesh {tuple(mesh.axis_names)} does not have"
             )
-    return named
+        named.append(NamedSharding(mesh, spec))
+    return jax.tree.unflatten(jax.tree.structure(like), named)
 
 
 def mesh_axes(spec: P) -> list[str]:
@@ -124,7 +118,7 @@ def mesh_axes(spec: P) -> list[str]:
 def check_batch(batch: Any, shardings: Any) -> None:
     """Raise :class:`BatchError` if a split dimension of the batch does not divide its axes."""
     for path, leaf, sharding in zip(
-        leaf_paths(batch), jax.tree.leaves(batch), jax.tree.leaves(shardings)
+        leaf_paths(batch), jax.tree.leaves(batch), jax.tree.leaves(shardings), strict=True
     ):
         for dim, entry in enumerate(sharding.spec):
             if entry is None:

@@ -129,21 +129,19 @@ class Trainer:
         if devices is None or isinstance(devices, int):
             devices = select_devices(devices)
         mesh_shape = parse_mesh(mesh) if isinstance(mesh, str) else mesh
-        self.mesh = self.strategy.make_mesh(list(devices), None if mesh_shape is None else dict(mesh_shape))
+        self.mesh = self.strategy.make_mesh(
+            list(devices), None if mesh_shape is None else dict(mesh_shape)
+        )
 
         rng = jax.random.key(seed)
         abstract_params, abstract_model_state = adapter.abstract(rng)
         self.annotations = adapter.annotations(abstract_params)
         replicated = NamedSharding(self.mesh, P())
-        param_shardings = self.strategy.shard_params(
-            abstract_params, self.mesh, self.annotations
-        )
+        param_shardings = self.strategy.shard_params(abstract_params, self.mesh, self.annotations)
         self.state_shardings = TrainState(
             step=replicated,
             params=param_shardings,
-            opt_state=optimizer_shardings(
-                optimizer, abstract_params, param_shardings, replicated
-            ),
+            opt_state=optimizer_shardings(optimizer, abstract_params, param_shardings, replicated),
             model_state=jax.tree.map(lambda _: replicated, abstract_model_state),
         )
         self.state = self._create_state(rng)
@@ -187,9 +185,19 @@ class Trainer:
         leaves, treedef = jax.tree.flatten(batch)
         return treedef, [(np.shape(x), np.asarray(x).dtype) for x in leaves]
 
-    def _prepare(self, batch: Any) -> None:
-        """Choose the batch shardings and compile the step, once, for the first batch."""
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch)
+    def compile(self, batch: Any) -> None:
+        """Choose the batch shardings and compile the step for batches shaped like ``batch``.
+
+        ``fit`` does this on its first batch; call it earlier to check a batch against the
+        strategy (a batch that does not split raises :class:`BatchError`) or to time the
+        compilation apart from training. Later batches must look alike.
+        """
+        if self._step is not None:
+            self._check(batch, 0)
+            return
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch
+        )
         self.batch_shardings = self.strategy.shard_batch(abstract, self.mesh)
         step_fn = make_step(self.adapter, self.loss_fn, self.optimizer, self.strategy, self.mesh)
         program = self.strategy.compile_step(
@@ -212,16 +220,20 @@ class Trainer:
         self.compile_seconds = time.perf_counter() - start
         self._batch_signature = self._signature(batch)
 
+    def _check(self, batch: Any, index: int) -> None:
+        if self._signature(batch) != self._batch_signature:
+            shapes = [shape for shape, _ in self._batch_signature[1]]
+            raise BatchError(
+                f"batch {index} differs from the first batch in structure, shape or dtype "
+                f"(first: {shapes}): every batch must look alike"
+            )
+
     def _put(self, batch: Any, index: int) -> Any:
         """The host batch as a global array in the batch shardings."""
         if self._step is None:
-            self._prepare(batch)
-        elif self._signature(batch) != self._batch_signature:
-            treedef, shapes = self._batch_signature
-            raise BatchError(
-                f"batch {index} differs from the first batch in structure, shape or dtype "
-                f"(first: {[s for s, _ in shapes]}): every batch must look alike"
-            )
+            self.compile(batch)
+        else:
+            self._check(batch, index)
         return jax.tree.map(
             lambda x, s: jax.make_array_from_process_local_data(s, np.asarray(x)),
             batch,

@@ -74,9 +74,7 @@ MODELS: dict[str, ReferenceModel] = {
 def get_model(name: str) -> ReferenceModel:
     """The reference model called ``name``."""
     if name not in MODELS:
-        raise UnknownModelError(
-            f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}"
-        )
+        raise UnknownModelError(f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}")
     return MODELS[name]
 
 
@@ -88,4 +86,12 @@ def check_adapter(name: str) -> None:
         )
 
 
-__all__ = ["ADAPTERS", "MODELS", "Adapter", "ReferenceModel", "check_adapter", "from_nnx", "get_model"]
+__all__ = [
+    "ADAPTERS",
+    "MODELS",
+    "Adapter",
+    "ReferenceModel",
+    "check_adapter",
+    "from_nnx",
+    "get_model",
+]

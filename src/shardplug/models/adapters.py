@@ -37,7 +37,7 @@ class Adapter(abc.ABC):
 
     @abc.abstractmethod
     def annotations(self, params: Any) -> Any | None:
-        """Logical ``PartitionSpec`` per parameter leaf (``P()`` for none), or None for none at all."""
+        """A logical ``PartitionSpec`` per parameter (``P()``: no hint), or None for no hints."""
 
     @abc.abstractmethod
     def bind(self, params: Any, state: Any) -> Any:

@@ -65,7 +65,7 @@ class Block(nnx.Module):
         k = jnp.einsum("bse,ehd->bshd", y, self.wk[...])
         v = jnp.einsum("bse,ehd->bshd", y, self.wv[...])
         scores = jnp.einsum("bshd,bthd->bhst", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
-        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), dtype=bool))
+        causal = jnp.tril(jnp.ones((1, 1, x.shape[1], x.shape[1]), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
         attended = jnp.einsum("bhst,bthd->bshd", jax.nn.softmax(scores, axis=-1), v)
         x = x + jnp.einsum("bshd,hde->bse", attended, self.wo[...])
@@ -85,7 +85,7 @@ class TransformerLM(nnx.Module):
         self.unembed = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        x = self.embed[...][tokens] + self.position[...][: tokens.shape[1]]
+        x = self.embed[...][tokens] + self.position[...][None, : tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
         return self.norm(x) @ self.unembed[...]

@@ -70,4 +70,3 @@ class FullyShardedDataParallel:
     @hookimpl
     def shard_batch(self, batch):
         return jax.tree.map(lambda leaf: P(AXIS) if leaf.ndim else P(), batch)
-

@@ -1,0 +1,3 @@
+from shardplug.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""The command line: listing, the acceptance run, and one clear line for every bad input."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from shardplug.cli import main
+
+STRATEGIES = ["dp", "fsdp", "2d", "pmap"]
+
+
+def test_strategies_json_lists_the_builtins(capsys):
+    assert main(["strategies", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(STRATEGIES) <= rows.keys()
+    for name in STRATEGIES:
+        assert rows[name]["source"] == "built-in"
+        assert rows[name]["description"]
+    assert rows["fsdp"]["options"] == {
+        "min_size": "1024",
+        "prefer": "('embed', 'mlp', 'heads', 'vocab')",
+    }
+
+
+def test_strategies_table(capsys):
+    assert main(["strategies"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in STRATEGIES) and "built-in" in out
+
+
+def test_every_strategy_trains_the_mlp_to_the_same_loss(tmp_path, capsys):
+    finals = {}
+    for strategy in STRATEGIES:
+        out = tmp_path / f"{strategy}.jsonl"
+        argv = [
+            "train",
+            "--strategy",
+            strategy,
+            "--model",
+            "mlp",
+            "--adapter",
+            "nnx",
+            "--devices",
+            "8",
+            "--steps",
+            "30",
+            "--seed",
+            "0",
+            "--metrics-out",
+            str(out),
+            "--quiet",
+        ]
+        assert main(argv) == 0
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(30))
+        assert all({"loss", "step_time", "samples_per_sec"} <= r.keys() for r in rows)
+        assert rows[-1]["loss"] < 0.1 * rows[0]["loss"]
+        finals[strategy] = rows[-1]["loss"]
+        summary = capsys.readouterr().out.strip().splitlines()
+        assert len(summary) == 1 and summary[0].startswith(
+            f"shardplug: trained mlp (nnx) with {strategy}"
+        )
+    np.testing.assert_allclose(list(finals.values()), finals["dp"], rtol=1e-4)
+
+
+def test_strategy_options_reach_the_plugin(tmp_path, capsys):
+    argv = [
+        "train",
+        "--strategy",
+        "fsdp",
+        "-o",
+        "min_size=0",
+        "-o",
+        "prefer=mlp,embed",
+        "--model",
+        "mlp",
+        "--steps",
+        "2",
+        "--quiet",
+    ]
+    assert main(argv) == 0
+    assert "with fsdp on 8 cpu devices (fsdp=8)" in capsys.readouterr().out
+
+
+BAD = [
+    (["--strategy", "zero3"], "unknown strategy 'zero3'; available: 2d, dp, fsdp, pmap"),
+    (["--mesh", "data=3"], "mesh data=3 has 3 devices but the run has 8"),
+    (["--strategy", "2d", "--mesh", "data=2,model=2"], "has 4 devices but the run has 8"),
+    (["--strategy", "2d", "--mesh", "data=8"], "give sizes for exactly ['data', 'model']"),
+    (["--mesh", "data:8"], "malformed mesh 'data:8'"),
+    (["--steps", "0"], "argument --steps: must be positive, got 0"),
+    (["--steps", "ten"], "argument --steps: 'ten' is not a int"),
+    (["--batch-size", "30"], "30 rows in dimension 0, which do not split over the 8 devices"),
+    (["--strategy", "fsdp", "-o", "threshold=3"], "has no option 'threshold'"),
+    (["--strategy", "fsdp", "-o", "min_size=big"], "option min_size='big' is not a valid int"),
+    (["--strategy", "fsdp", "-o", "min_size"], "is not KEY=VALUE"),
+    (["--model", "resnet"], "unknown model 'resnet'; available: classifier, mlp, transformer"),
+    (["--adapter", "keras"], "unknown adapter 'keras'; available: nnx"),
+    (["--devices", "0"], "argument --devices: must be positive, got 0"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("earlier run\n")
+    argv = ["train", "--model", "mlp", "--quiet", "--metrics-out", str(metrics), *args]
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("shardplug: error: ") and message in lines[0]
+    assert metrics.read_text() == "earlier run\n"  # nothing already written is lost
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--strategy", "zero3"], "shardplug: error: unknown strategy 'zero3'; available:"),
+        (["--strategy", "2d", "--mesh", "data=3,model=2"], "shardplug: error: mesh data=3,model=2"),
+    ],
+)
+def test_real_process_exits_2_without_traceback(args, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "shardplug", "train", "--quiet", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.startswith(message) and done.stderr.count("\n") == 1
+    assert "Traceback" not in done.stderr

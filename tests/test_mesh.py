@@ -1,0 +1,57 @@
+"""Mesh strings, mesh construction and the 2d default split."""
+
+import jax
+import pytest
+
+from shardplug import DeviceError, MeshError, get_strategy, parse_mesh, select_devices
+from shardplug.core.mesh import build_mesh, describe
+from shardplug.plugins.two_d import default_split
+
+
+def test_parse_mesh():
+    assert parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
+    assert parse_mesh(" data = 8 ") == {"data": 8}
+
+
+@pytest.mark.parametrize("text", ["data", "data=0", "data=-2", "data=x", "=4", "data=2,,", "2=2"])
+def test_malformed_mesh_strings(text):
+    with pytest.raises(MeshError, match="malformed mesh"):
+        parse_mesh(text)
+
+
+def test_repeated_axis():
+    with pytest.raises(MeshError, match="appears twice"):
+        parse_mesh("data=2,data=4")
+
+
+def test_mesh_that_does_not_match_the_devices():
+    with pytest.raises(MeshError, match="has 6 devices but the run has 8"):
+        get_strategy("2d").make_mesh(jax.devices(), {"data": 2, "model": 3})
+
+
+def test_mesh_with_axes_the_strategy_lacks():
+    with pytest.raises(MeshError, match=r"give sizes for exactly \['data', 'model'\]"):
+        get_strategy("2d").make_mesh(jax.devices(), {"data": 8})
+
+
+def test_build_mesh_keeps_the_default_axis_order():
+    mesh = build_mesh(jax.devices(), {"model": 4, "data": 2}, default={"data": 1, "model": 1})
+    assert mesh.axis_names == ("data", "model")
+    assert describe(mesh) == "data=2,model=4"
+
+
+@pytest.mark.parametrize(
+    ("count", "split"),
+    [(1, (1, 1)), (2, (2, 1)), (4, (2, 2)), (6, (3, 2)), (8, (4, 2)), (16, (4, 4)), (7, (7, 1))],
+)
+def test_2d_default_split(count, split):
+    assert tuple(default_split(count).values()) == split
+
+
+def test_select_devices():
+    assert len(select_devices(3)) == 3
+    assert len(select_devices()) == 8
+    with pytest.raises(DeviceError, match="asked for 9 devices but only 8 CPU devices exist"):
+        select_devices(9)
+    with pytest.raises(DeviceError):
+        select_devices(0)

@@ -1,0 +1,208 @@
+"""Strategies are found by name through entry points; bad names and options fail clearly."""
+
+import textwrap
+
+import numpy as np
+import optax
+import pytest
+
+import shardplug
+from shardplug.core import registry
+
+
+def test_builtins_are_listed_with_their_own_descriptions():
+    infos = {i.name: i for i in shardplug.list_strategies()}
+    assert {"dp", "fsdp", "2d", "pmap"} <= infos.keys()
+    for name in ("dp", "fsdp", "2d", "pmap"):
+        assert infos[name].source == "built-in"
+        assert infos[name].description == infos[name].description.strip()
+        assert infos[name].description != "(no description)"
+    assert infos["fsdp"].description.startswith("Fully sharded data parallel")
+    assert [o.name for o in infos["fsdp"].options] == ["min_size", "prefer"]
+
+
+def test_unknown_name_lists_the_available_ones():
+    with pytest.raises(shardplug.UnknownStrategyError) as info:
+        shardplug.get_strategy("zero3")
+    assert "'zero3'" in str(info.value)
+    assert "2d, dp, fsdp, pmap" in str(info.value)
+    assert isinstance(info.value, shardplug.ShardplugError)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("fsdp", {"threshold": 3}, "has no option 'threshold'; its options: min_size"),
+        ("fsdp", {"min_size": -1}, "min_size must be a non-negative integer"),
+        ("dp", {"min_size": 0}, "has no option 'min_size'; its options: none"),
+        ("2d", {"rules": {"mlp": "data"}}, "may only map onto 'model'"),
+    ],
+)
+def test_bad_options_raise_typed_errors(name, options, message):
+    with pytest.raises(shardplug.StrategyOptionError, match=message):
+        shardplug.get_strategy(name, **options)
+
+
+def test_each_strategy_gets_its_own_configured_instance():
+    a = shardplug.get_strategy("fsdp", min_size=0)
+    b = shardplug.get_strategy("fsdp")
+    assert (a.plugin.min_size, b.plugin.min_size) == (0, 1024)
+
+
+PLUGIN = textwrap.dedent(
+    '''
+    """A third-party strategy that implements only three hooks."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import shardplug
+    from shardplug.core.mesh import build_mesh
+
+
+    class Rows:
+        """Rows: everything replicated, batch rows over a 'rows' axis."""
+
+        @shardplug.hookimpl
+        def make_mesh(self, devices, mesh_shape):
+            return build_mesh(devices, mesh_shape, default={"rows": -1})
+
+        @shardplug.hookimpl
+        def shard_params(self, params):
+            return jax.tree.map(lambda _: P(), params)
+
+        @shardplug.hookimpl
+        def shard_batch(self, batch):
+            return jax.tree.map(lambda _: P("rows"), batch)
+    '''
+)
+
+
+def install(tmp_path, monkeypatch, dist, version, entry_points, modules):
+    """A real installed distribution: a dist-info folder and modules on sys.path."""
+    info = tmp_path / f"{dist}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    lines = "".join(f"{name} = {target}\n" for name, target in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[shardplug]\n{lines}")
+    for module, source in modules.items():
+        (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry._discover.cache_clear()
+
+
+@pytest.fixture
+def fresh_registry():
+    registry._discover.cache_clear()
+    yield
+    registry._discover.cache_clear()
+
+
+def test_third_party_plugin_is_found_and_trains_like_dp(tmp_path, monkeypatch, fresh_registry):
+    install(
+        tmp_path, monkeypatch, "rowsplug", "1.2", {"rows": "rowsplug:Rows"}, {"rowsplug": PLUGIN}
+    )
+    infos = {i.name: i for i in shardplug.list_strategies()}
+    assert infos["rows"].source == "rowsplug 1.2"
+    assert (
+        infos["rows"].description == "Rows: everything replicated, batch rows over a 'rows' axis."
+    )
+    assert [i.name for i in shardplug.list_strategies()][-1] == "rows"  # after the built-ins
+
+    model = shardplug.get_model("mlp")
+    losses = {}
+    for name in ("rows", "dp"):
+        trainer = shardplug.Trainer(
+            model.adapter("nnx"), loss_fn=model.loss_fn, optimizer=optax.adam(3e-3), strategy=name
+        )
+        losses[name] = [r["loss"] for r in trainer.fit(model.batches(64, 0), steps=5)]
+        assert trainer.mesh.axis_names == (("rows",) if name == "rows" else ("data",))
+    np.testing.assert_allclose(losses["rows"], losses["dp"], rtol=1e-6)
+
+
+def test_broken_plugin_is_named_and_the_others_keep_working(tmp_path, monkeypatch, fresh_registry):
+    install(
+        tmp_path,
+        monkeypatch,
+        "brokenplug",
+        "0.3",
+        {"broken": "brokenplug:Broken"},
+        {"brokenplug": "raise ImportError('needs a library that is not installed')\n"},
+    )
+    assert {"dp", "fsdp", "2d", "pmap"} <= {i.name for i in shardplug.list_strategies()}
+    assert "broken" not in {i.name for i in shardplug.list_strategies()}
+    with pytest.raises(
+        shardplug.PluginError,
+        match=r"'broken' cannot be used: brokenplug 0.3: "
+        "import failed: ImportError: needs a library",
+    ):
+        shardplug.get_strategy("broken")
+
+
+def test_two_packages_claiming_one_name_are_refused_naming_both(
+    tmp_path, monkeypatch, fresh_registry
+):
+    install(tmp_path, monkeypatch, "rowsplug", "1.2", {"dp": "rowsplug:Rows"}, {"rowsplug": PLUGIN})
+    with pytest.raises(shardplug.PluginError, match="claimed by two packages") as info:
+        shardplug.get_strategy("dp")
+    assert "built-in" in str(info.value) and "rowsplug 1.2" in str(info.value)
+
+
+def test_hook_implementation_with_a_wrong_signature_is_refused():
+    class Wrong:
+        @shardplug.hookimpl
+        def shard_params(self, params, mesh, annotations, extra):
+            return None
+
+    info = registry.StrategyInfo("wrong", "wrong", "tests", "0")
+    with pytest.raises(shardplug.PluginError, match="'wrong' does not fit the hook specs"):
+        registry.Strategy(info, Wrong())
+
+
+def test_unknown_hook_is_refused():
+    class Typo:
+        @shardplug.hookimpl
+        def shard_param(self, params):
+            return None
+
+    info = registry.StrategyInfo("typo", "typo", "tests", "0")
+    with pytest.raises(shardplug.PluginError, match="shard_param"):
+        registry.Strategy(info, Typo())
+
+
+def test_failing_hook_names_the_strategy_and_the_hook():
+    class Failing:
+        @shardplug.hookimpl
+        def shard_batch(self, batch):
+            raise RuntimeError("boom")
+
+    strategy = registry.Strategy(registry.StrategyInfo("failing", "f", "tests", "0"), Failing())
+    model = shardplug.get_model("mlp")
+    trainer = shardplug.Trainer(
+        model.adapter("nnx"), loss_fn=model.loss_fn, optimizer=optax.sgd(0.1), strategy=strategy
+    )
+    with pytest.raises(
+        shardplug.PluginError,
+        match="strategy 'failing': hook shard_batch failed: RuntimeError: boom",
+    ):
+        trainer.fit(model.batches(64, 0), steps=1)
+
+
+def test_spec_naming_a_missing_mesh_axis_is_reported_with_the_parameter():
+    class BadAxis:
+        @shardplug.hookimpl
+        def shard_params(self, params):
+            import jax
+            from jax.sharding import PartitionSpec as P
+
+            return jax.tree.map(lambda _: P("model"), params)
+
+    strategy = registry.Strategy(registry.StrategyInfo("badaxis", "b", "tests", "0"), BadAxis())
+    model = shardplug.get_model("mlp")
+    with pytest.raises(
+        shardplug.PluginError,
+        match=r"shard_params gave fc1/bias .* naming axes "
+        r"\['model'\]",
+    ):
+        shardplug.Trainer(
+            model.adapter("nnx"), loss_fn=model.loss_fn, optimizer=optax.sgd(0.1), strategy=strategy
+        )

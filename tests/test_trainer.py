@@ -1,0 +1,145 @@
+"""The trainer's loop: continuation, one compilation, donation, metrics and typed errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import shardplug
+from shardplug.models.mlp import regressor
+
+MLP = shardplug.get_model("mlp")
+
+
+def trainer_for(model=MLP, strategy="fsdp", **kwargs):
+    kwargs.setdefault("loss_fn", model.loss_fn)
+    return shardplug.Trainer(
+        model.adapter("nnx"), optimizer=optax.adam(3e-3), strategy=strategy, **kwargs
+    )
+
+
+def test_fit_again_continues_where_it_stopped():
+    whole = trainer_for().fit(MLP.batches(64, 0), steps=10)
+    trainer = trainer_for(log_every=3)
+    batches = MLP.batches(64, 0)
+    first = trainer.fit(batches, steps=4)
+    second = trainer.fit(batches, steps=6)
+    assert [r["step"] for r in first + second] == list(range(10))
+    assert trainer.history == first + second
+    np.testing.assert_allclose(
+        [r["loss"] for r in trainer.history], [r["loss"] for r in whole], rtol=1e-6
+    )
+    assert int(trainer.state.step) == 10
+
+
+def test_step_is_traced_once_and_old_state_is_donated():
+    traces = []
+
+    def loss_fn(model, batch):
+        traces.append(1)
+        return MLP.loss_fn(model, batch)
+
+    trainer = trainer_for(loss_fn=loss_fn)
+    trainer.fit(MLP.batches(64, 0), steps=2)
+    old = jax.tree.leaves(trainer.state.params)
+    trainer.fit(MLP.batches(64, 2), steps=5)
+    assert len(traces) == 1
+    assert all(a.is_deleted() for a in old)
+
+
+def test_history_rows_carry_metrics_and_timing():
+    rows = trainer_for(shardplug.get_model("classifier")).fit(
+        shardplug.get_model("classifier").batches(64, 0), steps=30
+    )
+    assert set(rows[0]) == {"step", "loss", "accuracy", "step_time", "samples_per_sec"}
+    assert rows[-1]["accuracy"] > rows[0]["accuracy"]
+    assert all(r["step_time"] > 0 and r["samples_per_sec"] > 0 for r in rows)
+
+
+def test_built_model_trains_and_the_callers_copy_survives():
+    with nnx.use_eager_sharding(False):
+        model = regressor(nnx.Rngs(0))
+    kernel = np.asarray(model.fc1.kernel[...])
+    trainer = shardplug.Trainer(
+        shardplug.from_nnx(model), loss_fn=MLP.loss_fn, optimizer=optax.adam(3e-3), strategy="fsdp"
+    )
+    rows = trainer.fit(MLP.batches(64, 0), steps=5)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    np.testing.assert_array_equal(np.asarray(model.fc1.kernel[...]), kernel)  # not donated
+    trained = trainer.model
+    assert isinstance(trained, nnx.Module)
+    assert not np.allclose(np.asarray(trained.fc1.kernel[...]), kernel)
+    # the model the trainer hands back computes what the last step computed
+    batch = next(MLP.batches(64, 5))
+    assert jnp.isfinite(MLP.loss_fn(trained, batch))
+
+
+def test_built_model_and_factory_start_from_the_same_loss():
+    with nnx.use_eager_sharding(False):
+        built = regressor(nnx.Rngs(jax.random.key(0)))
+    a = shardplug.Trainer(
+        shardplug.from_nnx(built), loss_fn=MLP.loss_fn, optimizer=optax.adam(3e-3)
+    ).fit(MLP.batches(64, 0), steps=3)
+    b = trainer_for(strategy="dp").fit(MLP.batches(64, 0), steps=3)
+    np.testing.assert_allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=1e-6)
+
+
+def test_non_scalar_loss_is_refused():
+    trainer = trainer_for(loss_fn=lambda model, batch: model(batch["x"]))
+    with pytest.raises(shardplug.ConfigError, match="scalar loss, got shape"):
+        trainer.fit(MLP.batches(64, 0), steps=1)
+
+
+def test_a_batch_of_another_shape_is_refused():
+    trainer = trainer_for()
+    batches = iter([next(MLP.batches(64, 0)), next(MLP.batches(32, 0))])
+    with pytest.raises(shardplug.BatchError, match="batch 1 differs from the first batch"):
+        trainer.fit(batches, steps=2)
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp", "2d", "pmap"])
+def test_a_batch_that_does_not_split_is_refused(strategy):
+    with pytest.raises(shardplug.BatchError, match="use a global batch size that is a multiple"):
+        trainer_for(strategy=strategy).fit(MLP.batches(30, 0), steps=1)
+
+
+@pytest.mark.parametrize("steps", [0, -3, 1.5, True])
+def test_steps_must_be_positive(steps):
+    with pytest.raises(shardplug.ConfigError, match="steps must be a positive integer"):
+        trainer_for().fit(MLP.batches(64, 0), steps=steps)
+
+
+def test_running_out_of_batches_warns_and_stops():
+    batches = [next(MLP.batches(64, 0))] * 3
+    with pytest.warns(UserWarning, match="batches ran out after 3 of 5 steps"):
+        rows = trainer_for().fit(batches, steps=5)
+    assert len(rows) == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"strategy": "zero"}, shardplug.UnknownStrategyError, "available: 2d, dp, fsdp, pmap"),
+        ({"mesh": "fsdp=3"}, shardplug.MeshError, "has 3 devices but the run has 8"),
+        ({"mesh": "data=8"}, shardplug.MeshError, r"give sizes for exactly \['fsdp'\]"),
+        ({"devices": 12}, shardplug.DeviceError, "asked for 12 devices"),
+        ({"log_every": 0}, shardplug.ConfigError, "log_every must be a positive integer"),
+    ],
+)
+def test_bad_trainer_arguments_raise_typed_errors(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        trainer_for(**kwargs)
+
+
+def test_trainer_needs_an_adapter():
+    with pytest.raises(shardplug.ConfigError, match=r"shardplug.from_nnx\(model\)"):
+        shardplug.Trainer(regressor, loss_fn=MLP.loss_fn, optimizer=optax.sgd(0.1))
+
+
+def test_fewer_devices_than_exist():
+    trainer = trainer_for(devices=2)
+    assert trainer.mesh.size == 2
+    rows = trainer.fit(MLP.batches(64, 0), steps=2)
+    assert rows[-1]["loss"] < rows[0]["loss"]
