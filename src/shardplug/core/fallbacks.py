@@ -32,6 +32,11 @@ def shard_batch(batch, mesh):
 
 
 @hookimpl(trylast=True)
+def gather_params(params):
+    return params
+
+
+@hookimpl(trylast=True)
 def reduce_grads(grads):
     return grads
 

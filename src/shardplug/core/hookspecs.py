@@ -94,6 +94,29 @@ def shard_batch(batch: Any, mesh: Any) -> Any:
 
 
 @hookspec(firstresult=True)
+def gather_params(params: Any, mesh: Any) -> Any:
+    """Lay out the parameters for the forward and backward computation.
+
+    Called while tracing the training step, on the parameters being differentiated, before
+    the model is bound; the gradient flows back through whatever this returns. Core's
+    fallback returns the parameters as they are stored and lets the compiler choose where
+    the computation happens, which suits replicated and tensor-parallel layouts.
+
+    :param params: the parameters, a pytree of traced arrays in their stored shardings.
+    :param mesh: the mesh returned by :func:`make_mesh`.
+    :return: the parameters as the model should see them.
+
+    Example, ZeRO-3: all-gather every parameter where it is used, so the compiler splits
+    the batch rather than the weights' contractions, and reduce-scatters the gradient::
+
+        @hookimpl
+        def gather_params(self, params, mesh):
+            whole = NamedSharding(mesh, P())
+            return jax.tree.map(lambda p: jax.lax.with_sharding_constraint(p, whole), params)
+    """
+
+
+@hookspec(firstresult=True)
 def reduce_grads(grads: Any, mesh: Any) -> Any:
     """Bring the gradients into the form the optimizer update expects.
 

@@ -226,6 +226,9 @@ class Strategy:
         check_batch(batch, shardings)
         return shardings
 
+    def gather_params(self, params: Any, mesh: Any) -> Any:
+        return self._call("gather_params", params=params, mesh=mesh)
+
     def reduce_grads(self, grads: Any, mesh: Any) -> Any:
         return self._call("reduce_grads", grads=grads, mesh=mesh)
 

@@ -56,7 +56,7 @@ def make_step(
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         def loss_of(params):
-            model = adapter.bind(params, state.model_state)
+            model = adapter.bind(strategy.gather_params(params, mesh), state.model_state)
             loss, metrics = _split_loss(loss_fn(model, batch))
             return loss, (metrics, adapter.state_of(model))
 
@@ -153,6 +153,12 @@ class Trainer:
     def param_shardings(self) -> Any:
         """The ``NamedSharding`` of every parameter, as the strategy chose it."""
         return self.state_shardings.params
+
+    @property
+    def compiled(self) -> Any:
+        """The compiled step (``jax.stages.Compiled``: ``.as_text()``, ``.memory_analysis()``),
+        or None before the first batch."""
+        return self._step
 
     @property
     def model(self) -> Any:

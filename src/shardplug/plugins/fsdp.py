@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core.hookspecs import hookimpl
@@ -66,6 +67,15 @@ class FullyShardedDataParallel:
                 if shape[dim] % mesh.shape[AXIS] == 0:
                     return P(*(AXIS if i == dim else None for i in range(dim + 1)))
         return shard_largest_dim(shape, AXIS, mesh, self.min_size)
+
+    @hookimpl
+    def gather_params(self, params, mesh):
+        # Gather each parameter where the step uses it. Left alone, the compiler may instead
+        # keep weights split and move activations (all-to-alls, activation all-reduces),
+        # which is tensor parallelism by accident, not ZeRO-3. The gradient flows back
+        # through the same constraint and is reduced onto each device's shard.
+        whole = NamedSharding(mesh, P())
+        return jax.tree.map(lambda p: jax.lax.with_sharding_constraint(p, whole), params)
 
     @hookimpl
     def shard_batch(self, batch):
