@@ -182,7 +182,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer.compile(first)  # a batch that does not split fails here, before any output
     out = _open_metrics(args.metrics_out)
     try:
-        with _progress(args.quiet, args.steps) as advance:
+        with _Progress(args.quiet, args.steps) as advance:
 
             def log(rows: list[dict[str, float]]) -> None:
                 if out is not None:
@@ -217,7 +217,7 @@ def _open_metrics(path: Path | None) -> Any:
         raise ConfigError(f"cannot write --metrics-out {path}: {exc.strerror}") from None
 
 
-class _progress:
+class _Progress:
     """A rich progress bar on stderr advanced by history rows, or nothing with --quiet."""
 
     def __init__(self, quiet: bool, total: int):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -26,6 +26,19 @@ def path_str(path: tuple[Any, ...]) -> str:
 def leaf_paths(tree: Any) -> list[str]:
     """The path of every leaf of ``tree``, in ``jax.tree.leaves`` order."""
     return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def per_parameter(
+    rule: Callable[[tuple[int, ...], P], P], params: Any, annotations: Any | None
+) -> Any:
+    """Apply ``rule(shape, logical_spec)`` to every parameter; ``P()`` where there is no hint.
+
+    The usual body of a ``shard_params`` hook:
+    ``return per_parameter(lambda shape, logical: ..., params, annotations)``.
+    """
+    if annotations is None:
+        return jax.tree.map(lambda p: rule(p.shape, P()), params)
+    return jax.tree.map(lambda p, logical: rule(p.shape, logical), params, annotations)
 
 
 def largest_divisible_dim(shape: tuple[int, ...], divisor: int) -> int | None:

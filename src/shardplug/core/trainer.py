@@ -189,7 +189,7 @@ class Trainer:
 
     def _signature(self, batch: Any) -> tuple[Any, list[tuple[tuple[int, ...], Any]]]:
         leaves, treedef = jax.tree.flatten(batch)
-        return treedef, [(np.shape(x), np.asarray(x).dtype) for x in leaves]
+        return treedef, [(np.shape(x), _dtype(x)) for x in leaves]
 
     def compile(self, batch: Any) -> None:
         """Choose the batch shardings and compile the step for batches shaped like ``batch``.
@@ -201,9 +201,7 @@ class Trainer:
         if self._step is not None:
             self._check(batch, 0)
             return
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch
-        )
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), batch)
         self.batch_shardings = self.strategy.shard_batch(abstract, self.mesh)
         step_fn = make_step(self.adapter, self.loss_fn, self.optimizer, self.strategy, self.mesh)
         program = self.strategy.compile_step(
@@ -313,6 +311,10 @@ class Trainer:
             }
             for k, metrics in enumerate(values)
         ]
+
+
+def _dtype(x: Any) -> np.dtype:
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
 def _batch_rows(batch: Any) -> int:

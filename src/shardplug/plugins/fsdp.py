@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardplug.core.hookspecs import hookimpl
 from shardplug.core.mesh import build_mesh
-from shardplug.core.sharding import shard_largest_dim
+from shardplug.core.sharding import per_parameter, shard_largest_dim
 from shardplug.errors import StrategyOptionError
 
 AXIS = "fsdp"
@@ -53,9 +53,9 @@ class FullyShardedDataParallel:
 
     @hookimpl
     def shard_params(self, params, mesh, annotations):
-        if annotations is None:
-            annotations = jax.tree.map(lambda _: P(), params)
-        return jax.tree.map(lambda p, a: self._spec(p.shape, a, mesh), params, annotations)
+        return per_parameter(
+            lambda shape, logical: self._spec(shape, logical, mesh), params, annotations
+        )
 
     def _spec(self, shape, logical, mesh):
         if math.prod(shape) < max(self.min_size, 1):

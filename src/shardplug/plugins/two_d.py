@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardplug.core.hookspecs import hookimpl
 from shardplug.core.mesh import build_mesh
-from shardplug.core.sharding import logical_to_mesh, shard_largest_dim
+from shardplug.core.sharding import logical_to_mesh, per_parameter, shard_largest_dim
 from shardplug.errors import StrategyOptionError
 
 DEFAULT_RULES = {"mlp": "model", "heads": "model", "vocab": "model", "model": "model"}
@@ -59,9 +59,9 @@ class DataModelParallel:
 
     @hookimpl
     def shard_params(self, params, mesh, annotations):
-        if annotations is None:
-            annotations = jax.tree.map(lambda _: P(), params)
-        return jax.tree.map(lambda p, a: self._spec(p.shape, a, mesh), params, annotations)
+        return per_parameter(
+            lambda shape, logical: self._spec(shape, logical, mesh), params, annotations
+        )
 
     def _spec(self, shape, logical, mesh):
         if len(logical):
