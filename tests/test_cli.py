@@ -97,8 +97,8 @@ BAD = [
     (["--strategy", "fsdp", "-o", "threshold=3"], "has no option 'threshold'"),
     (["--strategy", "fsdp", "-o", "min_size=big"], "option min_size='big' is not a valid int"),
     (["--strategy", "fsdp", "-o", "min_size"], "is not KEY=VALUE"),
-    (["--model", "resnet"], "unknown model 'resnet'; available: classifier, mlp, transformer"),
-    (["--adapter", "keras"], "unknown adapter 'keras'; available: nnx"),
+    (["--model", "resnet"], "unknown model 'resnet'; available: classifier, cnn, mlp, transformer"),
+    (["--adapter", "keras"], "unknown adapter 'keras'; available: nnx, linen, equinox"),
     (["--devices", "0"], "argument --devices: must be positive, got 0"),
 ]
 

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import shardplug
-from shardplug.models.mlp import regressor
+from shardplug.models.nnx_models import regressor
 
 MLP = shardplug.get_model("mlp")
 
@@ -73,7 +73,7 @@ def test_built_model_trains_and_the_callers_copy_survives():
     assert not np.allclose(np.asarray(trained.fc1.kernel[...]), kernel)
     # the model the trainer hands back computes what the last step computed
     batch = next(MLP.batches(64, 5))
-    assert jnp.isfinite(MLP.loss_fn(trained, batch))
+    assert jnp.isfinite(MLP.loss_fn(trained, batch)[0])
 
 
 def test_built_model_and_factory_start_from_the_same_loss():

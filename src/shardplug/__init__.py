@@ -1,5 +1,6 @@
 """shardplug: train JAX models on many devices with a sharding strategy chosen by name."""
 
+from shardplug.core.context import batch_axis_name
 from shardplug.core.devices import select_devices, simulate_cpu_devices
 from shardplug.core.hookspecs import hookimpl, hookspec
 from shardplug.core.mesh import parse_mesh
@@ -17,12 +18,20 @@ from shardplug.errors import (
     DeviceError,
     MeshError,
     PluginError,
+    RuleError,
     ShardplugError,
     StrategyOptionError,
     UnknownModelError,
     UnknownStrategyError,
 )
-from shardplug.models import Adapter, ReferenceModel, from_nnx, get_model
+from shardplug.models import (
+    Adapter,
+    ReferenceModel,
+    from_equinox,
+    from_linen,
+    from_nnx,
+    get_model,
+)
 
 __version__ = "0.1.0"
 
@@ -34,6 +43,7 @@ __all__ = [
     "MeshError",
     "PluginError",
     "ReferenceModel",
+    "RuleError",
     "ShardplugError",
     "Strategy",
     "StrategyInfo",
@@ -44,6 +54,9 @@ __all__ = [
     "UnknownModelError",
     "UnknownStrategyError",
     "__version__",
+    "batch_axis_name",
+    "from_equinox",
+    "from_linen",
     "from_nnx",
     "get_model",
     "get_strategy",

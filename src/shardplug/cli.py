@@ -61,8 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="a strategy option, e.g. -o min_size=0 for fsdp (repeatable)",
     )
-    train.add_argument("--model", default="transformer", help="mlp, classifier or transformer")
-    train.add_argument("--adapter", default="nnx", help="model framework (default: nnx)")
+    train.add_argument("--model", default="transformer", help="mlp, classifier, transformer or cnn")
+    train.add_argument(
+        "--adapter", default="nnx", help="model framework: nnx, linen or equinox (default: nnx)"
+    )
     train.add_argument("--steps", type=_positive(int), default=100)
     train.add_argument("--batch-size", type=_positive(int), default=None, help="global batch size")
     train.add_argument(

@@ -51,3 +51,7 @@ class ConfigError(ShardplugError, ValueError):
 
 class PluginError(ShardplugError):
     """A strategy plugin failed to load, or a hook of it failed or returned something unusable."""
+
+
+class RuleError(ShardplugError, ValueError):
+    """A sharding rule matches no parameter, or two rules match one parameter."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import math
 import time
 import warnings
@@ -20,7 +22,7 @@ from shardplug.core.mesh import parse_mesh
 from shardplug.core.registry import Strategy, get_strategy
 from shardplug.core.sharding import optimizer_shardings
 from shardplug.errors import BatchError, ConfigError, PluginError
-from shardplug.models.adapters import Adapter
+from shardplug.models.adapter import Adapter
 
 LossFn = Callable[[Any, Any], Any]
 
@@ -32,17 +34,49 @@ class TrainState(NamedTuple):
     params: Any
     opt_state: Any
     model_state: Any
+    rng: jax.Array  # the run's key; step s uses jax.random.fold_in(rng, s)
 
 
-def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    loss, metrics = out if isinstance(out, tuple) else (out, {})
-    if not isinstance(metrics, Mapping):
-        raise ConfigError("loss_fn must return a loss, or (loss, dict of metrics)")
+EXTRAS = ("rng", "train", "state")
+
+
+def loss_extras(loss_fn: LossFn) -> frozenset[str]:
+    """Which of ``rng``, ``train`` and ``state`` the loss function takes by name."""
+    try:
+        params = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        return frozenset()
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return frozenset(EXTRAS)
+    return frozenset(name for name in EXTRAS if name in params)
+
+
+def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array], Any]:
+    """``loss``, ``(loss, metrics)`` or ``(loss, metrics, new_state)``."""
+    parts = out if isinstance(out, tuple) else (out,)
+    if not 1 <= len(parts) <= 3 or (len(parts) > 1 and not isinstance(parts[1], Mapping)):
+        raise ConfigError(
+            "loss_fn must return a loss, (loss, dict of metrics) or (loss, metrics, new state)"
+        )
+    loss = parts[0]
     if jnp.shape(loss) != ():
         raise ConfigError(
             f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}: average it"
         )
-    return loss, dict(metrics)
+    metrics = dict(parts[1]) if len(parts) > 1 else {}
+    return loss, metrics, parts[2] if len(parts) == 3 else None
+
+
+def _forward(adapter, loss_fn, extras, params, model_state, rng, batch, train):
+    """Bind the model, run the loss; ``loss, (metrics, new model state)``."""
+    model = adapter.bind(params, model_state, rng=rng, train=train)
+    given = {"rng": rng, "train": train, "state": model_state}
+    loss, metrics, new_state = _split_loss(
+        loss_fn(model, batch, **{k: v for k, v in given.items() if k in extras})
+    )
+    if new_state is None:
+        new_state = adapter.state_of(model, model_state)
+    return loss, (metrics, new_state)
 
 
 def make_step(
@@ -53,23 +87,42 @@ def make_step(
     mesh: Any,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
     """One optimizer step on the global batch: loss, gradients, ``reduce_grads``, update."""
+    extras = loss_extras(loss_fn)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        def loss_of(params):
-            model = adapter.bind(strategy.gather_params(params, mesh), state.model_state)
-            loss, metrics = _split_loss(loss_fn(model, batch))
-            return loss, (metrics, adapter.state_of(model))
+        rng = jax.random.fold_in(state.rng, state.step)
+
+        # The model state is an argument, not a closure: frameworks that update it in place
+        # (NNX's BatchStat) must see it at the level of the gradient's trace.
+        def loss_of(params, model_state):
+            params = strategy.gather_params(params, mesh)
+            return _forward(adapter, loss_fn, extras, params, model_state, rng, batch, True)
 
         (loss, (metrics, model_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-            state.params
+            state.params, state.model_state
         )
         grads = strategy.reduce_grads(grads, mesh)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        return TrainState(state.step + 1, params, opt_state, model_state), {
-            "loss": loss,
-            **metrics,
-        }
+        new = TrainState(state.step + 1, params, opt_state, model_state, state.rng)
+        return new, {"loss": loss, **metrics}
+
+    return step
+
+
+def make_eval_step(
+    adapter: Adapter, loss_fn: LossFn, strategy: Strategy, mesh: Any
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+    """The loss and metrics of the model in evaluation mode; the state passes through."""
+    extras = loss_extras(loss_fn)
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        params = strategy.gather_params(state.params, mesh)
+        rng = jax.random.fold_in(state.rng, state.step)
+        loss, (metrics, _) = _forward(
+            adapter, loss_fn, extras, params, state.model_state, rng, batch, False
+        )
+        return state, {"loss": loss, **metrics}
 
     return step
 
@@ -79,8 +132,12 @@ class Trainer:
 
     :param adapter: the model, from :func:`shardplug.from_nnx` (or another adapter).
     :param loss_fn: ``loss_fn(model, batch)`` returning the loss, or ``(loss, metrics)``;
-        ``model`` is in its framework's own form (for NNX, the module holding the current
-        parameters) and ``batch`` is the global batch.
+        ``model`` is in its framework's own form (the NNX module holding the current
+        parameters, the Linen module bound to the current variables, the Equinox module) and
+        ``batch`` is the global batch. It may also take, by name, ``rng`` (this step's key,
+        ``jax.random.fold_in(jax.random.key(seed), step)``: the same on every device and
+        strategy), ``train`` (False in :meth:`evaluate`) and ``state`` (the model state, for
+        Equinox's ``eqx.nn.State``, in which case it returns ``(loss, metrics, new_state)``).
     :param optimizer: any optax transformation; its state is sharded like the parameters.
     :param strategy: a strategy name (``"dp"``, ``"fsdp"``, ``"2d"``, ``"pmap"`` or an
         installed plugin's) or a :class:`Strategy` from :func:`shardplug.get_strategy`.
@@ -143,11 +200,15 @@ class Trainer:
             params=param_shardings,
             opt_state=optimizer_shardings(optimizer, abstract_params, param_shardings, replicated),
             model_state=jax.tree.map(lambda _: replicated, abstract_model_state),
+            rng=replicated,
         )
         self.state = self._create_state(rng)
         self.batch_shardings: Any = None
         self._batch_signature: Any = None
         self._step: Callable | None = None
+        self._eval: Callable | None = None
+        self._eval_shardings: Any = None
+        self._eval_signature: Any = None
 
     @property
     def param_shardings(self) -> Any:
@@ -162,8 +223,10 @@ class Trainer:
 
     @property
     def model(self) -> Any:
-        """The model with the current parameters, in its framework's own form."""
-        return self.adapter.bind(self.state.params, self.state.model_state)
+        """The model with the current parameters, in its framework's own form, in
+        evaluation mode (dropout off, batch statistics read from the running averages)."""
+        rng = jax.random.fold_in(self.state.rng, self.state.step)
+        return self.adapter.bind(self.state.params, self.state.model_state, rng=rng, train=False)
 
     def _create_state(self, rng: jax.Array) -> TrainState:
         shardings = self.state_shardings
@@ -173,7 +236,7 @@ class Trainer:
             def create(rng):
                 params, model_state = self.adapter.init(rng)
                 return TrainState(
-                    jnp.zeros((), jnp.int32), params, self.optimizer.init(params), model_state
+                    jnp.zeros((), jnp.int32), params, self.optimizer.init(params), model_state, rng
                 )
 
             return jax.jit(create, out_shardings=shardings)(rng)
@@ -183,9 +246,8 @@ class Trainer:
             self.adapter.variables, (shardings.params, shardings.model_state), may_alias=False
         )
         opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
-        return TrainState(
-            jax.device_put(jnp.zeros((), jnp.int32), shardings.step), params, opt_state, model_state
-        )
+        step, rng = jax.device_put((jnp.zeros((), jnp.int32), rng), (shardings.step, shardings.rng))
+        return TrainState(step, params, opt_state, model_state, rng)
 
     def _signature(self, batch: Any) -> tuple[Any, list[tuple[tuple[int, ...], Any]]]:
         leaves, treedef = jax.tree.flatten(batch)
@@ -199,13 +261,21 @@ class Trainer:
         compilation apart from training. Later batches must look alike.
         """
         if self._step is not None:
-            self._check(batch, 0)
+            self._check(batch, 0, self._batch_signature)
             return
+        start = time.perf_counter()
+        self._step, self.batch_shardings = self._build(
+            make_step(self.adapter, self.loss_fn, self.optimizer, self.strategy, self.mesh), batch
+        )
+        self.compile_seconds = time.perf_counter() - start
+        self._batch_signature = self._signature(batch)
+
+    def _build(self, step_fn: Callable, batch: Any) -> tuple[Any, Any]:
+        """Shard ``batch`` as the strategy says and compile ``step_fn`` for it."""
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), batch)
-        self.batch_shardings = self.strategy.shard_batch(abstract, self.mesh)
-        step_fn = make_step(self.adapter, self.loss_fn, self.optimizer, self.strategy, self.mesh)
+        batch_shardings = self.strategy.shard_batch(abstract, self.mesh)
         program = self.strategy.compile_step(
-            step_fn, self.mesh, self.state_shardings, self.batch_shardings
+            step_fn, self.mesh, self.state_shardings, batch_shardings
         )
         if not hasattr(program, "lower"):
             raise PluginError(
@@ -216,33 +286,53 @@ class Trainer:
         def with_sharding(x, s):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
 
-        start = time.perf_counter()
-        self._step = program.lower(
+        compiled = program.lower(
             jax.tree.map(with_sharding, self.state, self.state_shardings),
-            jax.tree.map(with_sharding, abstract, self.batch_shardings),
+            jax.tree.map(with_sharding, abstract, batch_shardings),
         ).compile()
-        self.compile_seconds = time.perf_counter() - start
-        self._batch_signature = self._signature(batch)
+        return compiled, batch_shardings
 
-    def _check(self, batch: Any, index: int) -> None:
-        if self._signature(batch) != self._batch_signature:
-            shapes = [shape for shape, _ in self._batch_signature[1]]
+    def _check(self, batch: Any, index: int, signature: Any) -> None:
+        if self._signature(batch) != signature:
+            shapes = [shape for shape, _ in signature[1]]
             raise BatchError(
                 f"batch {index} differs from the first batch in structure, shape or dtype "
                 f"(first: {shapes}): every batch must look alike"
             )
 
-    def _put(self, batch: Any, index: int) -> Any:
-        """The host batch as a global array in the batch shardings."""
-        if self._step is None:
-            self.compile(batch)
-        else:
-            self._check(batch, index)
+    @staticmethod
+    def _put(batch: Any, shardings: Any) -> Any:
+        """The host batch as a global array in ``shardings``."""
         return jax.tree.map(
             lambda x, s: jax.make_array_from_process_local_data(s, np.asarray(x)),
             batch,
-            self.batch_shardings,
+            shardings,
         )
+
+    def evaluate(self, batches: Iterable[Any], steps: int | None = None) -> dict[str, float]:
+        """The mean loss and metrics over ``batches``, the model in evaluation mode.
+
+        Nothing is updated: no optimizer step, and batch statistics are read, not written
+        (dropout off, BatchNorm on its running averages). ``steps`` bounds how many batches
+        are read (needed for an endless iterator). Evaluation batches may differ in shape
+        from training batches; they are compiled for once, on the first.
+        """
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise ConfigError(f"steps must be a positive integer or None, got {steps!r}")
+        totals: dict[str, jax.Array] | None = None
+        count = 0
+        for batch in batches if steps is None else itertools.islice(batches, steps):
+            if self._eval is None:
+                step_fn = make_eval_step(self.adapter, self.loss_fn, self.strategy, self.mesh)
+                self._eval, self._eval_shardings = self._build(step_fn, batch)
+                self._eval_signature = self._signature(batch)
+            self._check(batch, count, self._eval_signature)
+            self.state, metrics = self._eval(self.state, self._put(batch, self._eval_shardings))
+            totals = metrics if totals is None else jax.tree.map(jnp.add, totals, metrics)
+            count += 1
+        if totals is None:
+            raise ConfigError("evaluate got no batches")
+        return {name: float(value) / count for name, value in jax.device_get(totals).items()}
 
     def fit(
         self,
@@ -275,7 +365,11 @@ class Trainer:
                 warnings.warn(f"batches ran out after {i} of {steps} steps", stacklevel=2)
                 break
             compiling = self._step is None
-            global_batch = self._put(batch, first_step + i)
+            if compiling:
+                self.compile(batch)
+            else:
+                self._check(batch, first_step + i, self._batch_signature)
+            global_batch = self._put(batch, self.batch_shardings)
             if compiling:
                 started = time.perf_counter()
                 samples = _batch_rows(global_batch)

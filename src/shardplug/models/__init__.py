@@ -1,7 +1,8 @@
 """Adapters for the model frameworks, and the reference models with their data.
 
-A reference model is a name (``mlp``, ``classifier``, ``transformer``) bound to a model for
-each framework, its loss, and an endless synthetic data set whose loss can truly fall.
+A reference model is a name (``mlp``, ``classifier``, ``transformer``, ``cnn``) bound to a
+model in each framework, a loss that works with any of them, and an endless synthetic data
+set whose loss can truly fall.
 """
 
 from __future__ import annotations
@@ -10,11 +11,43 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from shardplug.errors import UnknownModelError
-from shardplug.models import mlp, transformer
-from shardplug.models.adapters import Adapter, from_nnx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
 
-ADAPTERS: dict[str, Callable[[Any], Adapter]] = {"nnx": from_nnx}
+from shardplug.errors import UnknownModelError
+from shardplug.models import data, equinox_models, linen_models, nnx_models
+from shardplug.models.adapter import Adapter, Rules, apply_rules
+from shardplug.models.equinox_adapter import from_equinox
+from shardplug.models.linen_adapter import from_linen
+from shardplug.models.nnx_adapter import from_nnx
+
+ADAPTERS = ("nnx", "linen", "equinox")
+
+
+def _forward(model: Any, x: jax.Array, rng: jax.Array, train: bool, state: Any):
+    """Call a reference model of any framework; ``(output, new_state or None)``."""
+    if isinstance(model, nnx.Module):
+        return model(x), None  # dropout keys and train/eval live in the module
+    if isinstance(model, nn.Module):
+        return model(x, train=train), None  # bound: batch_stats and rngs are in the binding
+    if state is not None:
+        return model(x, state, key=rng, inference=not train)
+    return model(x, key=rng, inference=not train), None
+
+
+def _mse(out, batch):
+    return jnp.mean((out - batch["y"]) ** 2), {}
+
+
+def _cross_entropy(out, batch):
+    labels = batch["label"] if "label" in batch else batch["targets"]
+    loss = optax.softmax_cross_entropy_with_integer_labels(out, labels).mean()
+    if "targets" in batch:
+        return loss, {}
+    return loss, {"accuracy": jnp.mean(jnp.argmax(out, axis=-1) == labels)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,49 +56,92 @@ class ReferenceModel:
 
     name: str
     description: str
-    builders: dict[str, Callable[..., Any]]
-    loss_fn: Callable[[Any, Any], Any]
+    builders: dict[str, Callable[[], Adapter]]
+    inputs: str
+    head: Callable[[jax.Array, dict], tuple[jax.Array, dict]]
     batches: Callable[..., Iterator[dict[str, Any]]]
     learning_rate: float
     batch_size: int = 64
 
     def adapter(self, framework: str = "nnx") -> Adapter:
-        """This model in ``framework``, wrapped in that framework's adapter."""
-        if framework not in self.builders:
-            raise UnknownModelError(
-                f"model {self.name!r} has no {framework!r} version; "
-                f"adapters: {', '.join(sorted(self.builders))}"
-            )
-        return ADAPTERS[framework](self.builders[framework])
+        """This model in ``framework`` (``nnx``, ``linen`` or ``equinox``), adapted."""
+        check_adapter(framework)
+        return self.builders[framework]()
+
+    def loss_fn(
+        self,
+        model: Any,
+        batch: dict,
+        rng: jax.Array | None = None,
+        train: bool = True,
+        state: Any = None,
+    ):
+        """The loss for this model in any framework: ``(loss, metrics[, new_state])``."""
+        out, new_state = _forward(model, batch[self.inputs], rng, train, state)
+        loss, metrics = self.head(out, batch)
+        return (loss, metrics) if new_state is None else (loss, metrics, new_state)
+
+
+def _reference(name, description, nnx_build, linen_module, eqx_build, eqx_rules, **kwargs):
+    builders = {
+        "nnx": lambda: from_nnx(nnx_build),
+        "linen": lambda: from_linen(linen_module, linen_models.sample_input(name)),
+        "equinox": lambda: from_equinox(eqx_build, rules=eqx_rules),
+    }
+    return ReferenceModel(name, description, builders, **kwargs)
 
 
 MODELS: dict[str, ReferenceModel] = {
     m.name: m
     for m in (
-        ReferenceModel(
+        _reference(
             "mlp",
             "MLP regressor of y = sum(x^2) + noise",
-            {"nnx": mlp.regressor},
-            mlp.mse_loss,
-            mlp.regression_batches,
+            nnx_models.regressor,
+            linen_models.MODULES["mlp"],
+            equinox_models.regressor,
+            equinox_models.MLP_RULES,
+            inputs="x",
+            head=_mse,
+            batches=data.regression,
             learning_rate=3e-3,
         ),
-        ReferenceModel(
+        _reference(
             "classifier",
             "MLP classifier of 10 Gaussian clusters, with accuracy",
-            {"nnx": mlp.classifier},
-            mlp.cross_entropy_loss,
-            mlp.classification_batches,
+            nnx_models.classifier,
+            linen_models.MODULES["classifier"],
+            equinox_models.classifier,
+            equinox_models.MLP_RULES,
+            inputs="x",
+            head=_cross_entropy,
+            batches=data.clusters,
             learning_rate=3e-3,
         ),
-        ReferenceModel(
+        _reference(
             "transformer",
             "decoder-only transformer LM on a sparse Markov chain",
-            {"nnx": transformer.transformer},
-            transformer.lm_loss,
-            transformer.markov_batches,
+            nnx_models.transformer,
+            linen_models.MODULES["transformer"],
+            equinox_models.transformer,
+            equinox_models.TRANSFORMER_RULES,
+            inputs="tokens",
+            head=_cross_entropy,
+            batches=data.markov,
             learning_rate=3e-3,
             batch_size=32,
+        ),
+        _reference(
+            "cnn",
+            "CNN with BatchNorm and dropout classifying 8x8 images of bars",
+            nnx_models.cnn,
+            linen_models.MODULES["cnn"],
+            equinox_models.cnn,
+            equinox_models.CNN_RULES,
+            inputs="image",
+            head=_cross_entropy,
+            batches=data.bars,
+            learning_rate=3e-3,
         ),
     )
 }
@@ -81,9 +157,7 @@ def get_model(name: str) -> ReferenceModel:
 def check_adapter(name: str) -> None:
     """Raise :class:`UnknownModelError` unless ``name`` is a known adapter."""
     if name not in ADAPTERS:
-        raise UnknownModelError(
-            f"unknown adapter {name!r}; available: {', '.join(sorted(ADAPTERS))}"
-        )
+        raise UnknownModelError(f"unknown adapter {name!r}; available: {', '.join(ADAPTERS)}")
 
 
 __all__ = [
@@ -91,7 +165,11 @@ __all__ = [
     "MODELS",
     "Adapter",
     "ReferenceModel",
+    "Rules",
+    "apply_rules",
     "check_adapter",
+    "from_equinox",
+    "from_linen",
     "from_nnx",
     "get_model",
 ]

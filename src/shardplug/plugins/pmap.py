@@ -9,12 +9,18 @@ both alike.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core.context import per_device_program
 from shardplug.core.hookspecs import hookimpl
 from shardplug.core.mesh import build_mesh
 
 AXIS = "data"
+
+
+def _mean_if_float(x):
+    return jax.lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
 class PerDeviceProgram:
@@ -39,8 +45,12 @@ class PerDeviceProgram:
     @hookimpl
     def compile_step(self, step_fn, mesh, state_shardings, batch_shardings):
         def per_device(state, batch):
-            state, metrics = step_fn(state, batch)
-            return state, jax.lax.pmean(metrics, AXIS)
+            with per_device_program(AXIS):  # models see batch_axis_name() == "data"
+                state, metrics = step_fn(state, batch)
+            # Batch statistics computed from each device's rows are averaged, so the state
+            # leaves the program the same on every device.
+            model_state = jax.tree.map(_mean_if_float, state.model_state)
+            return state._replace(model_state=model_state), jax.lax.pmean(metrics, AXIS)
 
         def specs(tree):
             return jax.tree.map(lambda s: s.spec, tree)

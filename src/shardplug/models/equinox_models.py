@@ -1,0 +1,199 @@
+"""The reference models in Equinox, with their sharding rules by parameter path.
+
+Equinox parameters carry no annotations; each model comes with regular-expression rules
+that give them logical axis names. Every module takes a batch, ``key`` and ``inference``
+(and the CNN its ``eqx.nn.State``).
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from shardplug.models import data
+from shardplug.models.layers import batch_moments, dropout
+from shardplug.models.nnx_models import (
+    CHANNELS,
+    DROPOUT,
+    EMBED,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    LAYERS,
+    attention,
+)
+
+
+class MLP(eqx.Module):
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+    out: eqx.nn.Linear
+
+    def __init__(self, n_in: int, hidden: int, n_out: int, key: jax.Array):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.fc1 = eqx.nn.Linear(n_in, hidden, key=k1)
+        self.fc2 = eqx.nn.Linear(hidden, hidden, key=k2)
+        self.out = eqx.nn.Linear(hidden, n_out, key=k3)
+
+    def __call__(self, x, *, key=None, inference=False):
+        x = jax.nn.relu(jax.vmap(self.fc1)(x))
+        x = jax.nn.relu(jax.vmap(self.fc2)(x))
+        return jax.vmap(self.out)(x)
+
+
+# Equinox's Linear keeps weight as (out, in).
+MLP_RULES = {
+    r"fc1/weight": ("mlp", "embed"),
+    r"fc2/weight": ("embed", "mlp"),
+    r"out/weight": (None, "embed"),
+    r"fc1/bias": ("mlp",),
+}
+
+
+def _layer_norm(x, scale, bias):
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.var(x, axis=-1, keepdims=True)
+    shape = (1,) * (x.ndim - 1) + (-1,)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-6) * scale.reshape(shape) + bias.reshape(shape)
+
+
+class Block(eqx.Module):
+    norm1: tuple[jax.Array, jax.Array]
+    wq: jax.Array
+    wk: jax.Array
+    wv: jax.Array
+    wo: jax.Array
+    norm2: tuple[jax.Array, jax.Array]
+    wi: jax.Array
+    wf: jax.Array
+
+    def __init__(self, key: jax.Array):
+        keys = jax.random.split(key, 6)
+        normal = jax.nn.initializers.normal(0.02)
+        self.norm1 = (jnp.ones(EMBED), jnp.zeros(EMBED))
+        self.norm2 = (jnp.ones(EMBED), jnp.zeros(EMBED))
+        self.wq = normal(keys[0], (EMBED, HEADS, HEAD_DIM))
+        self.wk = normal(keys[1], (EMBED, HEADS, HEAD_DIM))
+        self.wv = normal(keys[2], (EMBED, HEADS, HEAD_DIM))
+        self.wo = normal(keys[3], (HEADS, HEAD_DIM, EMBED))
+        self.wi = normal(keys[4], (EMBED, HIDDEN))
+        self.wf = normal(keys[5], (HIDDEN, EMBED))
+
+    def __call__(self, x):
+        x = x + attention(_layer_norm(x, *self.norm1), self.wq, self.wk, self.wv, self.wo)
+        return x + jax.nn.gelu(_layer_norm(x, *self.norm2) @ self.wi) @ self.wf
+
+
+class TransformerLM(eqx.Module):
+    embed: jax.Array
+    position: jax.Array
+    blocks: list[Block]
+    norm: tuple[jax.Array, jax.Array]
+    unembed: jax.Array
+
+    def __init__(self, key: jax.Array):
+        keys = jax.random.split(key, LAYERS + 3)
+        normal = jax.nn.initializers.normal(0.02)
+        self.embed = normal(keys[0], (data.VOCAB, EMBED))
+        self.position = normal(keys[1], (data.SEQ_LEN, EMBED))
+        self.blocks = [Block(k) for k in keys[2:-1]]
+        self.norm = (jnp.ones(EMBED), jnp.zeros(EMBED))
+        self.unembed = normal(keys[-1], (EMBED, data.VOCAB))
+
+    def __call__(self, tokens, *, key=None, inference=False):
+        x = self.embed[tokens] + self.position[None, : tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return _layer_norm(x, *self.norm) @ self.unembed
+
+
+TRANSFORMER_RULES = {
+    r"embed": ("vocab", "embed"),
+    r"position": (None, "embed"),
+    r"unembed": ("embed", "vocab"),
+    r"blocks/\d+/w[qkv]": ("embed", "heads", "kv"),
+    r"blocks/\d+/wo": ("heads", "kv", "embed"),
+    r"blocks/\d+/wi": ("embed", "mlp"),
+    r"blocks/\d+/wf": ("mlp", "embed"),
+    r"(blocks/\d+/norm[12]|norm)/[01]": ("embed",),
+}
+
+
+class BatchNorm(eqx.Module):
+    """Batch normalisation over (batch, height, width); running statistics in eqx.nn.State."""
+
+    scale: jax.Array
+    bias: jax.Array
+    stats: eqx.nn.StateIndex
+    momentum: float = eqx.field(static=True, default=0.99)
+
+    def __init__(self, channels: int):
+        self.scale = jnp.ones(channels)
+        self.bias = jnp.zeros(channels)
+        self.stats = eqx.nn.StateIndex((jnp.zeros(channels), jnp.ones(channels)))
+
+    def __call__(self, x, state, inference):
+        running_mean, running_var = state.get(self.stats)
+        if inference:
+            mean, var = running_mean, running_var
+        else:
+            mean, var = batch_moments(x, axes=(0, 1, 2))
+            m = self.momentum
+            state = state.set(
+                self.stats, (m * running_mean + (1 - m) * mean, m * running_var + (1 - m) * var)
+            )
+        shape = (1,) * (x.ndim - 1) + (-1,)  # per channel, the last axis
+        mean, var = mean.reshape(shape), var.reshape(shape)
+        scale, bias = self.scale.reshape(shape), self.bias.reshape(shape)
+        return (x - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias, state
+
+
+class CNN(eqx.Module):
+    """conv-BN-ReLU x2, pooling, dropout, linear; takes NHWC images like the other two."""
+
+    conv1: eqx.nn.Conv2d
+    norm1: BatchNorm
+    conv2: eqx.nn.Conv2d
+    norm2: BatchNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key: jax.Array):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.conv1 = eqx.nn.Conv2d(1, CHANNELS, 3, padding=1, key=k1)
+        self.norm1 = BatchNorm(CHANNELS)
+        self.conv2 = eqx.nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1, key=k2)
+        self.norm2 = BatchNorm(CHANNELS)
+        self.head = eqx.nn.Linear((data.IMAGE // 2) ** 2 * CHANNELS, data.IMAGE_CLASSES, key=k3)
+
+    def __call__(self, images, state, *, key=None, inference=False):
+        def conv(layer, x):  # Equinox convolutions take one CHW example
+            return jnp.moveaxis(jax.vmap(layer)(jnp.moveaxis(x, -1, 1)), 1, -1)
+
+        x, state = self.norm1(conv(self.conv1, images), state, inference)
+        x, state = self.norm2(conv(self.conv2, jax.nn.relu(x)), state, inference)
+        x = jax.nn.relu(x)
+        b, h, w, c = x.shape
+        x = x.reshape(b, h // 2, 2, w // 2, 2, c).mean(axis=(2, 4)).reshape(b, -1)
+        if not inference:
+            x = dropout(x, DROPOUT, key)
+        return jax.vmap(self.head)(x), state
+
+
+CNN_RULES = {r"conv[12]/weight": ("mlp",), r"head/weight": (None, "embed")}
+
+
+def regressor(key):
+    return MLP(data.REGRESSION_INPUTS, 128, 1, key)
+
+
+def classifier(key):
+    return MLP(data.CLASSIFICATION_INPUTS, 128, data.CLASSES, key)
+
+
+def transformer(key):
+    return TransformerLM(key)
+
+
+def cnn(key):
+    return eqx.nn.make_with_state(CNN)(key)

@@ -1,0 +1,119 @@
+"""The reference models in Flax Linen, annotated with ``nn.with_logical_partitioning``.
+
+Every module takes ``train`` so that one calling convention serves them all.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from shardplug.core.context import batch_axis_name
+from shardplug.models import data
+from shardplug.models.layers import dropout
+from shardplug.models.nnx_models import (
+    CHANNELS,
+    DROPOUT,
+    EMBED,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    LAYERS,
+    attention,
+)
+
+_lecun = nn.initializers.lecun_normal()
+
+
+def _dense(features: int, names: tuple) -> nn.Dense:
+    return nn.Dense(
+        features,
+        kernel_init=nn.with_logical_partitioning(_lecun, names),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[1:]),
+    )
+
+
+class MLP(nn.Module):
+    hidden: int
+    n_out: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+        x = nn.relu(_dense(self.hidden, ("embed", "mlp"))(x))
+        x = nn.relu(_dense(self.hidden, ("mlp", "embed"))(x))
+        return _dense(self.n_out, ("embed", None))(x)
+
+
+def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple) -> jax.Array:
+    init = nn.with_logical_partitioning(nn.initializers.normal(0.02), names)
+    return module.param(name, init, shape)
+
+
+def _norm() -> nn.LayerNorm:
+    return nn.LayerNorm(
+        epsilon=1e-6,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+    )
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        qkv = (EMBED, HEADS, HEAD_DIM)
+        w = {n: _param(self, n, qkv, ("embed", "heads", "kv")) for n in ("wq", "wk", "wv")}
+        wo = _param(self, "wo", (HEADS, HEAD_DIM, EMBED), ("heads", "kv", "embed"))
+        x = x + attention(_norm()(x), w["wq"], w["wk"], w["wv"], wo)
+        wi = _param(self, "wi", (EMBED, HIDDEN), ("embed", "mlp"))
+        wf = _param(self, "wf", (HIDDEN, EMBED), ("mlp", "embed"))
+        return x + nn.gelu(_norm()(x) @ wi) @ wf
+
+
+class TransformerLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
+        embed = _param(self, "embed", (data.VOCAB, EMBED), ("vocab", "embed"))
+        position = _param(self, "position", (data.SEQ_LEN, EMBED), (None, "embed"))
+        x = embed[tokens] + position[None, : tokens.shape[1]]
+        for _ in range(LAYERS):
+            x = Block()(x)
+        return _norm()(x) @ _param(self, "unembed", (EMBED, data.VOCAB), ("embed", "vocab"))
+
+
+class CNN(nn.Module):
+    """conv-BN-ReLU x2, pooling, dropout, linear; batch statistics in ``batch_stats``."""
+
+    @nn.compact
+    def __call__(self, images: jax.Array, train: bool = False) -> jax.Array:
+        conv = nn.with_logical_partitioning(_lecun, (None, None, None, "mlp"))
+        x = images
+        for _ in range(2):
+            x = nn.Conv(CHANNELS, (3, 3), kernel_init=conv)(x)
+            # axis_name: the global batch's statistics inside a per-device program too
+            x = nn.BatchNorm(use_running_average=not train, axis_name=batch_axis_name())(x)
+            x = nn.relu(x)
+        x = nn.avg_pool(x, (2, 2), strides=(2, 2)).reshape(images.shape[0], -1)
+        if train:
+            x = dropout(x, DROPOUT, self.make_rng("dropout"))
+        return _dense(data.IMAGE_CLASSES, ("embed", None))(x)
+
+
+def sample_input(model: str) -> jnp.ndarray:
+    """A one-row input of the right shape, for ``module.init``."""
+    shapes = {
+        "mlp": ((1, data.REGRESSION_INPUTS), jnp.float32),
+        "classifier": ((1, data.CLASSIFICATION_INPUTS), jnp.float32),
+        "transformer": ((1, data.SEQ_LEN), jnp.int32),
+        "cnn": ((1, data.IMAGE, data.IMAGE, 1), jnp.float32),
+    }
+    shape, dtype = shapes[model]
+    return jnp.zeros(shape, dtype)
+
+
+MODULES = {
+    "mlp": MLP(128, 1),
+    "classifier": MLP(128, data.CLASSES),
+    "transformer": TransformerLM(),
+    "cnn": CNN(),
+}

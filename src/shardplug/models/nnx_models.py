@@ -1,0 +1,145 @@
+"""The reference models in Flax NNX, with logical-axis annotations on every parameter."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardplug.core.context import batch_axis_name
+from shardplug.models import data
+from shardplug.models.layers import dropout
+
+_lecun = nnx.initializers.lecun_normal()
+
+
+def _dense(n_in: int, n_out: int, names: tuple, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        n_in,
+        n_out,
+        kernel_init=nnx.with_partitioning(_lecun, names),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), names[1:]),
+        rngs=rngs,
+    )
+
+
+class MLP(nnx.Module):
+    """``in -> hidden -> hidden -> out`` with ReLU, Megatron layout (``mlp`` then back)."""
+
+    def __init__(self, n_in: int, hidden: int, n_out: int, *, rngs: nnx.Rngs):
+        self.fc1 = _dense(n_in, hidden, ("embed", "mlp"), rngs)
+        self.fc2 = _dense(hidden, hidden, ("mlp", "embed"), rngs)
+        self.out = _dense(hidden, n_out, ("embed", None), rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(nnx.relu(self.fc2(nnx.relu(self.fc1(x)))))
+
+
+def regressor(rngs: nnx.Rngs) -> MLP:
+    return MLP(data.REGRESSION_INPUTS, 128, 1, rngs=rngs)
+
+
+def classifier(rngs: nnx.Rngs) -> MLP:
+    return MLP(data.CLASSIFICATION_INPUTS, 128, data.CLASSES, rngs=rngs)
+
+
+# The transformer: pre-norm blocks of causal attention and an MLP.
+
+EMBED, HEADS, HEAD_DIM, HIDDEN, LAYERS = 64, 4, 16, 256, 2
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple) -> nnx.Param:
+    init = nnx.with_partitioning(nnx.initializers.normal(0.02), names)
+    return nnx.Param(init(rngs.params(), shape))
+
+
+def _norm(rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(
+        EMBED,
+        scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("embed",)),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("embed",)),
+        rngs=rngs,
+    )
+
+
+def attention(x, wq, wk, wv, wo):
+    """Causal multi-head attention on ``x`` (batch, seq, embed); shared by all frameworks."""
+    q = jnp.einsum("bse,ehd->bshd", x, wq)
+    k = jnp.einsum("bse,ehd->bshd", x, wk)
+    v = jnp.einsum("bse,ehd->bshd", x, wv)
+    scores = jnp.einsum("bshd,bthd->bhst", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    causal = jnp.tril(jnp.ones((1, 1, x.shape[1], x.shape[1]), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    attended = jnp.einsum("bhst,bthd->bshd", jax.nn.softmax(scores, axis=-1), v)
+    return jnp.einsum("bshd,hde->bse", attended, wo)
+
+
+class Block(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.norm1 = _norm(rngs)
+        self.wq = _param(rngs, (EMBED, HEADS, HEAD_DIM), ("embed", "heads", "kv"))
+        self.wk = _param(rngs, (EMBED, HEADS, HEAD_DIM), ("embed", "heads", "kv"))
+        self.wv = _param(rngs, (EMBED, HEADS, HEAD_DIM), ("embed", "heads", "kv"))
+        self.wo = _param(rngs, (HEADS, HEAD_DIM, EMBED), ("heads", "kv", "embed"))
+        self.norm2 = _norm(rngs)
+        self.wi = _param(rngs, (EMBED, HIDDEN), ("embed", "mlp"))
+        self.wf = _param(rngs, (HIDDEN, EMBED), ("mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + attention(self.norm1(x), self.wq[...], self.wk[...], self.wv[...], self.wo[...])
+        return x + nnx.gelu(self.norm2(x) @ self.wi[...]) @ self.wf[...]
+
+
+class TransformerLM(nnx.Module):
+    """Token and position embeddings, blocks, a final norm and an unembedding."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.embed = _param(rngs, (data.VOCAB, EMBED), ("vocab", "embed"))
+        self.position = _param(rngs, (data.SEQ_LEN, EMBED), (None, "embed"))
+        self.blocks = nnx.List([Block(rngs=rngs) for _ in range(LAYERS)])
+        self.norm = _norm(rngs)
+        self.unembed = _param(rngs, (EMBED, data.VOCAB), ("embed", "vocab"))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed[...][tokens] + self.position[...][None, : tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x) @ self.unembed[...]
+
+
+def transformer(rngs: nnx.Rngs) -> TransformerLM:
+    return TransformerLM(rngs=rngs)
+
+
+# The CNN: convolutions with BatchNorm, then dropout and a linear head.
+
+CHANNELS, DROPOUT = 16, 0.25
+
+
+class CNN(nnx.Module):
+    """conv-BN-ReLU x2, 2x2 average pooling, dropout, linear; batch statistics as BatchStat."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        conv = nnx.with_partitioning(_lecun, (None, None, None, "mlp"))
+        self.conv1 = nnx.Conv(1, CHANNELS, (3, 3), kernel_init=conv, rngs=rngs)
+        self.norm1 = nnx.BatchNorm(CHANNELS, rngs=rngs)
+        self.conv2 = nnx.Conv(CHANNELS, CHANNELS, (3, 3), kernel_init=conv, rngs=rngs)
+        self.norm2 = nnx.BatchNorm(CHANNELS, rngs=rngs)
+        flat = (data.IMAGE // 2) ** 2 * CHANNELS
+        self.head = _dense(flat, data.IMAGE_CLASSES, ("embed", None), rngs)
+        self.rngs = rngs
+        self.deterministic = False  # set by model.train() / model.eval()
+
+    def __call__(self, images: jax.Array) -> jax.Array:
+        # Inside a per-device program the batch statistics must span every device's rows.
+        self.norm1.axis_name = self.norm2.axis_name = batch_axis_name()
+        x = nnx.relu(self.norm1(self.conv1(images)))
+        x = nnx.relu(self.norm2(self.conv2(x)))
+        x = nnx.avg_pool(x, (2, 2), strides=(2, 2)).reshape(images.shape[0], -1)
+        if not self.deterministic:
+            x = dropout(x, DROPOUT, self.rngs.dropout())
+        return self.head(x)
+
+
+def cnn(rngs: nnx.Rngs) -> CNN:
+    return CNN(rngs=rngs)
