@@ -135,3 +135,27 @@ def test_real_process_exits_2_without_traceback(args, message):
     assert done.stdout == ""
     assert done.stderr.startswith(message) and done.stderr.count("\n") == 1
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("adapter", ["linen", "equinox"])
+def test_every_adapter_trains_from_the_command_line(adapter, tmp_path, capsys):
+    out = tmp_path / "m.jsonl"
+    argv = [
+        "train",
+        "--adapter",
+        adapter,
+        "--model",
+        "cnn",
+        "--strategy",
+        "pmap",
+        "--steps",
+        "20",
+        "--metrics-out",
+        str(out),
+        "--quiet",
+    ]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 20 and rows[-1]["loss"] < rows[0]["loss"]
+    assert {"accuracy", "step_time"} <= rows[0].keys()
+    assert f"trained cnn ({adapter}) with pmap" in capsys.readouterr().out

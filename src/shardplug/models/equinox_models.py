@@ -160,9 +160,9 @@ class CNN(eqx.Module):
 
     def __init__(self, key: jax.Array):
         k1, k2, k3 = jax.random.split(key, 3)
-        self.conv1 = eqx.nn.Conv2d(1, CHANNELS, 3, padding=1, key=k1)
+        self.conv1 = eqx.nn.Conv2d(1, CHANNELS, 3, padding=1, use_bias=False, key=k1)
         self.norm1 = BatchNorm(CHANNELS)
-        self.conv2 = eqx.nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1, key=k2)
+        self.conv2 = eqx.nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1, use_bias=False, key=k2)
         self.norm2 = BatchNorm(CHANNELS)
         self.head = eqx.nn.Linear((data.IMAGE // 2) ** 2 * CHANNELS, data.IMAGE_CLASSES, key=k3)
 

@@ -89,7 +89,7 @@ class CNN(nn.Module):
         conv = nn.with_logical_partitioning(_lecun, (None, None, None, "mlp"))
         x = images
         for _ in range(2):
-            x = nn.Conv(CHANNELS, (3, 3), kernel_init=conv)(x)
+            x = nn.Conv(CHANNELS, (3, 3), use_bias=False, kernel_init=conv)(x)  # BN follows
             # axis_name: the global batch's statistics inside a per-device program too
             x = nn.BatchNorm(use_running_average=not train, axis_name=batch_axis_name())(x)
             x = nn.relu(x)

@@ -121,9 +121,13 @@ class CNN(nnx.Module):
 
     def __init__(self, *, rngs: nnx.Rngs):
         conv = nnx.with_partitioning(_lecun, (None, None, None, "mlp"))
-        self.conv1 = nnx.Conv(1, CHANNELS, (3, 3), kernel_init=conv, rngs=rngs)
+        # No bias before BatchNorm: it cancels, its gradient is rounding noise, and Adam
+        # would turn that noise into full-size steps.
+        self.conv1 = nnx.Conv(1, CHANNELS, (3, 3), use_bias=False, kernel_init=conv, rngs=rngs)
         self.norm1 = nnx.BatchNorm(CHANNELS, rngs=rngs)
-        self.conv2 = nnx.Conv(CHANNELS, CHANNELS, (3, 3), kernel_init=conv, rngs=rngs)
+        self.conv2 = nnx.Conv(
+            CHANNELS, CHANNELS, (3, 3), use_bias=False, kernel_init=conv, rngs=rngs
+        )
         self.norm2 = nnx.BatchNorm(CHANNELS, rngs=rngs)
         flat = (data.IMAGE // 2) ** 2 * CHANNELS
         self.head = _dense(flat, data.IMAGE_CLASSES, ("embed", None), rngs)
