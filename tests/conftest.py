@@ -13,7 +13,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
 ).strip()
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -100,6 +100,7 @@ BAD = [
     (["--model", "resnet"], "unknown model 'resnet'; available: classifier, cnn, mlp, transformer"),
     (["--adapter", "keras"], "unknown adapter 'keras'; available: nnx, linen, equinox"),
     (["--devices", "0"], "argument --devices: must be positive, got 0"),
+    (["--addon", "grad-fp8"], "unknown add-on 'grad-fp8'; available:"),
 ]
 
 

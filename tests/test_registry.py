@@ -1,7 +1,12 @@
 """Strategies are found by name through entry points; bad names and options fail clearly."""
 
+import json
+import os
+import subprocess
+import sys
 import textwrap
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -77,13 +82,13 @@ PLUGIN = textwrap.dedent(
 )
 
 
-def install(tmp_path, monkeypatch, dist, version, entry_points, modules):
+def install(tmp_path, monkeypatch, dist, version, entry_points, modules, group="shardplug"):
     """A real installed distribution: a dist-info folder and modules on sys.path."""
     info = tmp_path / f"{dist}-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
     lines = "".join(f"{name} = {target}\n" for name, target in entry_points.items())
-    (info / "entry_points.txt").write_text(f"[shardplug]\n{lines}")
+    (info / "entry_points.txt").write_text(f"[{group}]\n{lines}")
     for module, source in modules.items():
         (tmp_path / f"{module}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -128,12 +133,18 @@ def test_broken_plugin_is_named_and_the_others_keep_working(tmp_path, monkeypatc
         {"broken": "brokenplug:Broken"},
         {"brokenplug": "raise ImportError('needs a library that is not installed')\n"},
     )
-    assert {"dp", "fsdp", "2d", "pmap"} <= {i.name for i in shardplug.list_strategies()}
-    assert "broken" not in {i.name for i in shardplug.list_strategies()}
+    with pytest.warns(
+        shardplug.ShardplugWarning,
+        match=r"plugin 'broken' \(brokenplug 0.3\) "
+        "cannot be used: import failed: ImportError: needs a library",
+    ):
+        names = {i.name for i in shardplug.list_strategies()}
+    assert {"dp", "fsdp", "2d", "pmap"} <= names and "broken" not in names
+    everything = {i.name: i for i in shardplug.list_strategies(include_broken=True)}
+    assert everything["broken"].error.startswith("import failed: ImportError")
     with pytest.raises(
         shardplug.PluginError,
-        match=r"'broken' cannot be used: brokenplug 0.3: "
-        "import failed: ImportError: needs a library",
+        match=r"strategy 'broken' \(brokenplug 0.3\) cannot be used: import failed",
     ):
         shardplug.get_strategy("broken")
 
@@ -142,9 +153,13 @@ def test_two_packages_claiming_one_name_are_refused_naming_both(
     tmp_path, monkeypatch, fresh_registry
 ):
     install(tmp_path, monkeypatch, "rowsplug", "1.2", {"dp": "rowsplug:Rows"}, {"rowsplug": PLUGIN})
-    with pytest.raises(shardplug.PluginError, match="claimed by two packages") as info:
+    with (
+        pytest.warns(shardplug.ShardplugWarning),
+        pytest.raises(shardplug.PluginError, match="claimed by two packages") as info,
+    ):
         shardplug.get_strategy("dp")
-    assert "built-in" in str(info.value) and "rowsplug 1.2" in str(info.value)
+    assert "rowsplug 1.2" in str(info.value) and "shardplug 0.1.0" in str(info.value)
+    assert "uninstall one of them" in str(info.value)
 
 
 def test_hook_implementation_with_a_wrong_signature_is_refused():
@@ -206,3 +221,158 @@ def test_spec_naming_a_missing_mesh_axis_is_reported_with_the_parameter():
         shardplug.Trainer(
             model.adapter("nnx"), loss_fn=model.loss_fn, optimizer=optax.sgd(0.1), strategy=strategy
         )
+
+
+MISFIT = textwrap.dedent(
+    """
+    import shardplug
+
+    class Misfit:
+        \"\"\"Implements a hook with an argument the spec does not have.\"\"\"
+
+        @shardplug.hookimpl
+        def shard_params(self, params, mesh, annotations, extra):
+            return None
+
+    class Typo:
+        \"\"\"Implements a hook that does not exist.\"\"\"
+
+        @shardplug.hookimpl
+        def shard_param(self, params):
+            return None
+    """
+)
+
+
+def test_hooks_that_misfit_the_specs_are_reported_at_load(tmp_path, monkeypatch, fresh_registry):
+    install(
+        tmp_path,
+        monkeypatch,
+        "misfits",
+        "1.0",
+        {"misfit": "misfits:Misfit", "typo": "misfits:Typo"},
+        {"misfits": MISFIT},
+    )
+    with pytest.warns(shardplug.ShardplugWarning):
+        infos = {i.name: i for i in shardplug.list_strategies(include_broken=True)}
+    assert "hooks do not fit the specs" in infos["misfit"].error
+    assert "extra" in infos["misfit"].error
+    assert "shard_param" in infos["typo"].error
+    assert infos["dp"].error is None
+    with pytest.raises(shardplug.PluginError, match=r"'typo' .* cannot be used: hooks do not fit"):
+        shardplug.get_strategy("typo")
+
+
+def test_hooks_implemented_are_recorded():
+    infos = {i.name: i for i in shardplug.list_strategies()}
+    assert infos["pmap"].hooks == (
+        "compile_step",
+        "make_mesh",
+        "reduce_grads",
+        "shard_batch",
+        "shard_params",
+    )
+    assert infos["dp"].hooks == ("make_mesh", "shard_batch", "shard_params")
+
+
+def test_shardplug_plugins_narrows_what_loads(tmp_path, monkeypatch, fresh_registry):
+    install(
+        tmp_path, monkeypatch, "rowsplug", "1.2", {"rows": "rowsplug:Rows"}, {"rowsplug": PLUGIN}
+    )
+    monkeypatch.setenv("SHARDPLUG_PLUGINS", "")
+    assert {i.name for i in shardplug.list_strategies()} == {"dp", "fsdp", "2d", "pmap"}
+    monkeypatch.setenv("SHARDPLUG_PLUGINS", "rows")
+    assert "rows" in {i.name for i in shardplug.list_strategies()}
+    monkeypatch.setenv("SHARDPLUG_PLUGINS", "something-else")
+    with pytest.raises(shardplug.UnknownStrategyError):
+        shardplug.get_strategy("rows")
+
+
+ADDON = textwrap.dedent(
+    """
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import shardplug
+
+
+    class ReplicateAll:
+        \"\"\"Replicate every parameter, whatever the strategy chose.\"\"\"
+
+        @shardplug.hookimpl(wrapper=True)
+        def shard_params(self, params):
+            chosen = yield
+            return jax.tree.map(lambda _: P(), chosen, is_leaf=lambda x: isinstance(x, P))
+    """
+)
+
+
+def test_addon_wraps_any_strategy(tmp_path, monkeypatch, fresh_registry):
+    install(
+        tmp_path,
+        monkeypatch,
+        "replicate",
+        "0.1",
+        {"replicate-all": "replicate:ReplicateAll"},
+        {"replicate": ADDON},
+        group="shardplug.addons",
+    )
+    assert [a.name for a in shardplug.list_addons()] == ["replicate-all"]
+    model = shardplug.get_model("mlp")
+    strategy = shardplug.get_strategy("fsdp", addons=["replicate-all"], min_size=0)
+    assert strategy.addons == ("replicate-all",)
+    trainer = shardplug.Trainer(
+        model.adapter("nnx"), loss_fn=model.loss_fn, optimizer=optax.adam(3e-3), strategy=strategy
+    )
+    assert all(s.is_fully_replicated for s in jax.tree.leaves(trainer.param_shardings))
+    plain = shardplug.Trainer(
+        model.adapter("nnx"), loss_fn=model.loss_fn, optimizer=optax.adam(3e-3), strategy="fsdp"
+    )
+    assert not all(s.is_fully_replicated for s in jax.tree.leaves(plain.param_shardings))
+    wrapped = [r["loss"] for r in trainer.fit(model.batches(64, 0), steps=4)]
+    unwrapped = [r["loss"] for r in plain.fit(model.batches(64, 0), steps=4)]
+    np.testing.assert_allclose(wrapped, unwrapped, rtol=1e-5)
+
+
+def test_unknown_addon_lists_the_available_ones():
+    with pytest.raises(shardplug.UnknownStrategyError, match="unknown add-on 'grad-fp8'"):
+        shardplug.get_strategy("dp", addons=["grad-fp8"])
+
+
+def test_broken_plugin_on_the_command_line(tmp_path):
+    """A real process with a broken plugin installed: the listing still works and names it;
+    selecting it is one line and exit code 2."""
+    info = tmp_path / "brokenplug-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: brokenplug\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text("[shardplug]\nbroken = brokenplug:Broken\n")
+    (tmp_path / "brokenplug.py").write_text("raise ImportError('needs a missing library')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "shardplug", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+
+    listing = run("strategies", "--json")
+    assert listing.returncode == 0
+    assert {"dp", "fsdp", "2d", "pmap"} <= {r["name"] for r in json.loads(listing.stdout)}
+    assert listing.stderr.strip() == (
+        "shardplug: warning: shardplug plugin 'broken' (brokenplug 0.3) cannot be used: "
+        "import failed: ImportError: needs a missing library"
+    )
+    everything = json.loads(run("strategies", "--json", "--all").stdout)
+    assert [r["error"] for r in everything if r["name"] == "broken"] == [
+        "import failed: ImportError: needs a missing library"
+    ]
+    selected = run("train", "--strategy", "broken", "--quiet")
+    assert selected.returncode == 2
+    assert "Traceback" not in selected.stderr
+    assert selected.stderr.strip().splitlines()[-1] == (
+        "shardplug: error: strategy 'broken' (brokenplug 0.3) cannot be used: "
+        "import failed: ImportError: needs a missing library"
+    )

@@ -1,39 +1,53 @@
-"""shardplug: train JAX models on many devices with a sharding strategy chosen by name."""
+"""shardplug: train JAX models on many devices with a sharding strategy chosen by name.
 
-from shardplug.core.context import batch_axis_name
-from shardplug.core.devices import select_devices, simulate_cpu_devices
-from shardplug.core.hookspecs import hookimpl, hookspec
-from shardplug.core.mesh import parse_mesh
-from shardplug.core.registry import (
-    Strategy,
-    StrategyInfo,
-    StrategyOption,
-    get_strategy,
-    list_strategies,
-)
-from shardplug.core.trainer import Trainer, TrainState
-from shardplug.errors import (
-    BatchError,
-    ConfigError,
-    DeviceError,
-    MeshError,
-    PluginError,
-    RuleError,
-    ShardplugError,
-    StrategyOptionError,
-    UnknownModelError,
-    UnknownStrategyError,
-)
-from shardplug.models import (
-    Adapter,
-    ReferenceModel,
-    from_equinox,
-    from_linen,
-    from_nnx,
-    get_model,
-)
+Every public name is listed here. They load on first use, so that importing the package (as
+the pytest plugin does, before JAX may start) imports no JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "shardplug.core.context": ("batch_axis_name",),
+    "shardplug.core.devices": ("select_devices", "simulate_cpu_devices"),
+    "shardplug.core.hookspecs": ("hookimpl", "hookspec"),
+    "shardplug.core.mesh": ("parse_mesh",),
+    "shardplug.core.registry": (
+        "Strategy",
+        "StrategyInfo",
+        "StrategyOption",
+        "get_strategy",
+        "list_addons",
+        "list_strategies",
+    ),
+    "shardplug.core.trainer": ("TrainState", "Trainer"),
+    "shardplug.errors": (
+        "BatchError",
+        "ConfigError",
+        "DeviceError",
+        "MeshError",
+        "PluginError",
+        "RuleError",
+        "ShardplugError",
+        "ShardplugWarning",
+        "StrategyOptionError",
+        "UnknownModelError",
+        "UnknownStrategyError",
+    ),
+    "shardplug.models": (
+        "Adapter",
+        "ReferenceModel",
+        "from_equinox",
+        "from_linen",
+        "from_nnx",
+        "get_model",
+    ),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "Adapter",
@@ -45,6 +59,7 @@ __all__ = [
     "ReferenceModel",
     "RuleError",
     "ShardplugError",
+    "ShardplugWarning",
     "Strategy",
     "StrategyInfo",
     "StrategyOption",
@@ -53,7 +68,6 @@ __all__ = [
     "Trainer",
     "UnknownModelError",
     "UnknownStrategyError",
-    "__version__",
     "batch_axis_name",
     "from_equinox",
     "from_linen",
@@ -62,8 +76,59 @@ __all__ = [
     "get_strategy",
     "hookimpl",
     "hookspec",
+    "list_addons",
     "list_strategies",
     "parse_mesh",
     "select_devices",
     "simulate_cpu_devices",
+    "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'shardplug' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:
+    from shardplug.core.context import batch_axis_name
+    from shardplug.core.devices import select_devices, simulate_cpu_devices
+    from shardplug.core.hookspecs import hookimpl, hookspec
+    from shardplug.core.mesh import parse_mesh
+    from shardplug.core.registry import (
+        Strategy,
+        StrategyInfo,
+        StrategyOption,
+        get_strategy,
+        list_addons,
+        list_strategies,
+    )
+    from shardplug.core.trainer import Trainer, TrainState
+    from shardplug.errors import (
+        BatchError,
+        ConfigError,
+        DeviceError,
+        MeshError,
+        PluginError,
+        RuleError,
+        ShardplugError,
+        ShardplugWarning,
+        StrategyOptionError,
+        UnknownModelError,
+        UnknownStrategyError,
+    )
+    from shardplug.models import (
+        Adapter,
+        ReferenceModel,
+        from_equinox,
+        from_linen,
+        from_nnx,
+        get_model,
+    )

@@ -9,6 +9,7 @@ import argparse
 import itertools
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -45,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     strategies = sub.add_parser("strategies", help="list the installed strategies")
     strategies.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    strategies.add_argument(
+        "--all",
+        action="store_true",
+        help="also add-ons and plugins that failed to load, with hooks and errors",
+    )
 
     train = sub.add_parser(
         "train",
@@ -60,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="a strategy option, e.g. -o min_size=0 for fsdp (repeatable)",
+    )
+    train.add_argument(
+        "--addon",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="an add-on plugin that wraps the strategy's hooks (repeatable)",
     )
     train.add_argument("--model", default="transformer", help="mlp, classifier, transformer or cnn")
     train.add_argument(
@@ -121,29 +134,39 @@ def parse_options(strategy: str, pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def cmd_strategies(args: argparse.Namespace) -> int:
-    from shardplug.core.registry import list_strategies
+    from shardplug.core.registry import list_addons, list_strategies
 
-    infos = list_strategies()
+    kinds = [("strategy", info) for info in list_strategies(include_broken=args.all)]
+    if args.all:
+        kinds += [("add-on", info) for info in list_addons(include_broken=True)]
     if args.json:
         rows = [
             {
                 "name": i.name,
+                "kind": kind,
                 "description": i.description,
                 "source": i.source,
                 "package": i.package,
                 "version": i.version,
                 "options": {o.name: repr(o.default) for o in i.options},
+                "hooks": list(i.hooks),
+                "error": i.error,
             }
-            for i in infos
+            for kind, i in kinds
         ]
         print(json.dumps(rows, indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("strategy", "description", "source", "options")
-    for i in infos:
-        table.add_row(i.name, i.description, i.source, ", ".join(o.name for o in i.options))
+    if args.all:
+        table = Table("name", "kind", "source", "hooks", "error")
+        for kind, i in kinds:
+            table.add_row(i.name, kind, i.source, ", ".join(i.hooks), i.error or "")
+    else:
+        table = Table("strategy", "description", "source", "options")
+        for _, i in kinds:
+            table.add_row(i.name, i.description, i.source, ", ".join(o.name for o in i.options))
     Console().print(table)
     return 0
 
@@ -172,7 +195,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         model.adapter(args.adapter),
         loss_fn=model.loss_fn,
         optimizer=optax.adam(args.lr or model.learning_rate),
-        strategy=get_strategy(args.strategy, **options),
+        strategy=get_strategy(args.strategy, addons=args.addon, **options),
         devices=args.devices,
         mesh=mesh,
         seed=args.seed,
@@ -255,8 +278,13 @@ class _Progress:
 COMMANDS = {"strategies": cmd_strategies, "train": cmd_train}
 
 
+def _warn_in_one_line(message, category, filename, lineno, file=None, line=None):
+    print(f"shardplug: warning: {message}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (also for argparse's own errors)."""
+    warnings.showwarning = _warn_in_one_line
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit:

@@ -17,11 +17,11 @@ class ShardplugError(Exception):
 class UnknownStrategyError(ShardplugError, LookupError):
     """No installed strategy has the requested name."""
 
-    def __init__(self, name: str, available: Iterable[str]):
+    def __init__(self, name: str, available: Iterable[str], kind: str = "strategy"):
         self.name = name
         self.available = sorted(available)
         super().__init__(
-            f"unknown strategy {name!r}; available: {', '.join(self.available) or '(none)'}"
+            f"unknown {kind} {name!r}; available: {', '.join(self.available) or '(none)'}"
         )
 
 
@@ -55,3 +55,7 @@ class PluginError(ShardplugError):
 
 class RuleError(ShardplugError, ValueError):
     """A sharding rule matches no parameter, or two rules match one parameter."""
+
+
+class ShardplugWarning(UserWarning):
+    """Something shardplug worked around, e.g. an installed plugin that failed to load."""

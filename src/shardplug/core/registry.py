@@ -12,7 +12,9 @@ import dataclasses
 import functools
 import importlib.metadata
 import inspect
-from collections.abc import Callable, Mapping
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pluggy
@@ -22,12 +24,15 @@ from shardplug.core.sharding import check_batch, to_named
 from shardplug.errors import (
     PluginError,
     ShardplugError,
+    ShardplugWarning,
     StrategyOptionError,
     UnknownStrategyError,
 )
 
 GROUP = "shardplug"
+ADDON_GROUP = "shardplug.addons"
 BUILTIN_PACKAGE = "shardplug"
+SELECT_ENV = "SHARDPLUG_PLUGINS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,13 +46,17 @@ class StrategyOption:
 
 @dataclasses.dataclass(frozen=True)
 class StrategyInfo:
-    """What the registry knows of one installed strategy, before it is used."""
+    """What the registry knows of one installed strategy (or add-on), before it is used."""
 
     name: str
     description: str
     package: str
     version: str
     options: tuple[StrategyOption, ...] = ()
+    hooks: tuple[str, ...] = ()
+    #: why it cannot be used (failed import, hooks that do not fit the specs, a name two
+    #: packages claim), or None when it loaded.
+    error: str | None = None
 
     @property
     def builtin(self) -> bool:
@@ -56,13 +65,6 @@ class StrategyInfo:
     @property
     def source(self) -> str:
         return "built-in" if self.builtin else f"{self.package} {self.version}"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    info: StrategyInfo | None
-    plugin: Any = None
-    error: str | None = None
 
 
 def _describe(plugin: Any) -> str:
@@ -77,56 +79,116 @@ def _options(plugin: Any) -> tuple[StrategyOption, ...]:
     for param in inspect.signature(plugin).parameters.values():
         if param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
             continue
-        kind = (
-            param.annotation
-            if isinstance(param.annotation, str)
-            else getattr(param.annotation, "__name__", "any")
-        )
+        annotation = param.annotation
+        kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "any")
         default = None if param.default is param.empty else param.default
         found.append(StrategyOption(param.name, kind, default))
     return tuple(found)
 
 
-def _load(ep: importlib.metadata.EntryPoint) -> _Entry:
+def _hooks(plugin: Any) -> tuple[str, ...]:
+    """The hooks ``plugin`` implements; raises PluginValidationError if they misfit the specs."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(plugin, name="candidate")
+    pm.check_pending()
+    return tuple(sorted(caller.name for caller in pm.get_hookcallers(plugin) or ()))
+
+
+def _load(ep: importlib.metadata.EntryPoint) -> tuple[StrategyInfo, Any]:
     package = ep.dist.name if ep.dist is not None else "?"
     version = ep.dist.version if ep.dist is not None else "?"
+    broken = functools.partial(StrategyInfo, ep.name, "(failed to load)", package, version)
     try:
         plugin = ep.load()
     except Exception as exc:  # a broken plugin must not take the others down
-        return _Entry(
-            None, error=f"{package} {version}: import failed: {type(exc).__name__}: {exc}"
-        )
-    info = StrategyInfo(ep.name, _describe(plugin), package, version, _options(plugin))
-    return _Entry(info, plugin)
+        return broken(error=f"import failed: {type(exc).__name__}: {exc}"), None
+    try:
+        hooks = _hooks(plugin)
+    except pluggy.PluginValidationError as exc:
+        return broken(error=f"hooks do not fit the specs: {exc}"), None
+    info = StrategyInfo(ep.name, _describe(plugin), package, version, _options(plugin), hooks)
+    return info, plugin
+
+
+def _selected(ep: importlib.metadata.EntryPoint, selection: str | None) -> bool:
+    if ep.dist is not None and ep.dist.name == BUILTIN_PACKAGE:
+        return True
+    if selection is None:
+        return True
+    return ep.name in {name.strip() for name in selection.split(",") if name.strip()}
 
 
 @functools.cache
-def _discover() -> dict[str, _Entry]:
-    entries: dict[str, _Entry] = {}
-    for ep in importlib.metadata.entry_points(group=GROUP):
-        entry = _load(ep)
+def _discover(group: str, selection: str | None) -> dict[str, tuple[StrategyInfo, Any]]:
+    entries: dict[str, tuple[StrategyInfo, Any]] = {}
+    for ep in importlib.metadata.entry_points(group=group):
+        if not _selected(ep, selection):
+            continue
+        info, plugin = _load(ep)
         if ep.name in entries:
-            first, second = entries[ep.name], entry
-            providers = [
-                e.info.source if e.info else (e.error or "?").split(":")[0] for e in (first, second)
-            ]
-            entry = _Entry(
-                None,
-                error=f"claimed by two packages ({providers[0]} and {providers[1]}); "
-                "uninstall one of them",
+            first = entries[ep.name][0]
+            info = dataclasses.replace(
+                info,
+                error=f"claimed by two packages, {first.package} {first.version} and "
+                f"{info.package} {info.version}: uninstall one of them",
             )
-        entries[ep.name] = entry
+            plugin = None
+        entries[ep.name] = (info, plugin)
+    for info, _ in entries.values():
+        if info.error is not None:
+            warnings.warn(
+                f"shardplug plugin {info.name!r} ({info.package} {info.version}) cannot be "
+                f"used: {info.error}",
+                ShardplugWarning,
+                stacklevel=2,
+            )
     return entries
 
 
-def list_strategies() -> list[StrategyInfo]:
-    """Every strategy that loaded, built-ins first, then by name."""
-    infos = [e.info for e in _discover().values() if e.info is not None and e.error is None]
+def _entries(group: str) -> dict[str, tuple[StrategyInfo, Any]]:
+    return _discover(group, os.environ.get(SELECT_ENV))
+
+
+def _listing(group: str, include_broken: bool) -> list[StrategyInfo]:
+    infos = [info for info, _ in _entries(group).values()]
+    if not include_broken:
+        infos = [i for i in infos if i.error is None]
     return sorted(infos, key=lambda i: (not i.builtin, i.name))
 
 
-def get_strategy(name: str, **options: Any) -> Strategy:
-    """The strategy called ``name``, configured with ``options``.
+def list_strategies(include_broken: bool = False) -> list[StrategyInfo]:
+    """Every strategy that loaded, built-ins first, then by name.
+
+    ``SHARDPLUG_PLUGINS`` (comma-separated names; empty for built-ins only) narrows which
+    installed third-party plugins load. ``include_broken`` adds those that failed, with
+    their ``error``.
+    """
+    return _listing(GROUP, include_broken)
+
+
+def list_addons(include_broken: bool = False) -> list[StrategyInfo]:
+    """Every add-on plugin (entry-point group ``shardplug.addons``) that loaded."""
+    return _listing(ADDON_GROUP, include_broken)
+
+
+def _lookup(group: str, name: str, kind: str) -> tuple[StrategyInfo, Any]:
+    entries = _entries(group)
+    if name not in entries:
+        available = [n for n, (info, _) in entries.items() if info.error is None]
+        if group == GROUP:
+            raise UnknownStrategyError(name, available)
+        raise UnknownStrategyError(name, available, kind="add-on")
+    info, plugin = entries[name]
+    if info.error is not None:
+        raise PluginError(
+            f"{kind} {name!r} ({info.package} {info.version}) cannot be used: {info.error}"
+        )
+    return info, plugin
+
+
+def get_strategy(name: str, *, addons: Sequence[str] = (), **options: Any) -> Strategy:
+    """The strategy called ``name``, configured with ``options``, wrapped by ``addons``.
 
     >>> get_strategy("fsdp", min_size=0).name
     'fsdp'
@@ -135,14 +197,12 @@ def get_strategy(name: str, **options: Any) -> Strategy:
     :class:`StrategyOptionError` for an option it does not take, and :class:`PluginError`
     when the plugin under that name could not be loaded.
     """
-    entries = _discover()
-    entry = entries.get(name)
-    if entry is None:
-        raise UnknownStrategyError(name, (n for n, e in entries.items() if e.error is None))
-    if entry.error is not None:
-        raise PluginError(f"strategy {name!r} cannot be used: {entry.error}")
-    assert entry.info is not None
-    return Strategy(entry.info, _instantiate(entry.info, entry.plugin, options))
+    info, plugin = _lookup(GROUP, name, "strategy")
+    extra = []
+    for addon in addons:
+        addon_info, addon_plugin = _lookup(ADDON_GROUP, addon, "add-on")
+        extra.append((addon_info, _instantiate(addon_info, addon_plugin, {})))
+    return Strategy(info, _instantiate(info, plugin, options), extra)
 
 
 def _instantiate(info: StrategyInfo, plugin: Any, options: Mapping[str, Any]) -> Any:
@@ -171,26 +231,30 @@ class Strategy:
     strategy and the hook in every error.
     """
 
-    def __init__(self, info: StrategyInfo, plugin: Any):
+    def __init__(
+        self, info: StrategyInfo, plugin: Any, addons: Sequence[tuple[StrategyInfo, Any]] = ()
+    ):
         self.info = info
         self.plugin = plugin
+        self.addons = tuple(addon_info.name for addon_info, _ in addons)
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.pm.register(fallbacks, name="shardplug.core.fallbacks")
-        try:
-            self.pm.register(plugin, name=info.name)
-            self.pm.check_pending()
-        except pluggy.PluginValidationError as exc:
-            raise PluginError(
-                f"strategy {info.name!r} does not fit the hook specs: {exc}"
-            ) from None
+        # Add-ons register after the strategy; their wrappers wrap its implementations.
+        for name, obj in [(info.name, plugin), *((i.name, a) for i, a in addons)]:
+            try:
+                self.pm.register(obj, name=name)
+                self.pm.check_pending()
+            except pluggy.PluginValidationError as exc:
+                raise PluginError(f"{name!r} does not fit the hook specs: {exc}") from None
 
     @property
     def name(self) -> str:
         return self.info.name
 
     def __repr__(self) -> str:
-        return f"Strategy({self.name!r}, {self.info.source})"
+        addons = f", addons={list(self.addons)}" if self.addons else ""
+        return f"Strategy({self.name!r}, {self.info.source}{addons})"
 
     def _call(self, hook: str, **kwargs: Any) -> Any:
         caller: Callable[..., Any] = getattr(self.pm.hook, hook)
