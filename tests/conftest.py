@@ -9,6 +9,9 @@ skips its expensive LLVM optimisations: compilation, most of the suite's time, h
 
 import os
 
+# shardplug's own tests see the built-in strategies only, whatever else is installed (the
+# example package, say); tests of third-party loading set this themselves.
+os.environ["SHARDPLUG_PLUGINS"] = ""
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
 ).strip()

@@ -92,6 +92,7 @@ def install(tmp_path, monkeypatch, dist, version, entry_points, modules, group="
     for module, source in modules.items():
         (tmp_path / f"{module}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SHARDPLUG_PLUGINS", ",".join(entry_points))
     registry._discover.cache_clear()
 
 
@@ -347,7 +348,7 @@ def test_broken_plugin_on_the_command_line(tmp_path):
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: brokenplug\nVersion: 0.3\n")
     (info / "entry_points.txt").write_text("[shardplug]\nbroken = brokenplug:Broken\n")
     (tmp_path / "brokenplug.py").write_text("raise ImportError('needs a missing library')\n")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "SHARDPLUG_PLUGINS": "broken"}
 
     def run(*args):
         return subprocess.run(

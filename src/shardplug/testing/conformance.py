@@ -1,0 +1,200 @@
+"""The conformance suite every strategy must pass.
+
+A plugin author subclasses it in a test file::
+
+    from shardplug.testing import StrategyConformance
+
+    class TestMyStrategy(StrategyConformance):
+        strategy = "my-strategy"
+
+and pytest runs the checks, the first of them over every adapter x reference model (the
+``shardplug_adapter`` and ``shardplug_model`` fixtures of shardplug's pytest plugin).
+
+A strategy that cannot support something says so on its plugin object, and the check is
+skipped with that reason shown::
+
+    class MyStrategy:
+        unsupported = {"equinox": "needs NNX metadata", "uneven-shapes": "..."}
+
+Capabilities: the adapters (``nnx``, ``linen``, ``equinox``), ``model-state`` (models with
+batch statistics: the ``cnn``), ``uneven-shapes`` and ``batch-split`` (a strategy that
+replicates the batch by design, such as pure tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar
+
+import pytest
+
+#: per-step loss tolerance against one device, float32 (reductions reorder across devices)
+RTOL = {"mlp": 1e-5, "classifier": 1e-5, "transformer": 1e-4, "cnn": 1e-4}
+
+
+@functools.cache
+def one_device_losses(adapter: str, model_name: str, steps: int, seed: int) -> tuple[float, ...]:
+    """The reference trajectory: the same model and data on a single device."""
+    return tuple(_losses("dp", {}, adapter, model_name, steps, seed, devices=1, mesh=None))
+
+
+def _trainer(strategy, options, adapter, model_name, seed, devices, mesh):
+    import optax
+
+    import shardplug
+
+    model = shardplug.get_model(model_name)
+    return model, shardplug.Trainer(
+        model.adapter(adapter),
+        loss_fn=model.loss_fn,
+        optimizer=optax.adam(model.learning_rate),
+        strategy=shardplug.get_strategy(strategy, **options),
+        devices=devices,
+        mesh=mesh,
+        seed=seed,
+    )
+
+
+def _losses(strategy, options, adapter, model_name, steps, seed, devices, mesh):
+    model, trainer = _trainer(strategy, options, adapter, model_name, seed, devices, mesh)
+    return [r["loss"] for r in trainer.fit(model.batches(model.batch_size, seed), steps=steps)]
+
+
+class StrategyConformance:
+    """Checks that a strategy trains exactly like one device and places arrays as it says.
+
+    Set ``strategy`` (its entry-point name); optionally ``options`` (for ``get_strategy``),
+    ``devices`` and ``mesh``.
+    """
+
+    strategy: ClassVar[str]
+    options: ClassVar[dict[str, Any]] = {}
+    devices: ClassVar[int] = 8
+    mesh: ClassVar[str | None] = None
+    steps: ClassVar[int] = 5
+    seed: ClassVar[int] = 0
+
+    def _strategy(self):
+        import shardplug
+
+        return shardplug.get_strategy(self.strategy, **self.options)
+
+    def _skip_unless(self, capability: str) -> None:
+        unsupported = getattr(self._strategy().plugin, "unsupported", {}) or {}
+        if capability in unsupported:
+            pytest.skip(f"{self.strategy} does not support {capability}: {unsupported[capability]}")
+
+    def _trainer(self, adapter: str = "nnx", model: str = "mlp"):
+        return _trainer(
+            self.strategy, self.options, adapter, model, self.seed, self.devices, self.mesh
+        )
+
+    def test_trains_like_one_device(self, shardplug_adapter: str, shardplug_model: str) -> None:
+        import numpy as np
+
+        self._skip_unless(shardplug_adapter)
+        if shardplug_model == "cnn":
+            self._skip_unless("model-state")
+        losses = _losses(
+            self.strategy,
+            self.options,
+            shardplug_adapter,
+            shardplug_model,
+            self.steps,
+            self.seed,
+            self.devices,
+            self.mesh,
+        )
+        expected = one_device_losses(shardplug_adapter, shardplug_model, self.steps, self.seed)
+        np.testing.assert_allclose(losses, expected, rtol=RTOL.get(shardplug_model, 1e-4))
+
+    def test_declared_shardings_are_the_arrays_shardings(self) -> None:
+        import jax
+
+        from shardplug.core.sharding import leaf_paths
+
+        model, trainer = self._trainer(model="transformer")
+        abstract, _ = trainer.adapter.abstract(jax.random.key(self.seed))
+        declared = trainer.strategy.shard_params(abstract, trainer.mesh, trainer.annotations)
+        trainer.fit(model.batches(model.batch_size, self.seed), steps=2)
+        for kind, arrays, shardings in [
+            ("parameter", trainer.state.params, declared),
+            ("optimizer state", trainer.state.opt_state, trainer.state_shardings.opt_state),
+        ]:
+            paths = leaf_paths(arrays)
+            for path, array, sharding in zip(
+                paths, jax.tree.leaves(arrays), jax.tree.leaves(shardings), strict=True
+            ):
+                assert array.sharding.is_equivalent_to(sharding, array.ndim), (
+                    f"{kind} {path}: declared {sharding.spec}, got {array.sharding}"
+                )
+
+    def test_uneven_shapes_still_train(self) -> None:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        import optax
+        from flax import nnx
+
+        import shardplug
+
+        self._skip_unless("uneven-shapes")
+
+        class Uneven(nnx.Module):  # no dimension divides 8 (or most device counts)
+            def __init__(self, rngs):
+                self.a = nnx.Linear(13, 37, rngs=rngs)
+                self.b = nnx.Linear(37, 3, rngs=rngs)
+
+            def __call__(self, x):
+                return self.b(jnp.tanh(self.a(x)))
+
+        def loss_fn(model, batch):
+            return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+        rng = np.random.default_rng(0)
+        rows = 8 * self.devices
+        batches = [
+            {
+                "x": rng.normal(size=(rows, 13)).astype(np.float32),
+                "y": rng.normal(size=(rows, 3)).astype(np.float32),
+            }
+            for _ in range(4)
+        ]
+
+        def losses(strategy, devices, mesh):
+            trainer = shardplug.Trainer(
+                shardplug.from_nnx(Uneven),
+                loss_fn=loss_fn,
+                optimizer=optax.adam(1e-2),
+                strategy=strategy,
+                devices=devices,
+                mesh=mesh,
+            )
+            return [r["loss"] for r in trainer.fit(batches, steps=4)]
+
+        got = losses(self._strategy(), self.devices, self.mesh)
+        np.testing.assert_allclose(got, losses("dp", 1, None), rtol=1e-5)
+        assert jax.device_count() >= self.devices
+
+    def test_batch_is_split_not_duplicated(self) -> None:
+        self._skip_unless("batch-split")
+        model, trainer = self._trainer()
+        batch = next(model.batches(model.batch_size, self.seed))
+        trainer.compile(batch)
+        sharding = trainer.batch_shardings["x"]
+        rows = sharding.shard_shape(batch["x"].shape)[0]
+        assert rows < batch["x"].shape[0], "every device holds the whole batch"
+        parts = batch["x"].shape[0] // rows
+        distinct = {idx[0].start for idx in sharding.devices_indices_map(batch["x"].shape).values()}
+        assert len(distinct) == parts, "the batch rows are not spread over the devices"
+
+    def test_unknown_options_are_refused(self) -> None:
+        import shardplug
+
+        with pytest.raises(shardplug.StrategyOptionError, match="no option"):
+            shardplug.get_strategy(self.strategy, no_such_option_for_conformance=1)
+
+    def test_mesh_spans_the_devices(self) -> None:
+        _, trainer = self._trainer()
+        assert trainer.mesh.size == self.devices
+        assert len({d.id for d in trainer.mesh.devices.flat}) == self.devices

@@ -1,0 +1,104 @@
+"""The pytest plugin: strategy x adapter x model matrices on simulated devices.
+
+Loaded through the ``pytest11`` entry point. It must not import JAX: it sets the number of
+simulated CPU devices, which JAX reads when it starts.
+
+- ``shardplug_strategy``, ``shardplug_adapter``, ``shardplug_model``: fixtures whose values are
+  names, each parametrized over what is installed and registered, so a test that takes them
+  runs as a matrix with ids such as ``[fsdp-linen-transformer]``;
+- ``--shardplug-strategies=dp,fsdp`` (and ``-adapters``, ``-models``), or the environment
+  variables ``SHARDPLUG_STRATEGIES`` (...), narrow the matrix;
+- ``--shardplug-devices=N`` or ``SHARDPLUG_DEVICES`` (default 8) simulated CPU devices.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+
+import pytest
+
+#: the adapters and reference models shardplug ships (tests check these match the code)
+ADAPTERS = ("nnx", "linen", "equinox")
+MODELS = ("mlp", "classifier", "transformer", "cnn")
+KINDS = ("strategies", "adapters", "models")
+DEFAULT_DEVICES = 8
+
+
+def installed_strategies() -> list[str]:
+    """Entry-point names in the group ``shardplug``, built-ins first, as the registry loads
+    them (``SHARDPLUG_PLUGINS`` narrows third-party ones), without importing any of them."""
+    selection = os.environ.get("SHARDPLUG_PLUGINS")
+    chosen = {n.strip() for n in selection.split(",")} if selection is not None else None
+    builtin, other = set(), set()
+    for ep in importlib.metadata.entry_points(group="shardplug"):
+        if ep.dist is not None and ep.dist.name == "shardplug":
+            builtin.add(ep.name)
+        elif chosen is None or ep.name in chosen:
+            other.add(ep.name)
+    return sorted(builtin) + sorted(other - builtin)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("shardplug", "shardplug strategy matrices")
+    for kind in KINDS:
+        group.addoption(
+            f"--shardplug-{kind}",
+            default=None,
+            metavar="A,B",
+            help=f"run the matrix over these {kind} only (env SHARDPLUG_{kind.upper()})",
+        )
+    group.addoption(
+        "--shardplug-devices",
+        type=int,
+        default=None,
+        help=f"simulated CPU devices (env SHARDPLUG_DEVICES, default {DEFAULT_DEVICES})",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "shardplug: a test of the shardplug matrix")
+    devices = config.getoption("--shardplug-devices") or int(
+        os.environ.get("SHARDPLUG_DEVICES", DEFAULT_DEVICES)
+    )
+    if "jax" in sys.modules:  # someone started JAX first: ask, it may be too late
+        import jax
+
+        try:
+            jax.config.update("jax_num_cpu_devices", devices)
+        except RuntimeError:
+            pass
+    else:
+        os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(devices))
+    available = {"strategies": installed_strategies(), "adapters": ADAPTERS, "models": MODELS}
+    config._shardplug_matrix = {  # type: ignore[attr-defined]
+        kind: _narrow(config, kind, list(available[kind])) for kind in KINDS
+    }
+
+
+def _narrow(config: pytest.Config, kind: str, available: list[str]) -> list[str]:
+    wanted = config.getoption(f"--shardplug-{kind}") or os.environ.get(f"SHARDPLUG_{kind.upper()}")
+    if not wanted:
+        return available
+    names = [n.strip() for n in wanted.split(",") if n.strip()]
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise pytest.UsageError(
+            f"--shardplug-{kind}: unknown {', '.join(unknown)}; available: {', '.join(available)}"
+        )
+    return names
+
+
+FIXTURES = {
+    "shardplug_strategy": "strategies",
+    "shardplug_adapter": "adapters",
+    "shardplug_model": "models",
+}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    matrix = metafunc.config._shardplug_matrix  # type: ignore[attr-defined]
+    for fixture, kind in FIXTURES.items():
+        if fixture in metafunc.fixturenames:
+            metafunc.parametrize(fixture, matrix[kind], ids=matrix[kind])

@@ -1,0 +1,24 @@
+"""shardplug's own four strategies pass the conformance suite it ships.
+
+With ``test_strategies.py`` (one device equals each framework's own plain loop) this is the
+matrix: every strategy x every adapter x every reference model trains like one device.
+"""
+
+from shardplug.testing import StrategyConformance
+
+
+class TestDP(StrategyConformance):
+    strategy = "dp"
+
+
+class TestFSDP(StrategyConformance):
+    strategy = "fsdp"
+
+
+class Test2D(StrategyConformance):
+    strategy = "2d"
+    mesh = "data=2,model=4"
+
+
+class TestPmap(StrategyConformance):
+    strategy = "pmap"
