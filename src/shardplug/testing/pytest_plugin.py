@@ -13,6 +13,7 @@ simulated CPU devices, which JAX reads when it starts.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import sys
@@ -65,10 +66,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if "jax" in sys.modules:  # someone started JAX first: ask, it may be too late
         import jax
 
-        try:
+        with contextlib.suppress(RuntimeError):
             jax.config.update("jax_num_cpu_devices", devices)
-        except RuntimeError:
-            pass
     else:
         os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(devices))
     available = {"strategies": installed_strategies(), "adapters": ADAPTERS, "models": MODELS}
