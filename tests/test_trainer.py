@@ -143,3 +143,12 @@ def test_fewer_devices_than_exist():
     assert trainer.mesh.size == 2
     rows = trainer.fit(MLP.batches(64, 0), steps=2)
     assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_a_later_fit_still_reports_throughput():
+    trainer = trainer_for(log_every=4)
+    batches = MLP.batches(64, 0)
+    trainer.fit(batches, steps=4)
+    later = trainer.fit(batches, steps=4)
+    assert all(r["samples_per_sec"] > 0 for r in later)
+    assert later[0]["samples_per_sec"] == pytest.approx(64 / later[0]["step_time"])

@@ -37,6 +37,19 @@ class TrainState(NamedTuple):
     rng: jax.Array  # the run's key; step s uses jax.random.fold_in(rng, s)
 
 
+def step_key(state: TrainState) -> jax.Array:
+    """This step's key: the same on every device and under every strategy."""
+    return jax.random.fold_in(state.rng, state.step)
+
+
+class _Program(NamedTuple):
+    """A compiled step and the batches it was compiled for."""
+
+    compiled: Any
+    batch_shardings: Any
+    signature: Any
+
+
 EXTRAS = ("rng", "train", "state")
 
 
@@ -90,7 +103,7 @@ def make_step(
     extras = loss_extras(loss_fn)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        rng = jax.random.fold_in(state.rng, state.step)
+        rng = step_key(state)
 
         # The model state is an argument, not a closure: frameworks that update it in place
         # (NNX's BatchStat) must see it at the level of the gradient's trace.
@@ -118,9 +131,8 @@ def make_eval_step(
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         params = strategy.gather_params(state.params, mesh)
-        rng = jax.random.fold_in(state.rng, state.step)
         loss, (metrics, _) = _forward(
-            adapter, loss_fn, extras, params, state.model_state, rng, batch, False
+            adapter, loss_fn, extras, params, state.model_state, step_key(state), batch, False
         )
         return state, {"loss": loss, **metrics}
 
@@ -203,12 +215,8 @@ class Trainer:
             rng=replicated,
         )
         self.state = self._create_state(rng)
-        self.batch_shardings: Any = None
-        self._batch_signature: Any = None
-        self._step: Callable | None = None
-        self._eval: Callable | None = None
-        self._eval_shardings: Any = None
-        self._eval_signature: Any = None
+        self._train: _Program | None = None
+        self._eval: _Program | None = None
 
     @property
     def param_shardings(self) -> Any:
@@ -219,14 +227,20 @@ class Trainer:
     def compiled(self) -> Any:
         """The compiled step (``jax.stages.Compiled``: ``.as_text()``, ``.memory_analysis()``),
         or None before the first batch."""
-        return self._step
+        return None if self._train is None else self._train.compiled
+
+    @property
+    def batch_shardings(self) -> Any:
+        """The ``NamedSharding`` of every batch leaf, or None before the first batch."""
+        return None if self._train is None else self._train.batch_shardings
 
     @property
     def model(self) -> Any:
         """The model with the current parameters, in its framework's own form, in
         evaluation mode (dropout off, batch statistics read from the running averages)."""
-        rng = jax.random.fold_in(self.state.rng, self.state.step)
-        return self.adapter.bind(self.state.params, self.state.model_state, rng=rng, train=False)
+        return self.adapter.bind(
+            self.state.params, self.state.model_state, rng=step_key(self.state), train=False
+        )
 
     def _create_state(self, rng: jax.Array) -> TrainState:
         shardings = self.state_shardings
@@ -260,17 +274,16 @@ class Trainer:
         strategy (a batch that does not split raises :class:`BatchError`) or to time the
         compilation apart from training. Later batches must look alike.
         """
-        if self._step is not None:
-            self._check(batch, 0, self._batch_signature)
+        if self._train is not None:
+            self._check(batch, 0, self._train.signature)
             return
         start = time.perf_counter()
-        self._step, self.batch_shardings = self._build(
+        self._train = self._build(
             make_step(self.adapter, self.loss_fn, self.optimizer, self.strategy, self.mesh), batch
         )
         self.compile_seconds = time.perf_counter() - start
-        self._batch_signature = self._signature(batch)
 
-    def _build(self, step_fn: Callable, batch: Any) -> tuple[Any, Any]:
+    def _build(self, step_fn: Callable, batch: Any) -> _Program:
         """Shard ``batch`` as the strategy says and compile ``step_fn`` for it."""
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), batch)
         batch_shardings = self.strategy.shard_batch(abstract, self.mesh)
@@ -290,7 +303,7 @@ class Trainer:
             jax.tree.map(with_sharding, self.state, self.state_shardings),
             jax.tree.map(with_sharding, abstract, batch_shardings),
         ).compile()
-        return compiled, batch_shardings
+        return _Program(compiled, batch_shardings, self._signature(batch))
 
     def _check(self, batch: Any, index: int, signature: Any) -> None:
         if self._signature(batch) != signature:
@@ -324,10 +337,11 @@ class Trainer:
         for batch in batches if steps is None else itertools.islice(batches, steps):
             if self._eval is None:
                 step_fn = make_eval_step(self.adapter, self.loss_fn, self.strategy, self.mesh)
-                self._eval, self._eval_shardings = self._build(step_fn, batch)
-                self._eval_signature = self._signature(batch)
-            self._check(batch, count, self._eval_signature)
-            self.state, metrics = self._eval(self.state, self._put(batch, self._eval_shardings))
+                self._eval = self._build(step_fn, batch)
+            self._check(batch, count, self._eval.signature)
+            self.state, metrics = self._eval.compiled(
+                self.state, self._put(batch, self._eval.batch_shardings)
+            )
             totals = metrics if totals is None else jax.tree.map(jnp.add, totals, metrics)
             count += 1
         if totals is None:
@@ -356,7 +370,15 @@ class Trainer:
         first_step = len(self.history)
         rows: list[dict[str, float]] = []
         pending: list[dict[str, jax.Array]] = []
-        samples = 0
+
+        def flush() -> None:
+            new = self._rows(pending, first_step + len(rows), started)
+            rows.extend(new)
+            self.history.extend(new)
+            pending.clear()
+            if callback is not None:
+                callback(new)
+
         started = time.perf_counter()
         for i in range(steps):
             try:
@@ -364,38 +386,27 @@ class Trainer:
             except StopIteration:
                 warnings.warn(f"batches ran out after {i} of {steps} steps", stacklevel=2)
                 break
-            compiling = self._step is None
-            if compiling:
+            if self._train is None:
                 self.compile(batch)
+                started = time.perf_counter()  # compilation is not a step
             else:
-                self._check(batch, first_step + i, self._batch_signature)
-            global_batch = self._put(batch, self.batch_shardings)
-            if compiling:
-                started = time.perf_counter()
-                samples = _batch_rows(global_batch)
-            self.state, metrics = self._step(self.state, global_batch)
+                self._check(batch, first_step + i, self._train.signature)
+            global_batch = self._put(batch, self._train.batch_shardings)
+            self.state, metrics = self._train.compiled(self.state, global_batch)
             pending.append(metrics)
-            if len(pending) == self.log_every or i == steps - 1:
-                new = self._rows(pending, first_step + len(rows), started, samples)
+            if len(pending) == self.log_every:
+                flush()
                 started = time.perf_counter()
-                rows += new
-                self.history += new
-                pending = []
-                if callback is not None:
-                    callback(new)
         if pending:
-            new = self._rows(pending, first_step + len(rows), started, samples)
-            rows += new
-            self.history += new
-            if callback is not None:
-                callback(new)
+            flush()
         return rows
 
     def _rows(
-        self, pending: list[dict[str, jax.Array]], first: int, started: float, samples: int
+        self, pending: list[dict[str, jax.Array]], first: int, started: float
     ) -> list[dict[str, float]]:
         values = jax.device_get(pending)  # the loop's only wait on the devices
         step_time = (time.perf_counter() - started) / len(values)
+        samples = _batch_rows(self._train.signature)
         return [
             {
                 "step": first + k,
@@ -411,9 +422,10 @@ def _dtype(x: Any) -> np.dtype:
     return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
-def _batch_rows(batch: Any) -> int:
-    leaves = [x for x in jax.tree.leaves(batch) if x.ndim]
-    return int(leaves[0].shape[0]) if leaves else 1
+def _batch_rows(signature: Any) -> int:
+    """The global batch size: the leading dimension of the first leaf that has one."""
+    shapes = [shape for shape, _ in signature[1] if shape]
+    return int(shapes[0][0]) if shapes else 1
 
 
 __all__ = ["TrainState", "Trainer", "make_step"]
