@@ -1,6 +1,8 @@
-"""The ``shardplug`` command line: list strategies, train with one chosen by name.
+"""The ``shardplug`` command line: list strategies, train with one chosen by name, export.
 
-Every bad input ends in one line on stderr, ``shardplug: error: ...``, and exit code 2.
+Every bad input ends in one line on stderr, ``shardplug: error: ...``, and exit code 2; a
+run stopped by a non-finite loss exits 1; one stopped by SIGINT or SIGTERM (after saving)
+exits 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -14,8 +16,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from shardplug.errors import ConfigError, ShardplugError, StrategyOptionError
+from shardplug.errors import (
+    CheckpointError,
+    ConfigError,
+    NonFiniteError,
+    ShardplugError,
+    ShardplugWarning,
+    StrategyOptionError,
+    TrainingInterrupted,
+)
 
+EXIT_FAILED = 1  # training failed (a non-finite loss)
 EXIT_BAD_INPUT = 2
 
 
@@ -74,11 +85,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="an add-on plugin that wraps the strategy's hooks (repeatable)",
     )
-    train.add_argument("--model", default="transformer", help="mlp, classifier, transformer or cnn")
     train.add_argument(
-        "--adapter", default="nnx", help="model framework: nnx, linen or equinox (default: nnx)"
+        "--model",
+        default=None,
+        help="mlp, classifier, transformer or cnn (default: transformer, or the checkpoint's)",
     )
-    train.add_argument("--steps", type=_positive(int), default=100)
+    train.add_argument(
+        "--adapter",
+        default=None,
+        help="model framework: nnx, linen or equinox (default: nnx, or the checkpoint's)",
+    )
+    train.add_argument(
+        "--steps",
+        type=_positive(int),
+        default=100,
+        help="train to this step; with --resume, counting the steps already taken (default 100)",
+    )
     train.add_argument("--batch-size", type=_positive(int), default=None, help="global batch size")
     train.add_argument(
         "--devices",
@@ -87,11 +109,59 @@ def build_parser() -> argparse.ArgumentParser:
         help="devices to use; without an accelerator, simulated CPU devices (default 8)",
     )
     train.add_argument("--mesh", default=None, help="axis sizes, e.g. data=2,model=4")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=int, default=None, help="(default 0, or the checkpoint's)")
     train.add_argument("--lr", type=_positive(float), default=None, help="Adam learning rate")
     train.add_argument("--log-every", type=_positive(int), default=10)
-    train.add_argument("--metrics-out", type=Path, default=None, help="JSON lines, one per step")
+    train.add_argument(
+        "--metrics-out",
+        type=Path,
+        default=None,
+        help="JSON lines, one per step (appended to with --resume)",
+    )
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    ckpt = train.add_argument_group("checkpoints")
+    ckpt.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="save checkpoints here (asynchronously, each device its own shards); "
+        "SIGINT/SIGTERM then save and stop",
+    )
+    ckpt.add_argument(
+        "--checkpoint-every",
+        type=_positive(int),
+        default=None,
+        help="steps between checkpoints (default: only at the end)",
+    )
+    ckpt.add_argument(
+        "--keep", type=_positive(int), default=None, help="checkpoints to keep (default 3)"
+    )
+    ckpt.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest good checkpoint in --checkpoint-dir, with the "
+        "checkpoint's model, adapter, seed and batch size unless given; the strategy, "
+        "devices and mesh may differ",
+    )
+    ckpt.add_argument(
+        "--on-nonfinite",
+        choices=("stop", "skip"),
+        default="stop",
+        help="a NaN/inf loss or gradient: stop with the step and last good checkpoint "
+        "named (default), or skip the update and count it",
+    )
+
+    export = sub.add_parser(
+        "export",
+        help="write a checkpoint's weights to an .npz for inference",
+        description="Write the full parameters and model state of a checkpoint to a NumPy "
+        ".npz file (load it with shardplug.load_model).",
+    )
+    export.add_argument("--checkpoint-dir", type=Path, required=True)
+    export.add_argument("--out", type=Path, required=True, help="the .npz file to write")
+    export.add_argument(
+        "--step", type=_positive(int), default=None, help="which checkpoint (default: newest)"
+    )
     return parser
 
 
@@ -171,12 +241,70 @@ def cmd_strategies(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULTS = {"model": "transformer", "adapter": "nnx", "seed": 0}
+RESUMED = ("model", "adapter", "seed", "batch_size", "lr")  # taken from the checkpoint
+
+
+def _checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Check the checkpoint options before JAX starts; the saved run's settings on --resume."""
+    directory = args.checkpoint_dir
+    if directory is None:
+        for flag, value in (
+            ("--resume", args.resume or None),
+            ("--checkpoint-every", args.checkpoint_every),
+            ("--keep", args.keep),
+        ):
+            if value is not None:
+                raise ConfigError(f"{flag} needs --checkpoint-dir")
+        return {}
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"--checkpoint-dir {directory} is a file: name a directory")
+    complete = _complete_checkpoints(directory)
+    if args.resume:
+        if not directory.exists():
+            raise CheckpointError(f"--resume: checkpoint directory {directory} does not exist")
+        if not complete:
+            raise CheckpointError(
+                f"--resume: {directory} holds no complete checkpoint (it is empty, or every "
+                f"save was cut short); train without --resume to start"
+            )
+        return _saved_config(directory, complete[-1])
+    if complete:
+        raise ConfigError(
+            f"--checkpoint-dir {directory} already holds checkpoints (newest: step "
+            f"{complete[-1]}); pass --resume to continue that run, or choose an empty directory"
+        )
+    return {}
+
+
+def _complete_checkpoints(directory: Path) -> list[int]:
+    """Orbax commits a checkpoint by renaming its temporary directory to the step number."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def _saved_config(directory: Path, step: int) -> dict[str, Any]:
+    """The configuration in the newest checkpoint's JSON (best effort: a damaged one is
+    reported by the restore, which falls back to an older checkpoint)."""
+    try:
+        with open(directory / str(step) / "meta" / "metadata") as f:
+            config = json.load(f).get("config", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     # Validate everything the user typed before JAX starts, so a typo costs nothing.
     from shardplug.core.devices import simulate_cpu_devices
     from shardplug.core.mesh import parse_mesh
     from shardplug.models import check_adapter, get_model
 
+    saved = _checkpoint_settings(args)
+    for name in RESUMED:
+        if getattr(args, name) is None:
+            setattr(args, name, saved.get(name, DEFAULTS.get(name)))
     model = get_model(args.model)
     check_adapter(args.adapter)
     options = parse_options(args.strategy, args.option)
@@ -184,6 +312,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.metrics_out is not None and args.metrics_out.is_dir():
         raise ConfigError(f"--metrics-out {args.metrics_out} is a directory: name a file")
     simulate_cpu_devices(args.devices)
+    _quiet_orbax()
 
     import optax
 
@@ -191,23 +320,39 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardplug.core.registry import get_strategy
     from shardplug.core.trainer import Trainer
 
+    batch_size = args.batch_size or model.batch_size
+    lr = args.lr or model.learning_rate
     trainer = Trainer(
         model.adapter(args.adapter),
         loss_fn=model.loss_fn,
-        optimizer=optax.adam(args.lr or model.learning_rate),
+        optimizer=optax.adam(lr),
         strategy=get_strategy(args.strategy, addons=args.addon, **options),
         devices=args.devices,
         mesh=mesh,
         seed=args.seed,
         log_every=args.log_every,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        keep=args.keep or 3,
+        config={
+            "model": args.model,
+            "adapter": args.adapter,
+            "seed": args.seed,
+            "batch_size": batch_size,
+            "lr": lr,
+        },
+        on_nonfinite=args.on_nonfinite,
     )
-    batch_size = args.batch_size or model.batch_size
-    batches = model.batches(batch_size, args.seed)
+    start = trainer.restore() if args.resume else 0
+    if start >= args.steps:
+        print(f"shardplug: the checkpoint is at step {start}, already at --steps {args.steps}")
+        return 0
+    batches = model.batches(batch_size, args.seed, start=start)
     first = next(batches)
     trainer.compile(first)  # a batch that does not split fails here, before any output
-    out = _open_metrics(args.metrics_out)
+    out = _open_metrics(args.metrics_out, resume_from=start if args.resume else None)
     try:
-        with _Progress(args.quiet, args.steps) as advance:
+        with _Progress(args.quiet, args.steps, start) as advance:
 
             def log(rows: list[dict[str, float]]) -> None:
                 if out is not None:
@@ -215,29 +360,76 @@ def cmd_train(args: argparse.Namespace) -> int:
                     out.flush()
                 advance(rows)
 
-            history = trainer.fit(itertools.chain([first], batches), steps=args.steps, callback=log)
+            history = trainer.fit(
+                itertools.chain([first], batches), steps=args.steps - start, callback=log
+            )
     finally:
         if out is not None:
             out.close()
     device = trainer.mesh.devices.flat[0].platform
     timed = history[min(args.log_every, len(history) - 1) :] or history
     step_ms = 1000 * sum(r["step_time"] for r in timed) / len(timed)
+    resumed = f" from step {start}" if start else ""
+    saved_to = f"; saved {trainer.last_checkpoint}" if trainer.checkpoints is not None else ""
     print(
         f"shardplug: trained {args.model} ({args.adapter}) with {args.strategy} on "
         f"{trainer.mesh.size} {device} devices ({describe(trainer.mesh)}), "
         f"batch {batch_size}: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} "
-        f"in {len(history)} steps; compile {trainer.compile_seconds:.1f} s, "
-        f"{step_ms:.1f} ms/step, {batch_size / step_ms * 1000:.0f} samples/s"
+        f"in {len(history)} steps{resumed}; compile {trainer.compile_seconds:.1f} s, "
+        f"{step_ms:.1f} ms/step, {batch_size / step_ms * 1000:.0f} samples/s{saved_to}"
     )
     return 0
 
 
-def _open_metrics(path: Path | None) -> Any:
+def _quiet_orbax() -> None:
+    """Orbax reports routine events as absl warnings; the command line prints its own."""
+    import absl.logging
+
+    absl.logging.set_verbosity(absl.logging.ERROR)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    if not args.checkpoint_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory {args.checkpoint_dir} does not exist")
+    if args.out.exists():
+        raise ConfigError(f"--out {args.out} already exists: choose another file or remove it")
+    if args.out.suffix != ".npz":
+        raise ConfigError(f"--out {args.out} must end in .npz")
+    _quiet_orbax()
+    from shardplug.export import export_checkpoint, load_exported
+
+    path = export_checkpoint(args.checkpoint_dir, args.out, step=args.step)
+    arrays, info = load_exported(path)
+    total = sum(a.size for name, a in arrays.items() if name.startswith("params/"))
+    print(
+        f"shardplug: exported step {info['step']} of {args.checkpoint_dir}: "
+        f"{total:,} parameters in {len(arrays)} arrays to {path}"
+    )
+    return 0
+
+
+def _open_metrics(path: Path | None, resume_from: int | None = None) -> Any:
+    """The metrics file, opened for this run. Resuming from step s keeps the rows of steps
+    before s (dropping those a killed run logged past its checkpoint, which are run again,
+    and any half-written line) and appends."""
     if path is None:
         return None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return path.open("w")
+        if resume_from is None or not path.exists():
+            return path.open("w")
+        kept = []
+        for line in path.read_text().splitlines(keepends=True):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if line.endswith("\n") and isinstance(row, dict) and row.get("step", -1) < resume_from:
+                kept.append(line)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text("".join(kept))
+        partial.replace(path)
+        return path.open("a")
     except OSError as exc:
         raise ConfigError(f"cannot write --metrics-out {path}: {exc.strerror}") from None
 
@@ -245,8 +437,8 @@ def _open_metrics(path: Path | None) -> Any:
 class _Progress:
     """A rich progress bar on stderr advanced by history rows, or nothing with --quiet."""
 
-    def __init__(self, quiet: bool, total: int):
-        self.quiet, self.total = quiet, total
+    def __init__(self, quiet: bool, total: int, done: int = 0):
+        self.quiet, self.total, self.done = quiet, total, done
 
     def __enter__(self):
         if self.quiet:
@@ -263,7 +455,7 @@ class _Progress:
             console=Console(stderr=True),
         )
         self.bar.start()
-        task = self.bar.add_task("training", total=self.total, loss="-")
+        task = self.bar.add_task("training", total=self.total, completed=self.done, loss="-")
 
         def advance(rows):
             self.bar.update(task, advance=len(rows), loss=f"{rows[-1]['loss']:.4f}")
@@ -275,7 +467,7 @@ class _Progress:
             self.bar.stop()
 
 
-COMMANDS = {"strategies": cmd_strategies, "train": cmd_train}
+COMMANDS = {"strategies": cmd_strategies, "train": cmd_train, "export": cmd_export}
 
 
 def _warn_in_one_line(message, category, filename, lineno, file=None, line=None):
@@ -284,19 +476,29 @@ def _warn_in_one_line(message, category, filename, lineno, file=None, line=None)
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (also for argparse's own errors)."""
-    warnings.showwarning = _warn_in_one_line
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit:
         return int(exit.code or 0)
-    try:
-        return COMMANDS[args.command](args)
-    except ShardplugError as exc:
-        print(f"shardplug: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("shardplug: interrupted", file=sys.stderr)
-        return 130
+    with warnings.catch_warnings():
+        # shardplug's warnings are reports to the user (a damaged checkpoint, a broken
+        # plugin): always one line each, whatever filters the caller has set
+        warnings.simplefilter("always", ShardplugWarning)
+        warnings.showwarning = _warn_in_one_line
+        try:
+            return COMMANDS[args.command](args)
+        except TrainingInterrupted as exc:
+            print(f"shardplug: {exc}", file=sys.stderr)
+            return 128 + exc.signal
+        except NonFiniteError as exc:
+            print(f"shardplug: error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        except ShardplugError as exc:
+            print(f"shardplug: error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except KeyboardInterrupt:
+            print("shardplug: interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":

@@ -57,5 +57,27 @@ class RuleError(ShardplugError, ValueError):
     """A sharding rule matches no parameter, or two rules match one parameter."""
 
 
+class CheckpointError(ShardplugError):
+    """No usable checkpoint: none there, all damaged, or one of another model (named)."""
+
+
+class NonFiniteError(ShardplugError, FloatingPointError):
+    """The loss or a gradient became NaN or infinite; names the step and the last good
+    checkpoint. ``step`` and ``checkpoint`` hold them."""
+
+    def __init__(self, message: str, *, step: int, checkpoint: str | None):
+        super().__init__(message)
+        self.step, self.checkpoint = step, checkpoint
+
+
+class TrainingInterrupted(ShardplugError):
+    """SIGINT or SIGTERM stopped training after a step, which was saved; ``signal``,
+    ``step`` and ``checkpoint`` say which, where and where to."""
+
+    def __init__(self, message: str, *, signal: int, step: int, checkpoint: str | None):
+        super().__init__(message)
+        self.signal, self.step, self.checkpoint = signal, step, checkpoint
+
+
 class ShardplugWarning(UserWarning):
     """Something shardplug worked around, e.g. an installed plugin that failed to load."""

@@ -122,9 +122,11 @@ def reduce_grads(grads: Any, mesh: Any) -> Any:
 
     Called while tracing the training step, right after ``jax.value_and_grad``, so it may use
     collectives. Under ``jax.jit`` the gradients are already those of the global loss (the
-    compiler inserts the all-reduce or reduce-scatter), and core's fallback returns them
+    compiler inserts the all-reduce or reduce-scatter, or core sums the devices' gradients
+    explicitly when :func:`encode_grads` is implemented), and core's fallback returns them
     unchanged. Inside an explicit per-device program each device holds the gradient of its
-    own shard of the batch, and the strategy averages them.
+    own shard of the batch (encoded by :func:`encode_grads`, when implemented, and cast back
+    to the parameters' dtypes afterwards), and the strategy averages them.
 
     :param grads: the gradients, a pytree shaped like the parameters.
     :param mesh: the mesh returned by :func:`make_mesh`.
@@ -135,6 +137,32 @@ def reduce_grads(grads: Any, mesh: Any) -> Any:
         @hookimpl
         def reduce_grads(self, grads):
             return jax.lax.pmean(grads, "data")
+    """
+
+
+@hookspec(firstresult=True)
+def encode_grads(grads: Any, mesh: Any) -> Any:
+    """Choose what the gradients travel as between devices (for example bfloat16).
+
+    Leave it unimplemented and the gradients are reduced as they are, wherever the compiler
+    puts the reduction. Once any plugin implements it, the reduction becomes explicit: each
+    device's gradient (that of its own rows of the batch) is computed, passed through this
+    hook, summed across the batch's mesh axes in the dtype this hook returns, averaged, and
+    cast back to each parameter's dtype before :func:`reduce_grads` and the optimizer see it.
+    The loss, metrics and batch statistics are still those of the global batch (models that
+    use :func:`shardplug.batch_axis_name` see it set while their gradient is computed).
+
+    :param grads: one device's gradients, a pytree shaped like the parameters.
+    :param mesh: the mesh returned by :func:`make_mesh`.
+    :return: a pytree of the same structure and shapes; the dtypes may change.
+
+    Core's fallback returns the gradients unchanged. Add-ons implement it as a pluggy wrapper,
+    so that they compose with the strategy's own answer. Example, the built-in ``grad-bf16``::
+
+        @hookimpl(wrapper=True)
+        def encode_grads(self, grads):
+            encoded = yield
+            return jax.tree.map(lambda g: g.astype(jnp.bfloat16), encoded)
     """
 
 

@@ -17,6 +17,8 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import pluggy
 
 from shardplug.core import fallbacks, hookspecs
@@ -33,6 +35,7 @@ GROUP = "shardplug"
 ADDON_GROUP = "shardplug.addons"
 BUILTIN_PACKAGE = "shardplug"
 SELECT_ENV = "SHARDPLUG_PLUGINS"
+FALLBACKS = "shardplug.core.fallbacks"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +242,7 @@ class Strategy:
         self.addons = tuple(addon_info.name for addon_info, _ in addons)
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
-        self.pm.register(fallbacks, name="shardplug.core.fallbacks")
+        self.pm.register(fallbacks, name=FALLBACKS)
         # Add-ons register after the strategy; their wrappers wrap its implementations.
         for name, obj in [(info.name, plugin), *((i.name, a) for i, a in addons)]:
             try:
@@ -295,6 +298,29 @@ class Strategy:
 
     def reduce_grads(self, grads: Any, mesh: Any) -> Any:
         return self._call("reduce_grads", grads=grads, mesh=mesh)
+
+    @property
+    def encodes_grads(self) -> bool:
+        """Whether a plugin (the strategy or an add-on) implements ``encode_grads``."""
+        return any(
+            impl.plugin_name != FALLBACKS for impl in self.pm.hook.encode_grads.get_hookimpls()
+        )
+
+    def encode_grads(self, grads: Any, mesh: Any) -> Any:
+        encoded = self._call("encode_grads", grads=grads, mesh=mesh)
+        try:
+            same = jax.tree.structure(encoded) == jax.tree.structure(grads) and all(
+                jnp.shape(e) == jnp.shape(g)
+                for e, g in zip(jax.tree.leaves(encoded), jax.tree.leaves(grads), strict=True)
+            )
+        except (TypeError, ValueError):
+            same = False
+        if not same:
+            raise PluginError(
+                f"strategy {self.name!r}: encode_grads must return the gradients' structure "
+                f"and shapes (only the dtypes may change)"
+            )
+        return encoded
 
     def compile_step(
         self, step_fn: Callable, mesh: Any, state_shardings: Any, batch_shardings: Any

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
+import json
 import math
+import os
+import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -17,11 +22,19 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core.context import batch_axis_name, per_device_program
 from shardplug.core.devices import select_devices
 from shardplug.core.mesh import parse_mesh
 from shardplug.core.registry import Strategy, get_strategy
 from shardplug.core.sharding import optimizer_shardings
-from shardplug.errors import BatchError, ConfigError, PluginError
+from shardplug.errors import (
+    BatchError,
+    CheckpointError,
+    ConfigError,
+    NonFiniteError,
+    PluginError,
+    TrainingInterrupted,
+)
 from shardplug.models.adapter import Adapter
 
 LossFn = Callable[[Any, Any], Any]
@@ -92,35 +105,174 @@ def _forward(adapter, loss_fn, extras, params, model_state, rng, batch, train):
     return loss, (metrics, new_state)
 
 
+SHARD_AXIS = "shards"
+
+
 def make_step(
     adapter: Adapter,
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
     strategy: Strategy,
     mesh: Any,
+    *,
+    param_shardings: Any = None,
+    batch_shardings: Any = None,
+    skip_nonfinite: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
-    """One optimizer step on the global batch: loss, gradients, ``reduce_grads``, update."""
+    """One optimizer step on the global batch: loss, gradients, ``reduce_grads``, update.
+
+    The metrics carry ``NONFINITE``: 1.0 when the loss or the gradient's norm is NaN or
+    infinite. With ``skip_nonfinite`` such a step leaves the parameters, optimizer state and
+    model state as they were (the step count and the data still advance).
+
+    When the strategy or an add-on implements ``encode_grads``, the gradient reduction is
+    made explicit: each device's gradient is computed, encoded, summed in the encoded dtype
+    and cast back. Under ``jax.jit`` that needs the parameter and batch shardings.
+    """
     extras = loss_extras(loss_fn)
+    encodes = strategy.encodes_grads
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         rng = step_key(state)
 
         # The model state is an argument, not a closure: frameworks that update it in place
         # (NNX's BatchStat) must see it at the level of the gradient's trace.
-        def loss_of(params, model_state):
+        def loss_of(params, model_state, batch):
             params = strategy.gather_params(params, mesh)
             return _forward(adapter, loss_fn, extras, params, model_state, rng, batch, True)
 
-        (loss, (metrics, model_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-            state.params, state.model_state
-        )
-        grads = strategy.reduce_grads(grads, mesh)
+        grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+        if not encodes:
+            (loss, (metrics, model_state)), grads = grad_fn(state.params, state.model_state, batch)
+            grads = strategy.reduce_grads(grads, mesh)
+        elif batch_axis_name() is not None:  # a per-device program: the reduction is explicit
+            (loss, (metrics, model_state)), grads = grad_fn(state.params, state.model_state, batch)
+            encoded = strategy.encode_grads(grads, mesh)
+            grads = _decode(strategy.reduce_grads(encoded, mesh), state.params)
+        else:
+            loss, metrics, model_state, encoded = _per_shard_grads(
+                grad_fn, strategy, mesh, state, batch, param_shardings, batch_shardings
+            )
+            grads = _decode(strategy.reduce_grads(encoded, mesh), state.params)
+        finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+        axis = batch_axis_name()
+        if axis is not None:  # a per-device program: every device must decide alike
+            finite = jax.lax.pmin(finite.astype(jnp.int32), axis).astype(bool)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        if skip_nonfinite:
+            params, opt_state, model_state = jax.tree.map(
+                functools.partial(_keep_if_not, finite),
+                (params, opt_state, model_state),
+                (state.params, state.opt_state, state.model_state),
+            )
         new = TrainState(state.step + 1, params, opt_state, model_state, state.rng)
-        return new, {"loss": loss, **metrics}
+        flag = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
+        return new, {"loss": loss, **metrics, NONFINITE: flag}
 
     return step
+
+
+NONFINITE = "_nonfinite"
+
+
+def _keep_if_not(finite: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+    if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
+        return new
+    return jnp.where(finite, new, old)
+
+
+def _decode(grads: Any, params: Any) -> Any:
+    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+
+def _batch_split(batch_shardings: Any, mesh: Any) -> tuple[tuple[str, ...], Any]:
+    """The mesh axes the batch's leading dimension is split over, and which leaves are."""
+    found: set[tuple[str, ...]] = set()
+
+    def axes_of(sharding: NamedSharding) -> tuple[str, ...]:
+        spec = tuple(sharding.spec)
+        if any(entry is not None for entry in spec[1:]):
+            raise ConfigError(
+                "encode_grads needs the batch split along its leading dimension only; "
+                f"strategy gave {sharding.spec}"
+            )
+        first = spec[0] if spec else None
+        axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+        if axes:
+            found.add(axes)
+        return axes
+
+    split = jax.tree.map(lambda s: bool(axes_of(s)), batch_shardings)
+    if len(found) > 1:
+        raise ConfigError(
+            f"encode_grads needs every batch leaf split over the same mesh axes, got {found}"
+        )
+    return (found.pop() if found else ()), split
+
+
+def _per_shard_grads(grad_fn, strategy, mesh, state, batch, param_shardings, batch_shardings):
+    """Under ``jax.jit``: each batch shard's gradient, encoded, then summed across shards.
+
+    The batch's leading dimension (split over the axes A) is reshaped to ``(shards, rows)``
+    and the step is vmapped over the shards, so each device computes the gradient of its own
+    rows, with no communication. The encoded gradients are summed over the shard axis: the
+    compiler turns that sum into the all-reduce (or reduce-scatter) over A, in the encoded
+    dtype. The vmap's axis is the models' ``batch_axis_name()``, so batch statistics and
+    dropout masks stay those of the global batch.
+    """
+    axes, split = _batch_split(batch_shardings, mesh)
+    n = math.prod(mesh.shape[a] for a in axes)
+    lead = axes if axes else None
+
+    def to_shards(x, is_split):
+        if not is_split:
+            return x
+        x = x.reshape(n, x.shape[0] // n, *x.shape[1:])
+        spec = P(lead, *([None] * (x.ndim - 1)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    shards = jax.tree.map(to_shards, batch, split)
+    in_axes = jax.tree.map(lambda s: 0 if s else None, split)
+
+    def one_shard(params, model_state, rows):
+        out, grads = grad_fn(params, model_state, rows)
+        return out, strategy.encode_grads(grads, mesh)
+
+    with per_device_program(SHARD_AXIS):
+        (loss, (metrics, model_state)), encoded = jax.vmap(
+            one_shard, in_axes=(None, None, in_axes), axis_name=SHARD_AXIS
+        )(state.params, state.model_state, shards)
+
+    def stacked(g, sharding):
+        # each device keeps its own shard's whole gradient until the reduction
+        rest = [_without(entry, axes) for entry in sharding.spec]
+        rest += [None] * (g.ndim - 1 - len(rest))
+        return jax.lax.with_sharding_constraint(g, NamedSharding(mesh, P(lead, *rest)))
+
+    def mean_over_shards(g, sharding):
+        total = jax.lax.reduce(g, np.zeros((), g.dtype), jax.lax.add, (0,))  # no upcast
+        total = total / np.asarray(n, g.dtype)
+        return jax.lax.with_sharding_constraint(total, sharding)
+
+    encoded = jax.tree.map(stacked, encoded, param_shardings)
+    grads = jax.tree.map(mean_over_shards, encoded, param_shardings)
+    # Batch statistics were averaged over the shards inside; take the mean once more so a
+    # model that does not ask for batch_axis_name() gets the shards' average.
+    model_state = jax.tree.map(_shard_mean, model_state)
+    return jnp.mean(loss), jax.tree.map(jnp.mean, metrics), model_state, grads
+
+
+def _shard_mean(x: jax.Array) -> jax.Array:
+    return jnp.mean(x, axis=0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x[0]
+
+
+def _without(entry: Any, axes: tuple[str, ...]) -> Any:
+    """A partition-spec entry with the batch axes taken out."""
+    if entry is None:
+        return None
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in axes)
+    return kept if len(kept) > 1 else (kept[0] if kept else None)
 
 
 def make_eval_step(
@@ -160,6 +312,19 @@ class Trainer:
     :param seed: seeds the parameter initialisation of a model the adapter builds.
     :param log_every: the loop waits for the devices only every ``log_every`` steps (and at
         the end), to read the metrics; ``step_time`` is the mean over that window.
+    :param checkpoint_dir: where to keep checkpoints (created if missing; must be writable).
+        :meth:`fit` then saves every ``checkpoint_every`` steps and when it ends, in the
+        background, each device writing its own shards; SIGINT and SIGTERM finish the
+        current step, save it and raise :class:`shardplug.errors.TrainingInterrupted`.
+        Continue a run with :meth:`restore`.
+    :param checkpoint_every: steps between checkpoints (None: only when ``fit`` ends).
+    :param keep: how many checkpoints to keep.
+    :param config: JSON-serialisable settings to store in each checkpoint (the command line
+        stores its arguments), read back as ``trainer.restored_meta["config"]``.
+    :param on_nonfinite: ``"stop"``: a NaN or infinite loss or gradient norm raises
+        :class:`shardplug.errors.NonFiniteError` naming the step and the last good
+        checkpoint (nothing more is saved); ``"skip"``: such a step leaves the model and
+        optimizer as they were, and is counted in ``trainer.skipped_steps``.
     """
 
     def __init__(
@@ -173,6 +338,11 @@ class Trainer:
         mesh: str | Mapping[str, int] | None = None,
         seed: int = 0,
         log_every: int = 10,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int | None = None,
+        keep: int = 3,
+        config: Mapping[str, Any] | None = None,
+        on_nonfinite: str = "stop",
     ):
         if not isinstance(adapter, Adapter):
             raise ConfigError(
@@ -187,6 +357,34 @@ class Trainer:
             raise ConfigError(f"log_every must be a positive integer, got {log_every!r}")
         if not isinstance(seed, int):
             raise ConfigError(f"seed must be an integer, got {seed!r}")
+        if checkpoint_every is not None and (
+            not isinstance(checkpoint_every, int)
+            or isinstance(checkpoint_every, bool)
+            or checkpoint_every < 1
+        ):
+            raise ConfigError(
+                f"checkpoint_every must be a positive integer, got {checkpoint_every!r}"
+            )
+        if checkpoint_every is not None and checkpoint_dir is None:
+            raise ConfigError("checkpoint_every needs a checkpoint_dir to save into")
+        if on_nonfinite not in ("stop", "skip"):
+            raise ConfigError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
+        try:
+            json.dumps(dict(config or {}))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"config must be JSON-serialisable: {exc}") from None
+        self.config = dict(config or {})
+        self.on_nonfinite = on_nonfinite
+        self.checkpoint_every = checkpoint_every
+        self.checkpoints = None
+        if checkpoint_dir is not None:
+            from shardplug.checkpoint import Checkpoints
+
+            self.checkpoints = Checkpoints(checkpoint_dir, keep=keep)
+        self.restored_meta: dict[str, Any] | None = None
+        self.skipped_steps = 0
+        self._step = 0  # the host's count of steps taken: the data position
+        self._saved_step: int | None = None
         self.adapter = adapter
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -278,17 +476,35 @@ class Trainer:
             self._check(batch, 0, self._train.signature)
             return
         start = time.perf_counter()
-        self._train = self._build(
-            make_step(self.adapter, self.loss_fn, self.optimizer, self.strategy, self.mesh), batch
-        )
+        self._train = self._build(self._step_for, batch)
         self.compile_seconds = time.perf_counter() - start
 
-    def _build(self, step_fn: Callable, batch: Any) -> _Program:
-        """Shard ``batch`` as the strategy says and compile ``step_fn`` for it."""
+    def lower(self, batch: Any) -> Any:
+        """The training step for batches shaped like ``batch``, lowered but not compiled.
+
+        A ``jax.stages.Lowered``: ``.as_text()`` is the program before partitioning,
+        ``.compile()`` the program the devices would run (``.as_text()``, ``.memory_analysis()``).
+        """
+        return self._lower(self._step_for, batch)[0]
+
+    def _step_for(self, batch_shardings: Any) -> Callable:
+        return make_step(
+            self.adapter,
+            self.loss_fn,
+            self.optimizer,
+            self.strategy,
+            self.mesh,
+            param_shardings=self.param_shardings,
+            batch_shardings=batch_shardings,
+            skip_nonfinite=self.on_nonfinite == "skip",
+        )
+
+    def _lower(self, step_for: Callable[[Any], Callable], batch: Any) -> tuple[Any, Any]:
+        """Shard ``batch`` as the strategy says and lower ``step_for(its shardings)``."""
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), batch)
         batch_shardings = self.strategy.shard_batch(abstract, self.mesh)
         program = self.strategy.compile_step(
-            step_fn, self.mesh, self.state_shardings, batch_shardings
+            step_for(batch_shardings), self.mesh, self.state_shardings, batch_shardings
         )
         if not hasattr(program, "lower"):
             raise PluginError(
@@ -299,11 +515,15 @@ class Trainer:
         def with_sharding(x, s):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
 
-        compiled = program.lower(
+        lowered = program.lower(
             jax.tree.map(with_sharding, self.state, self.state_shardings),
             jax.tree.map(with_sharding, abstract, batch_shardings),
-        ).compile()
-        return _Program(compiled, batch_shardings, self._signature(batch))
+        )
+        return lowered, batch_shardings
+
+    def _build(self, step_for: Callable[[Any], Callable], batch: Any) -> _Program:
+        lowered, batch_shardings = self._lower(step_for, batch)
+        return _Program(lowered.compile(), batch_shardings, self._signature(batch))
 
     def _check(self, batch: Any, index: int, signature: Any) -> None:
         if self._signature(batch) != signature:
@@ -337,7 +557,7 @@ class Trainer:
         for batch in batches if steps is None else itertools.islice(batches, steps):
             if self._eval is None:
                 step_fn = make_eval_step(self.adapter, self.loss_fn, self.strategy, self.mesh)
-                self._eval = self._build(step_fn, batch)
+                self._eval = self._build(lambda _, fn=step_fn: fn, batch)
             self._check(batch, count, self._eval.signature)
             self.state, metrics = self._eval.compiled(
                 self.state, self._put(batch, self._eval.batch_shardings)
@@ -347,6 +567,11 @@ class Trainer:
         if totals is None:
             raise ConfigError("evaluate got no batches")
         return {name: float(value) / count for name, value in jax.device_get(totals).items()}
+
+    @property
+    def step(self) -> int:
+        """Steps taken so far, counting those of a restored checkpoint: the data position."""
+        return self._step
 
     def fit(
         self,
@@ -358,48 +583,155 @@ class Trainer:
         """Train for ``steps`` steps on ``batches``, continuing from any earlier ``fit``.
 
         :param batches: an iterable of global batches (pytrees of arrays); ``steps`` of them
-            are consumed. Training stops early, with a warning, if it runs out.
+            are consumed. Training stops early, with a warning, if it runs out. After
+            :meth:`restore`, pass the batches from :attr:`step` on.
         :param callback: called with the new history rows each time the loop reads metrics.
-        :return: this call's history rows: ``step`` (counted across calls, from 0), ``loss``,
-            the loss function's metrics, ``step_time`` (seconds) and ``samples_per_sec``.
+        :return: this call's history rows: ``step`` (counted across calls and restores, from
+            0), ``loss``, the loss function's metrics, ``step_time`` (seconds) and
+            ``samples_per_sec`` (and ``skipped``, with ``on_nonfinite="skip"``).
             ``trainer.history`` holds the rows of every call.
         """
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ConfigError(f"steps must be a positive integer, got {steps!r}")
+        if self.checkpoints is not None and self._saved_step is None:
+            existing = self.checkpoints.steps()
+            if existing:
+                raise CheckpointError(
+                    f"{self.checkpoints.directory} already holds checkpoints (newest: step "
+                    f"{existing[-1]}): call restore() to continue that run, or choose an "
+                    f"empty directory"
+                )
         iterator = iter(batches)
-        first_step = len(self.history)
         rows: list[dict[str, float]] = []
         pending: list[dict[str, jax.Array]] = []
+        started = time.perf_counter()
 
         def flush() -> None:
-            new = self._rows(pending, first_step + len(rows), started)
+            nonlocal started
+            new = self._rows(pending, self._step - len(pending), started)
+            pending.clear()
+            flags = [r.pop(NONFINITE) > 0 for r in new]
+            bad = new[flags.index(True)] if True in flags else None
+            if self.on_nonfinite == "skip":
+                for r in new:
+                    self.skipped_steps += int(r["skipped"])
+            elif bad is not None:
+                new = new[: new.index(bad) + 1]
             rows.extend(new)
             self.history.extend(new)
-            pending.clear()
             if callback is not None:
                 callback(new)
+            if bad is not None and self.on_nonfinite == "stop":
+                raise self._nonfinite(int(bad["step"]))
+            started = time.perf_counter()
 
-        started = time.perf_counter()
-        for i in range(steps):
+        with _StopSignals(enabled=self.checkpoints is not None) as stop:
             try:
-                batch = next(iterator)
-            except StopIteration:
-                warnings.warn(f"batches ran out after {i} of {steps} steps", stacklevel=2)
-                break
-            if self._train is None:
-                self.compile(batch)
-                started = time.perf_counter()  # compilation is not a step
-            else:
-                self._check(batch, first_step + i, self._train.signature)
-            global_batch = self._put(batch, self._train.batch_shardings)
-            self.state, metrics = self._train.compiled(self.state, global_batch)
-            pending.append(metrics)
-            if len(pending) == self.log_every:
-                flush()
-                started = time.perf_counter()
-        if pending:
-            flush()
+                for i in range(steps):
+                    if stop.received:
+                        break
+                    try:
+                        batch = next(iterator)
+                    except StopIteration:
+                        warnings.warn(f"batches ran out after {i} of {steps} steps", stacklevel=2)
+                        break
+                    if self._train is None:
+                        self.compile(batch)
+                        started = time.perf_counter()  # compilation is not a step
+                    else:
+                        self._check(batch, self._step, self._train.signature)
+                    global_batch = self._put(batch, self._train.batch_shardings)
+                    self.state, metrics = self._train.compiled(self.state, global_batch)
+                    self._step += 1
+                    pending.append(metrics)
+                    due = self.checkpoint_every is not None and (
+                        self._step % self.checkpoint_every == 0
+                    )
+                    if len(pending) == self.log_every or due:
+                        flush()
+                    if due:
+                        self.save()
+                        started = time.perf_counter()  # saving is not a step
+                if pending:
+                    flush()
+                if self.checkpoints is not None and self._saved_step != self._step:
+                    self.save()
+            finally:
+                if self.checkpoints is not None:
+                    self.checkpoints.wait()
+        if stop.received:
+            name = signal.Signals(stop.received).name
+            path = self.last_checkpoint
+            raise TrainingInterrupted(
+                f"stopped by {name} after step {self._step}; saved {path}: continue with "
+                f"restore() (--resume)",
+                signal=stop.received,
+                step=self._step,
+                checkpoint=path,
+            )
         return rows
+
+    def save(self) -> str:
+        """Checkpoint the current state now (in the background); returns its path."""
+        if self.checkpoints is None:
+            raise ConfigError("this Trainer has no checkpoint_dir to save into")
+        from shardplug import __version__
+
+        meta = {
+            "data_position": self._step,
+            "skipped_steps": self.skipped_steps,
+            "strategy": self.strategy.name,
+            "addons": list(self.strategy.addons),
+            "mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
+            "devices": int(self.mesh.size),
+            "shardplug": __version__,
+            "config": self.config,
+        }
+        path = self.checkpoints.save(self._step, self.state, meta)
+        self._saved_step = self._step
+        return str(path)
+
+    def restore(self, step: int | None = None) -> int:
+        """Continue from the newest good checkpoint in ``checkpoint_dir`` (or from ``step``).
+
+        The arrays are read straight into this trainer's shardings: the strategy, device count
+        and mesh may differ from the run that saved them. A damaged checkpoint is reported
+        (a :class:`ShardplugWarning` with its path), moved aside to ``<step>.damaged``, and
+        the one before it is used. :class:`shardplug.errors.CheckpointError` when there is
+        none, or when it is of another model or optimizer (naming the arrays that differ).
+
+        :return: the step restored, which is also :attr:`step`, the data position.
+        """
+        if self.checkpoints is None:
+            raise ConfigError("this Trainer has no checkpoint_dir to restore from")
+        self.checkpoints.wait()
+        state, meta = self.checkpoints.restore(
+            self.state, self.state_shardings, step=step, quarantine=True
+        )
+        self.state = state
+        self._step = int(meta["data_position"])
+        self._saved_step = int(meta["step"])
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
+        self.restored_meta = meta
+        return self._step
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        """The path of the newest checkpoint saved or restored by this trainer, if any."""
+        if self.checkpoints is None or self._saved_step is None:
+            return None
+        return str(self.checkpoints.path(self._saved_step))
+
+    def _nonfinite(self, step: int) -> NonFiniteError:
+        path = self.last_checkpoint
+        last = f"last good checkpoint: {path}" if path else "no checkpoint saved"
+        return NonFiniteError(
+            f"the loss or gradient is not finite (NaN or inf) at step {step}; {last}. "
+            f"Lower the learning rate, or skip such steps with on_nonfinite='skip' "
+            f"(--on-nonfinite skip)",
+            step=step,
+            checkpoint=path,
+        )
 
     def _rows(
         self, pending: list[dict[str, jax.Array]], first: int, started: float
@@ -407,15 +739,40 @@ class Trainer:
         values = jax.device_get(pending)  # the loop's only wait on the devices
         step_time = (time.perf_counter() - started) / len(values)
         samples = _batch_rows(self._train.signature)
-        return [
-            {
-                "step": first + k,
-                **{name: float(v) for name, v in metrics.items()},
-                "step_time": step_time,
-                "samples_per_sec": samples / step_time if step_time > 0 else math.inf,
-            }
-            for k, metrics in enumerate(values)
-        ]
+        rows = []
+        for k, metrics in enumerate(values):
+            row = {"step": first + k, **{name: float(v) for name, v in metrics.items()}}
+            if self.on_nonfinite == "skip":
+                row["skipped"] = row[NONFINITE]
+            row["step_time"] = step_time
+            row["samples_per_sec"] = samples / step_time if step_time > 0 else math.inf
+            rows.append(row)
+        return rows
+
+
+class _StopSignals:
+    """While active (in the main thread), SIGINT and SIGTERM ask the loop to stop after the
+    current step instead of killing it; a second SIGINT interrupts at once."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __enter__(self) -> _StopSignals:
+        if self.enabled:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 def _dtype(x: Any) -> np.dtype:

@@ -1,0 +1,409 @@
+"""Checkpoints: asynchronous, sharded, verified, and restorable onto any strategy or mesh.
+
+A checkpoint is one Orbax checkpoint (``DIR/<step>/``) with two items:
+
+- ``state``: every array of the training state (parameters, optimizer state, model state,
+  step, random key), each device writing its own shards, in the background;
+- ``meta``: JSON: the name, shape and dtype of every array, a fingerprint of each, the step,
+  the data position, and the configuration the run was made with.
+
+Orbax writes into a temporary directory and renames it when complete, so a checkpoint cut
+short (a crash, SIGKILL) is never listed. The fingerprints, computed on the devices before
+saving and again after restoring, catch a checkpoint whose files were damaged since. Nothing
+in a checkpoint is unpickled or evaluated: the arrays are tensorstore data, the rest JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shardplug.core.sharding import path_str
+from shardplug.errors import CheckpointError, ConfigError, ShardplugWarning
+
+FORMAT = 1
+
+
+def state_leaves(state: Any) -> tuple[list[str], list[Any], Any]:
+    """Names (``params/blocks/0/mlp/kernel``), leaves and treedef of a training state."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    names = [path_str(path) for path, _ in flat]
+    if len(set(names)) != len(names):
+        raise ConfigError("the training state has two leaves with the same path")
+    return names, [leaf for _, leaf in flat], treedef
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def describe(names: Sequence[str], leaves: Sequence[Any]) -> dict[str, dict[str, Any]]:
+    """``{name: {"shape", "dtype"[, "key"]}}``: what the checkpoint's JSON records of each."""
+    out = {}
+    for name, x in zip(names, leaves, strict=True):
+        if _is_key(x):
+            data = jax.eval_shape(jax.random.key_data, x)
+            impl = str(jax.random.key_impl(x)) if isinstance(x, jax.Array) else None
+            out[name] = {"shape": list(data.shape), "dtype": str(data.dtype), "key": impl}
+        else:
+            out[name] = {"shape": list(x.shape), "dtype": str(jnp.dtype(x.dtype))}
+    return out
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """``x``'s bits as uint32 words (one per element, two for 64-bit types)."""
+    if _is_key(x):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    bits = jnp.dtype(x.dtype).itemsize * 8
+    if bits < 32:
+        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{bits}")).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _fingerprint(x: jax.Array) -> jax.Array:
+    """A position-weighted sum of the bits, mod 2**32: the same under any sharding (integer
+    addition is associative), and changed by any change to a single element."""
+    words = _words(x)
+    index = jnp.zeros(words.shape, jnp.uint32)
+    stride = 1
+    for dim in reversed(range(words.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, dim) * np.uint32(
+            stride % 2**32
+        )
+        stride *= words.shape[dim]
+    weight = (index * np.uint32(0x9E3779B1) + np.uint32(0x7F4A7C15)) | np.uint32(1)
+    return jnp.sum(words * weight, dtype=jnp.uint32)
+
+
+@jax.jit
+def _fingerprints(leaves: list[jax.Array]) -> list[jax.Array]:
+    return [_fingerprint(x) for x in leaves]
+
+
+def fingerprints(leaves: Sequence[jax.Array]) -> list[int]:
+    """One 32-bit fingerprint per array, computed where the arrays live."""
+    return [int(f) for f in jax.device_get(_fingerprints(list(leaves)))]
+
+
+def _storable(x: jax.Array) -> jax.Array:
+    return jax.random.key_data(x) if _is_key(x) else x
+
+
+class Checkpoints:
+    """The checkpoints in one directory: save asynchronously, restore the newest good one.
+
+    :param directory: created if missing; must be writable unless ``read_only``.
+    :param keep: how many checkpoints to keep (the oldest are deleted).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, read_only: bool = False):
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ConfigError(f"keep must be a positive integer, got {keep!r}")
+        self.directory = Path(directory).absolute()
+        if read_only:
+            if not self.directory.is_dir():
+                raise CheckpointError(f"checkpoint directory {self.directory} does not exist")
+        else:
+            _check_writable(self.directory)
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep,
+                create=False,
+                cleanup_tmp_directories=not read_only,
+                enable_async_checkpointing=True,
+            ),
+        )
+
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints, oldest first."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def path(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> Path:
+        """Start writing ``state`` as checkpoint ``step``; returns before the files are written.
+
+        The devices' arrays are copied to host memory first, so training may go on (and
+        donate the state) at once. ``meta`` is stored as JSON with the names, shapes, dtypes
+        and fingerprints of the arrays added.
+        """
+        names, leaves, _ = state_leaves(state)
+        record = {
+            "format": FORMAT,
+            "step": int(step),
+            "saved_at": datetime.datetime.now(datetime.UTC).isoformat(),
+            **meta,
+            "arrays": describe(names, leaves),
+            "fingerprints": dict(zip(names, fingerprints(leaves), strict=True)),
+        }
+        arrays = [_storable(x) for x in leaves]
+        ocp = self._ocp
+        self._manager.save(
+            int(step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(record)
+            ),
+            force=True,
+        )
+        return self.path(step)
+
+    def wait(self) -> None:
+        """Block until every save started has been written and committed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """The JSON of checkpoint ``step``; :class:`CheckpointError` if it is unreadable."""
+        try:
+            restored = self._manager.restore(
+                step, args=self._ocp.args.Composite(meta=self._ocp.args.JsonRestore())
+            )
+            meta = restored.meta
+        except Exception as exc:
+            raise CheckpointError(
+                f"checkpoint {self.path(step)} is damaged: its metadata cannot be read "
+                f"({_reason(exc)})"
+            ) from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CheckpointError(
+                f"checkpoint {self.path(step)} is not a shardplug checkpoint of format {FORMAT}"
+            )
+        return meta
+
+    def restore(
+        self, like: Any, shardings: Any, *, step: int | None = None, quarantine: bool = False
+    ) -> tuple[Any, dict[str, Any]]:
+        """The newest good checkpoint (or ``step``), read into ``shardings``.
+
+        :param like: a state of the same structure (arrays or ``jax.ShapeDtypeStruct``); the
+            checkpoint's arrays must have its names, shapes and dtypes.
+        :param shardings: a ``NamedSharding`` per leaf of ``like``: each device reads only its
+            own shards, whatever strategy, device count or mesh saved them.
+        :param quarantine: rename a damaged checkpoint to ``<step>.damaged`` so that a run
+            continuing from an older one can save that step again.
+        :return: the state and the checkpoint's JSON.
+
+        A damaged checkpoint (unreadable, or arrays that differ from their fingerprints) is
+        reported in a :class:`ShardplugWarning` naming its path, and the previous one is
+        tried; :class:`CheckpointError` when none is left. A checkpoint of another model or
+        optimizer raises :class:`CheckpointError` naming the arrays that differ.
+        """
+        available = self.steps()
+        if not available:
+            raise CheckpointError(
+                f"no checkpoint in {self.directory}: it is empty or holds no complete checkpoint"
+            )
+        if step is not None and step not in available:
+            raise CheckpointError(
+                f"no checkpoint of step {step} in {self.directory}; it has steps "
+                f"{', '.join(map(str, available))}"
+            )
+        candidates = [step] if step is not None else list(reversed(available))
+        problems = []
+        for candidate in candidates:
+            try:
+                return self._restore(candidate, like, shardings)
+            except _Damaged as exc:
+                problems.append(str(exc))
+                moved = self._quarantine(candidate) if quarantine else None
+                older = [c for c in candidates if c < candidate]
+                warnings.warn(
+                    f"{exc}"
+                    + (f"; moved it to {moved}" if moved else "")
+                    + (f"; trying step {older[0]}" if older else "; no older checkpoint"),
+                    ShardplugWarning,
+                    stacklevel=2,
+                )
+        raise CheckpointError(f"no good checkpoint in {self.directory}: {'; '.join(problems)}")
+
+    def _restore(self, step: int, like: Any, shardings: Any) -> tuple[Any, dict[str, Any]]:
+        try:
+            meta = self.read_meta(step)
+        except CheckpointError as exc:
+            raise _Damaged(str(exc)) from None
+        names, leaves, treedef = state_leaves(like)
+        expected = describe(names, leaves)
+        _check_same_arrays(self.path(step), meta.get("arrays", {}), expected)
+        shard_list = jax.tree.leaves(shardings)
+        abstract = [
+            jax.ShapeDtypeStruct(tuple(info["shape"]), jnp.dtype(info["dtype"]), sharding=s)
+            for info, s in zip((expected[n] for n in names), shard_list, strict=True)
+        ]
+        ocp = self._ocp
+        try:
+            with _quiet_when_failing():
+                restored = self._manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+                )
+            arrays = list(restored.state)
+        except Exception as exc:
+            raise _Damaged(
+                f"checkpoint {self.path(step)} is damaged: its arrays cannot be read "
+                f"({_reason(exc)})"
+            ) from None
+        saved = meta.get("fingerprints", {})
+        found = fingerprints(arrays)
+        wrong = [n for n, f in zip(names, found, strict=True) if saved.get(n) != f]
+        if wrong:
+            raise _Damaged(
+                f"checkpoint {self.path(step)} is damaged: {len(wrong)} array(s) differ from "
+                f"what was saved ({', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''})"
+            )
+        out = [
+            jax.random.wrap_key_data(a, impl=expected[n]["key"]) if "key" in expected[n] else a
+            for n, a in zip(names, arrays, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, out), meta
+
+    def _quarantine(self, step: int) -> Path | None:
+        target = self.directory / f"{step}.damaged"
+        suffix = 1
+        while target.exists():
+            target = self.directory / f"{step}.damaged.{suffix}"
+            suffix += 1
+        try:
+            self.path(step).rename(target)
+        except OSError:
+            return None
+        self._manager.reload()
+        return target
+
+    def read_arrays(self, step: int | None = None, prefix: str = "") -> dict[str, np.ndarray]:
+        """The arrays whose names start with ``prefix``, as host NumPy arrays (for export).
+
+        Read on the first device, whatever saved them; verified against the fingerprints.
+        """
+        available = self.steps()
+        if not available:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        step = available[-1] if step is None else step
+        meta = self.read_meta(step)
+        names = list(meta["arrays"])
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = [
+            jax.ShapeDtypeStruct(
+                tuple(meta["arrays"][n]["shape"]), jnp.dtype(meta["arrays"][n]["dtype"]),
+                sharding=device,
+            )
+            for n in names
+        ]  # fmt: skip
+        ocp = self._ocp
+        try:
+            with _quiet_when_failing():
+                restored = self._manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+                )
+        except Exception as exc:
+            raise CheckpointError(
+                f"checkpoint {self.path(step)} is damaged: its arrays cannot be read "
+                f"({_reason(exc)})"
+            ) from None
+        arrays = list(restored.state)
+        found = fingerprints(arrays)
+        for name, f in zip(names, found, strict=True):
+            if meta["fingerprints"].get(name) != f:
+                raise CheckpointError(
+                    f"checkpoint {self.path(step)} is damaged: array {name} differs from "
+                    f"what was saved"
+                )
+        return {
+            n[len(prefix) :]: np.asarray(a)
+            for n, a in zip(names, arrays, strict=True)
+            if n.startswith(prefix) and "key" not in meta["arrays"][n]
+        }
+
+
+class _Damaged(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _quiet_when_failing() -> Iterator[None]:
+    """When Orbax gives up on unreadable files, tensorstore's pending reads still complete
+    into Orbax's closed event loop, each raising "Event loop is closed" where nobody can
+    catch it. Those (and only those) are dropped while a failed read winds down."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
+            unraisable.exc_value
+        ):
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    except BaseException:
+        time.sleep(0.2)  # let the stragglers arrive while the hook is in place
+        raise
+    finally:
+        sys.unraisablehook = previous
+
+
+def _reason(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:200]}"
+
+
+def _check_writable(directory: Path) -> None:
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"checkpoint directory {directory} is a file: name a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".shardplug-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"checkpoint directory {directory} is not writable ({exc.strerror or exc}): "
+            f"choose another --checkpoint-dir"
+        ) from None
+
+
+def _check_same_arrays(path: Path, saved: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+    """A checkpoint of another model or optimizer is an error naming what differs."""
+    missing = [n for n in expected if n not in saved]
+    extra = [n for n in saved if n not in expected]
+    reshaped = [
+        f"{n} {tuple(saved[n]['shape'])} {saved[n]['dtype']} vs "
+        f"{tuple(expected[n]['shape'])} {expected[n]['dtype']}"
+        for n in expected
+        if n in saved
+        and (saved[n]["shape"] != expected[n]["shape"] or saved[n]["dtype"] != expected[n]["dtype"])
+    ]
+    if not (missing or extra or reshaped):
+        return
+    parts = []
+    for label, items in (
+        ("not in the checkpoint", missing),
+        ("only in the checkpoint", extra),
+        ("different shape or dtype", reshaped),
+    ):
+        if items:
+            shown = ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
+            parts.append(f"{label}: {shown}")
+    raise CheckpointError(
+        f"checkpoint {path} is of a different model or optimizer; {'; '.join(parts)}"
+    )

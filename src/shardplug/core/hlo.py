@@ -1,0 +1,73 @@
+"""Reading a compiled step's HLO: which collectives it runs, how many, and how many bytes."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+import re
+import tempfile
+from typing import Any
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(KINDS) + r")(-start)?\(")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One kind of collective in one dtype: how many ops, and the bytes they produce."""
+
+    kind: str
+    dtype: str
+    count: int
+    bytes: int
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective in an HLO module's text, grouped by kind and dtype.
+
+    ``bytes`` is the size of each op's result summed over the ops (for an all-reduce the
+    reduced buffer, for an all-gather the gathered one), per device. An op over a tuple
+    (XLA combines small all-reduces) counts once, with all its arrays.
+    """
+    count: collections.Counter[tuple[str, str]] = collections.Counter()
+    size: collections.Counter[tuple[str, str]] = collections.Counter()
+    for line in hlo_text.splitlines():
+        match = _OP.match(line)
+        if match is None:
+            continue
+        shape, kind, started = match.groups()
+        arrays = _ARRAY.findall(re.sub(r"/\*.*?\*/", "", shape))
+        if started and kind != "all-reduce" and len(arrays) % 2 == 0:
+            arrays = arrays[len(arrays) // 2 :]  # async (operands, results): the results
+        seen: set[str] = set()
+        for dtype, dims in arrays:
+            size[kind, dtype] += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+            if dtype not in seen:
+                count[kind, dtype] += 1
+                seen.add(dtype)
+    return [Collective(k, d, count[k, d], size[k, d]) for k, d in sorted(size)]
+
+
+def partitioned_hlo(lowered: Any) -> str:
+    """The step's HLO right after SPMD partitioning: the collectives the program asks for,
+    before the backend rewrites them (XLA's CPU backend, for one, runs bfloat16 all-reduces
+    in float32, since its collectives do not implement bfloat16 reductions)."""
+    with tempfile.TemporaryDirectory() as folder:
+        lowered.compile(
+            compiler_options={"xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning"}
+        )
+        found = sorted(f for f in os.listdir(folder) if "after_spmd-partitioning" in f)
+        if not found:
+            raise RuntimeError("XLA wrote no HLO after SPMD partitioning")
+        with open(os.path.join(folder, found[-1])) as file:
+            return file.read()
