@@ -86,7 +86,10 @@ def test_it_trains_like_one_device_in_float32(strategy):
         strict=True,
     ):
         if jnp.issubdtype(ours.dtype, jnp.floating):  # the running means and variances
-            np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-4)
+            # per-shard statistics would make the running variances some 5% smaller here
+            # (8-row shards lose the variance of the shard means); bf16 gradients move the
+            # weights, and so the statistics, by well under 1%
+            np.testing.assert_allclose(ours, theirs, rtol=1e-2, atol=1e-3)
             statistics += 1
     assert statistics == 4
 

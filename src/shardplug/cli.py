@@ -151,6 +151,34 @@ def build_parser() -> argparse.ArgumentParser:
         "named (default), or skip the update and count it",
     )
 
+    multi = train.add_argument_group(
+        "multi-process (jax.distributed)",
+        "Join a job of many processes, one global mesh: give all three, or --distributed to "
+        "read them from the cluster's environment (SLURM, Open MPI, Cloud TPU). --devices is "
+        "then the job's total; each process feeds its own rows of every batch.",
+    )
+    multi.add_argument(
+        "--coordinator", default=None, metavar="HOST:PORT", help="process 0's address"
+    )
+    multi.add_argument("--num-processes", type=_positive(int), default=None)
+    multi.add_argument("--process-id", type=int, default=None)
+    multi.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join the job the environment describes (jax.distributed.initialize())",
+    )
+
+    launch = sub.add_parser(
+        "launch",
+        help="run a command as N processes of one job on this machine",
+        description="Start N processes with a coordinator on a free loopback port, each "
+        "with its share of the devices, as one jax.distributed job; output prefixed by rank. "
+        "Example: shardplug launch --nprocs 2 --devices-per-proc 4 -- train --strategy fsdp",
+    )
+    launch.add_argument("--nprocs", type=_positive(int), required=True)
+    launch.add_argument("--devices-per-proc", type=_positive(int), default=4)
+    launch.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- train ...")
+
     export = sub.add_parser(
         "export",
         help="write a checkpoint's weights to an .npz for inference",
@@ -311,7 +339,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     mesh = parse_mesh(args.mesh) if args.mesh else None
     if args.metrics_out is not None and args.metrics_out.is_dir():
         raise ConfigError(f"--metrics-out {args.metrics_out} is a directory: name a file")
-    simulate_cpu_devices(args.devices)
+    _join_or_simulate(args, simulate_cpu_devices)
     _quiet_orbax()
 
     import optax
@@ -343,16 +371,25 @@ def cmd_train(args: argparse.Namespace) -> int:
         },
         on_nonfinite=args.on_nonfinite,
     )
+    from shardplug.distributed import is_primary, process_rows
+
+    primary = is_primary()  # process 0 alone writes metrics, progress and the summary
     start = trainer.restore() if args.resume else 0
     if start >= args.steps:
-        print(f"shardplug: the checkpoint is at step {start}, already at --steps {args.steps}")
+        if primary:
+            print(f"shardplug: the checkpoint is at step {start}, already at --steps {args.steps}")
         return 0
-    batches = model.batches(batch_size, args.seed, start=start)
+    # each process makes only its own rows of every batch
+    batches = model.batches(batch_size, args.seed, start=start, rows=process_rows(batch_size))
     first = next(batches)
     trainer.compile(first)  # a batch that does not split fails here, before any output
-    out = _open_metrics(args.metrics_out, resume_from=start if args.resume else None)
+    out = (
+        _open_metrics(args.metrics_out, resume_from=start if args.resume else None)
+        if primary
+        else None
+    )
     try:
-        with _Progress(args.quiet, args.steps, start) as advance:
+        with _Progress(args.quiet or not primary, args.steps, start) as advance:
 
             def log(rows: list[dict[str, float]]) -> None:
                 if out is not None:
@@ -366,19 +403,54 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         if out is not None:
             out.close()
+    if not primary:
+        return 0
     device = trainer.mesh.devices.flat[0].platform
     timed = history[min(args.log_every, len(history) - 1) :] or history
     step_ms = 1000 * sum(r["step_time"] for r in timed) / len(timed)
     resumed = f" from step {start}" if start else ""
     saved_to = f"; saved {trainer.last_checkpoint}" if trainer.checkpoints is not None else ""
+    import jax
+
+    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     print(
         f"shardplug: trained {args.model} ({args.adapter}) with {args.strategy} on "
-        f"{trainer.mesh.size} {device} devices ({describe(trainer.mesh)}), "
+        f"{trainer.mesh.size} {device} devices{processes} ({describe(trainer.mesh)}), "
         f"batch {batch_size}: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} "
         f"in {len(history)} steps{resumed}; compile {trainer.compile_seconds:.1f} s, "
         f"{step_ms:.1f} ms/step, {batch_size / step_ms * 1000:.0f} samples/s{saved_to}"
     )
     return 0
+
+
+def _join_or_simulate(args: argparse.Namespace, simulate: Any) -> None:
+    """Join the multi-process job the flags describe, or simulate this process's devices."""
+    explicit = [args.coordinator, args.num_processes, args.process_id]
+    if args.distributed and any(v is not None for v in explicit):
+        raise ConfigError("give either --distributed or --coordinator/--num-processes/--process-id")
+    if not args.distributed and all(v is None for v in explicit):
+        simulate(args.devices)
+        return
+    from shardplug.distributed import initialize
+
+    if args.distributed:
+        initialize()
+        return
+    if args.num_processes is not None and args.devices % args.num_processes:
+        raise ConfigError(
+            f"--devices {args.devices} does not split over --num-processes {args.num_processes}"
+        )
+    local = None if args.num_processes is None else args.devices // args.num_processes
+    initialize(args.coordinator, args.num_processes, args.process_id, local_cpu_devices=local)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from shardplug.launch import launch
+
+    command = list(args.command_args)
+    if command and command[0] == "--":
+        command = command[1:]
+    return launch(args.nprocs, args.devices_per_proc, command)
 
 
 def _quiet_orbax() -> None:
@@ -467,7 +539,12 @@ class _Progress:
             self.bar.stop()
 
 
-COMMANDS = {"strategies": cmd_strategies, "train": cmd_train, "export": cmd_export}
+COMMANDS = {
+    "strategies": cmd_strategies,
+    "train": cmd_train,
+    "launch": cmd_launch,
+    "export": cmd_export,
+}
 
 
 def _warn_in_one_line(message, category, filename, lineno, file=None, line=None):

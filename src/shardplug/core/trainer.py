@@ -501,8 +501,10 @@ class Trainer:
 
     def _lower(self, step_for: Callable[[Any], Callable], batch: Any) -> tuple[Any, Any]:
         """Shard ``batch`` as the strategy says and lower ``step_for(its shardings)``."""
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), batch)
+        abstract = jax.tree.map(_global_struct, batch)
         batch_shardings = self.strategy.shard_batch(abstract, self.mesh)
+        if jax.process_count() > 1:
+            jax.tree.map(_check_process_rows, abstract, batch_shardings)
         program = self.strategy.compile_step(
             step_for(batch_shardings), self.mesh, self.state_shardings, batch_shardings
         )
@@ -535,9 +537,11 @@ class Trainer:
 
     @staticmethod
     def _put(batch: Any, shardings: Any) -> Any:
-        """The host batch as a global array in ``shardings``."""
+        """This process's rows of the batch as one global array in ``shardings``."""
         return jax.tree.map(
-            lambda x, s: jax.make_array_from_process_local_data(s, np.asarray(x)),
+            lambda x, s: jax.make_array_from_process_local_data(
+                s, np.asarray(x), _global_struct(x).shape
+            ),
             batch,
             shardings,
         )
@@ -582,8 +586,10 @@ class Trainer:
     ) -> list[dict[str, float]]:
         """Train for ``steps`` steps on ``batches``, continuing from any earlier ``fit``.
 
-        :param batches: an iterable of global batches (pytrees of arrays); ``steps`` of them
-            are consumed. Training stops early, with a warning, if it runs out. After
+        :param batches: an iterable of batches (pytrees of arrays); ``steps`` of them are
+            consumed. In a multi-process run each process passes its own block of rows
+            (:func:`shardplug.distributed.process_rows`), and the global batch is assembled
+            from the processes' blocks. Training stops early, with a warning, if it runs out. After
             :meth:`restore`, pass the batches from :attr:`step` on.
         :param callback: called with the new history rows each time the loop reads metrics.
         :return: this call's history rows: ``step`` (counted across calls and restores, from
@@ -738,7 +744,7 @@ class Trainer:
     ) -> list[dict[str, float]]:
         values = jax.device_get(pending)  # the loop's only wait on the devices
         step_time = (time.perf_counter() - started) / len(values)
-        samples = _batch_rows(self._train.signature)
+        samples = _batch_rows(self._train.signature) * jax.process_count()
         rows = []
         for k, metrics in enumerate(values):
             row = {"step": first + k, **{name: float(v) for name, v in metrics.items()}}
@@ -777,6 +783,36 @@ class _StopSignals:
 
 def _dtype(x: Any) -> np.dtype:
     return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def _global_struct(x: Any) -> jax.ShapeDtypeStruct:
+    """The global batch leaf that this process's ``x`` is a part of: in a multi-process run
+    each process holds an equal block of the leading (batch) dimension."""
+    shape = np.shape(x)
+    if shape and jax.process_count() > 1:
+        shape = (shape[0] * jax.process_count(), *shape[1:])
+    return jax.ShapeDtypeStruct(shape, _dtype(x))
+
+
+def _check_process_rows(leaf: jax.ShapeDtypeStruct, sharding: NamedSharding) -> None:
+    """The strategy must give this process exactly the rows it feeds."""
+    if not leaf.shape:
+        return
+    from shardplug.distributed import process_rows
+
+    want = process_rows(leaf.shape[0])
+    rows = {
+        index[0].indices(leaf.shape[0])[:2]
+        for index in sharding.addressable_devices_indices_map(leaf.shape).values()
+    }
+    lo, hi = min(r[0] for r in rows), max(r[1] for r in rows)
+    if (lo, hi) != (want.start, want.stop):
+        raise BatchError(
+            f"the strategy's batch sharding {sharding.spec} gives process "
+            f"{jax.process_index()} rows {lo}..{hi - 1} of {leaf.shape[0]}, but each process "
+            f"feeds its own block ({want.start}..{want.stop - 1}): split the batch over "
+            f"axes whose devices are grouped by process"
+        )
 
 
 def _batch_rows(signature: Any) -> int:

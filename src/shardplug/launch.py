@@ -1,0 +1,179 @@
+"""``shardplug launch``: N processes of ``shardplug train`` on this machine, one job.
+
+Each worker is told the coordinator (process 0, on a free loopback port), the process count
+and its id, and simulates its share of the devices; together they form one global mesh over
+``jax.distributed`` with gloo collectives, as hosts of a cluster would. Output is streamed
+line by line, prefixed by rank. If a worker fails, the others are stopped within seconds and
+the launch exits non-zero naming it; Ctrl-C (or SIGTERM) is passed on to every worker, which
+then saves a checkpoint if it keeps them; no worker outlives the launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO
+
+from shardplug.errors import ConfigError
+
+GRACE_S = 10.0  # how long workers asked to stop (Ctrl-C) get to save and exit
+FAILED_GRACE_S = 5.0  # after a worker failed, the others only wait in collectives
+EXIT_WORKER_FAILED = 1
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child before exec (Linux)
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: killed if the launcher dies
+    except OSError:
+        pass
+
+
+def _stream(rank: int, pipe: IO[str], out: IO[str], lock: threading.Lock) -> None:
+    for line in pipe:
+        with lock:
+            out.write(f"[{rank}] {line}" if line.endswith("\n") else f"[{rank}] {line}\n")
+            out.flush()
+
+
+def worker_command(train_args: Sequence[str], rank: int, nprocs: int, devices: int, port: int):
+    return [
+        sys.executable,
+        "-m",
+        "shardplug",
+        *train_args,
+        "--devices",
+        str(devices),
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        str(nprocs),
+        "--process-id",
+        str(rank),
+    ]
+
+
+def check_train_args(train_args: Sequence[str]) -> None:
+    if not train_args or train_args[0] != "train":
+        raise ConfigError("give the command to run after --, e.g. -- train --strategy fsdp")
+    for flag in ("--devices", "--coordinator", "--num-processes", "--process-id"):
+        if any(a == flag or a.startswith(flag + "=") for a in train_args):
+            raise ConfigError(f"launch sets {flag} itself: leave it out of the train arguments")
+
+
+def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int:
+    """Run the job; returns the exit code (0 when every worker succeeded)."""
+    check_train_args(train_args)
+    port = free_port()
+    lock = threading.Lock()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    workers: list[subprocess.Popen] = []
+    threads = []
+    for rank in range(nprocs):
+        cmd = worker_command(train_args, rank, nprocs, nprocs * devices_per_proc, port)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches the launcher, which passes it on
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        workers.append(proc)
+        t = threading.Thread(
+            target=_stream, args=(rank, proc.stdout, sys.stdout, lock), daemon=True
+        )
+        t.start()
+        threads.append(t)
+    # Exits in the order they happen: when one worker dies the others abort moments later,
+    # and the first is the cause to name.
+    exits: list[tuple[int, int]] = []
+    for rank, proc in enumerate(workers):
+        threading.Thread(
+            target=lambda r=rank, p=proc: exits.append((r, p.wait())), daemon=True
+        ).start()
+
+    received: list[int] = []
+    signalled_at: list[float] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        signalled_at.append(time.monotonic())
+        for proc in workers:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    failed: tuple[int, int] | None = None
+    try:
+        while len(exits) < len(workers):
+            bad = [(r, c) for r, c in list(exits) if c != 0]
+            if bad and failed is None and not received:
+                failed = bad[0]
+                _stop(workers, lock, f"process {failed[0]} {_how(failed[1])}: stopping the others")
+            if signalled_at and time.monotonic() > signalled_at[0] + GRACE_S:
+                _kill(workers)  # they had their chance to save
+            time.sleep(0.05)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _kill(workers)
+        for t in threads:
+            t.join(timeout=5)
+    if failed is not None:
+        rank, code = failed
+        print(f"shardplug: error: process {rank} {_how(code)}; stopped the others", file=sys.stderr)
+        return EXIT_WORKER_FAILED
+    if received:
+        return 128 + received[0]
+    bad = [(r, c) for r, c in exits if c != 0]
+    if bad:
+        rank, code = bad[0]
+        print(f"shardplug: error: process {rank} {_how(code)}", file=sys.stderr)
+        return EXIT_WORKER_FAILED
+    return 0
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _stop(workers: list[subprocess.Popen], lock: threading.Lock, why: str) -> None:
+    with lock:
+        print(f"shardplug: {why}", file=sys.stderr, flush=True)
+    for proc in workers:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + FAILED_GRACE_S
+    while time.monotonic() < deadline and any(p.poll() is None for p in workers):
+        time.sleep(0.05)
+    _kill(workers)
+
+
+def _kill(workers: list[subprocess.Popen]) -> None:
+    for proc in workers:
+        if proc.poll() is None:
+            proc.kill()
+    for proc in workers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)

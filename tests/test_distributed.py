@@ -1,0 +1,181 @@
+"""Multi-process runs for real: ``shardplug launch`` starts 2 processes x 4 simulated CPU
+devices that join one ``jax.distributed`` job (gloo collectives over loopback)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import optax
+import pytest
+
+import shardplug
+from shardplug.cli import main
+
+ENV = {**os.environ, "SHARDPLUG_PLUGINS": "", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+STEPS = 10
+
+
+def launch(*train_args: str, nprocs: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "shardplug", "launch", "--nprocs", str(nprocs),
+           "--devices-per-proc", "4", "--", "train", "--quiet", *train_args]  # fmt: skip
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def one_process_losses(strategy, model_name, steps, **kwargs):
+    model = shardplug.get_model(model_name)
+    trainer = shardplug.Trainer(
+        model.adapter("nnx"),
+        loss_fn=model.loss_fn,
+        optimizer=optax.adam(model.learning_rate),
+        strategy=strategy,
+        **kwargs,
+    )
+    return trainer, [r["loss"] for r in trainer.fit(model.batches(model.batch_size, 0), steps)]
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp", "2d", "pmap"])
+def test_two_processes_train_like_one(strategy, tmp_path):
+    out = tmp_path / "m.jsonl"
+    done = launch("--strategy", strategy, "--model", "mlp", "--steps", str(STEPS), "--seed", "0",
+                  "--metrics-out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    # process 0 alone writes the metrics and the summary; every line is prefixed by its rank
+    written = rows(out)
+    assert [r["step"] for r in written] == list(range(STEPS))
+    summary = [line for line in done.stdout.splitlines() if "shardplug: trained" in line]
+    assert len(summary) == 1 and summary[0].startswith("[0] ")
+    assert f"with {strategy} on 8 cpu devices in 2 processes" in summary[0]
+    _, want = one_process_losses(strategy, "mlp", STEPS)
+    np.testing.assert_allclose([r["loss"] for r in written], want, rtol=1e-4)
+
+
+def test_killing_a_worker_ends_the_launch_and_leaves_no_worker(tmp_path):
+    cmd = [sys.executable, "-m", "shardplug", "launch", "--nprocs", "2", "--devices-per-proc",
+           "4", "--", "train", "--model", "mlp", "--steps", "1000000", "--log-every", "1",
+           "--metrics-out", str(tmp_path / "m.jsonl"), "--quiet"]  # fmt: skip
+    launcher = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not ((tmp_path / "m.jsonl").exists() and (tmp_path / "m.jsonl").read_text()):
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.1)
+        workers = _children(launcher.pid)
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = launcher.communicate(timeout=60)
+        assert time.monotonic() - killed_at < 60
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0
+    assert "shardplug: error: process 1 was killed by SIGKILL; stopped the others" in err
+    assert "Traceback" not in err
+    assert not any(_alive(pid) for pid in workers)
+
+
+def test_ctrl_c_reaches_every_worker_which_save_and_stop(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "shardplug", "launch", "--nprocs", "2", "--devices-per-proc",
+           "4", "--", "train", "--model", "mlp", "--steps", "1000000", "--log-every", "1",
+           "--checkpoint-dir", str(ckpt), "--metrics-out", str(tmp_path / "m.jsonl"),
+           "--quiet"]  # fmt: skip
+    launcher = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not ((tmp_path / "m.jsonl").exists() and (tmp_path / "m.jsonl").read_text()):
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.1)
+        workers = _children(launcher.pid)
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGINT, out[-2000:] + err[-2000:]
+    stopped = [line for line in out.splitlines() if "stopped by SIGINT after step" in line]
+    assert len(stopped) == 2  # both processes finished their step and saved it together
+    steps = {int(line.split("after step ")[1].split(";")[0]) for line in stopped}
+    assert len(steps) == 1
+    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == sorted(steps)
+    assert not any(_alive(pid) for pid in workers)
+
+
+def test_checkpoints_move_between_process_counts(tmp_path):
+    """Saved by 2 processes, resumed by 1 (8 devices); saved by 1, resumed by 2."""
+    _, want = one_process_losses("fsdp", "cnn", 8)
+    two = tmp_path / "two"
+    done = launch("--strategy", "fsdp", "--model", "cnn", "--steps", "4",
+                  "--checkpoint-dir", str(two))  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    model = shardplug.get_model("cnn")
+    trainer = shardplug.Trainer(
+        model.adapter("nnx"), loss_fn=model.loss_fn, optimizer=optax.adam(model.learning_rate),
+        strategy="2d", checkpoint_dir=two,
+    )  # fmt: skip
+    assert trainer.restore() == 4
+    resumed = trainer.fit(model.batches(model.batch_size, 0, start=4), 4)
+    np.testing.assert_allclose([r["loss"] for r in resumed], want[4:], rtol=1e-4)
+
+    one = tmp_path / "one"
+    assert main(["train", "--strategy", "dp", "--model", "cnn", "--steps", "4", "--quiet",
+                 "--checkpoint-dir", str(one)]) == 0  # fmt: skip
+    out = tmp_path / "m.jsonl"
+    done = launch("--resume", "--checkpoint-dir", str(one), "--strategy", "pmap", "--steps", "8",
+                  "--metrics-out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    np.testing.assert_allclose([r["loss"] for r in rows(out)], want[4:], rtol=1e-4)
+
+
+BAD = [
+    (["launch", "--nprocs", "2", "--", "strategies"], "give the command to run after --"),
+    (["launch", "--nprocs", "2", "--", "train", "--devices", "8"], "launch sets --devices"),
+    (["train", "--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],
+     "coordinator 'localhost' is not HOST:PORT"),
+    (["train", "--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
+     "--process-id must be in 0..1, got 2"),
+    (["train", "--coordinator", "127.0.0.1:1234"],
+     "give --coordinator, --num-processes and --process-id together"),
+    (["train", "--coordinator", "127.0.0.1:1234", "--num-processes", "3", "--process-id", "0"],
+     "--devices 8 does not split over --num-processes 3"),
+    (["train", "--distributed", "--num-processes", "2"], "give either --distributed or"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_multiprocess_input_is_one_line(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardplug: error: ") and message in err[0]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # the field after the state is the parent's pid
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "\nState:\tZ" in status.read_text())
