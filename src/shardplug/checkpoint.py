@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import os
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -277,6 +278,8 @@ class Checkpoints:
         return jax.tree.unflatten(treedef, out), meta
 
     def _quarantine(self, step: int) -> Path | None:
+        if jax.process_index() != 0:  # one process renames; every process skips the step
+            return None
         target = self.directory / f"{step}.damaged"
         suffix = 1
         while target.exists():
@@ -372,9 +375,9 @@ def _check_writable(directory: Path) -> None:
         raise ConfigError(f"checkpoint directory {directory} is a file: name a directory")
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".shardplug-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        # a unique name: every process of a multi-host job probes the same directory
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".shardplug-write-test-"):
+            pass
     except OSError as exc:
         raise ConfigError(
             f"checkpoint directory {directory} is not writable ({exc.strerror or exc}): "

@@ -85,3 +85,23 @@ def test_in_the_strategy_matrix():
     from shardplug.testing.pytest_plugin import installed_strategies
 
     assert "hsdp" in installed_strategies()
+
+
+def test_the_builtin_grad_bf16_addon_wraps_it_too():
+    """An add-on wraps any strategy's hooks, a third party's included."""
+    import numpy as np
+
+    model = shardplug.get_model("cnn")
+
+    def losses(addons):
+        trainer = shardplug.Trainer(
+            model.adapter("nnx"),
+            loss_fn=model.loss_fn,
+            optimizer=optax.adam(model.learning_rate),
+            strategy=shardplug.get_strategy("hsdp", addons=addons),
+        )
+        return [r["loss"] for r in trainer.fit(model.batches(model.batch_size, 0), 5)]
+
+    exact, rounded = losses([]), losses(["grad-bf16"])
+    np.testing.assert_allclose(rounded, exact, rtol=2e-3)  # bfloat16-rounded gradients
+    assert rounded != exact
