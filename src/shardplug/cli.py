@@ -175,8 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
         "with its share of the devices, as one jax.distributed job; output prefixed by rank. "
         "Example: shardplug launch --nprocs 2 --devices-per-proc 4 -- train --strategy fsdp",
     )
-    launch.add_argument("--nprocs", type=_positive(int), required=True)
-    launch.add_argument("--devices-per-proc", type=_positive(int), default=4)
+    launch.add_argument("--nprocs", type=_positive(int), required=True, help="processes to start")
+    launch.add_argument(
+        "--devices-per-proc",
+        type=_positive(int),
+        default=4,
+        help="simulated CPU devices per process (default 4)",
+    )
     launch.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- train ...")
 
     export = sub.add_parser(

@@ -9,9 +9,6 @@ its own rows of the global batch. On CPU the processes reduce over gloo, which i
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 from shardplug.errors import ConfigError, DeviceError
 
 #: how long a process waits for the others to join, and how long the coordinator waits for a
@@ -99,17 +96,3 @@ def is_primary() -> bool:
     import jax
 
     return jax.process_index() == 0
-
-
-def environment_has_cluster() -> bool:
-    """Whether the environment names a cluster ``jax.distributed.initialize()`` can join."""
-    return any(
-        key in os.environ
-        for key in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")
-    )
-
-
-def describe() -> dict[str, Any]:
-    import jax
-
-    return {"process": jax.process_index(), "processes": jax.process_count()}
