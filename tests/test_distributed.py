@@ -58,18 +58,26 @@ def test_two_processes_train_like_one(strategy, tmp_path):
     np.testing.assert_allclose([r["loss"] for r in written], want, rtol=1e-4)
 
 
-def test_killing_a_worker_ends_the_launch_and_leaves_no_worker(tmp_path):
+def training_launch(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, list[int]]:
+    """A launch of an endless run, once its first metrics are written; and its workers."""
+    metrics = tmp_path / "m.jsonl"
     cmd = [sys.executable, "-m", "shardplug", "launch", "--nprocs", "2", "--devices-per-proc",
            "4", "--", "train", "--model", "mlp", "--steps", "1000000", "--log-every", "1",
-           "--metrics-out", str(tmp_path / "m.jsonl"), "--quiet"]  # fmt: skip
+           "--metrics-out", str(metrics), "--quiet", *extra]  # fmt: skip
     launcher = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text()):
+        if time.monotonic() > deadline:
+            launcher.kill()
+            pytest.fail("training never started")
+        time.sleep(0.1)
+    return launcher, _children(launcher.pid)
+
+
+def test_killing_a_worker_ends_the_launch_and_leaves_no_worker(tmp_path):
+    launcher, workers = training_launch(tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while not ((tmp_path / "m.jsonl").exists() and (tmp_path / "m.jsonl").read_text()):
-            assert time.monotonic() < deadline, "training never started"
-            time.sleep(0.1)
-        workers = _children(launcher.pid)
         assert len(workers) == 2
         os.kill(workers[1], signal.SIGKILL)
         killed_at = time.monotonic()
@@ -86,18 +94,8 @@ def test_killing_a_worker_ends_the_launch_and_leaves_no_worker(tmp_path):
 
 def test_ctrl_c_reaches_every_worker_which_save_and_stop(tmp_path):
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "shardplug", "launch", "--nprocs", "2", "--devices-per-proc",
-           "4", "--", "train", "--model", "mlp", "--steps", "1000000", "--log-every", "1",
-           "--checkpoint-dir", str(ckpt), "--metrics-out", str(tmp_path / "m.jsonl"),
-           "--quiet"]  # fmt: skip
-    launcher = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)  # fmt: skip
+    launcher, workers = training_launch(tmp_path, "--checkpoint-dir", str(ckpt))
     try:
-        deadline = time.monotonic() + 120
-        while not ((tmp_path / "m.jsonl").exists() and (tmp_path / "m.jsonl").read_text()):
-            assert time.monotonic() < deadline, "training never started"
-            time.sleep(0.1)
-        workers = _children(launcher.pid)
         launcher.send_signal(signal.SIGINT)
         out, err = launcher.communicate(timeout=60)
     finally:
