@@ -171,9 +171,6 @@ class Checkpoints:
         """Block until every save started has been written and committed."""
         self._manager.wait_until_finished()
 
-    def close(self) -> None:
-        self._manager.close()
-
     def read_meta(self, step: int) -> dict[str, Any]:
         """The JSON of checkpoint ``step``; :class:`CheckpointError` if it is unreadable."""
         try:
@@ -210,17 +207,7 @@ class Checkpoints:
         tried; :class:`CheckpointError` when none is left. A checkpoint of another model or
         optimizer raises :class:`CheckpointError` naming the arrays that differ.
         """
-        available = self.steps()
-        if not available:
-            raise CheckpointError(
-                f"no checkpoint in {self.directory}: it is empty or holds no complete checkpoint"
-            )
-        if step is not None and step not in available:
-            raise CheckpointError(
-                f"no checkpoint of step {step} in {self.directory}; it has steps "
-                f"{', '.join(map(str, available))}"
-            )
-        candidates = [step] if step is not None else list(reversed(available))
+        candidates = self._candidates(step)
         problems = []
         for candidate in candidates:
             try:
@@ -238,19 +225,33 @@ class Checkpoints:
                 )
         raise CheckpointError(f"no good checkpoint in {self.directory}: {'; '.join(problems)}")
 
-    def _restore(self, step: int, like: Any, shardings: Any) -> tuple[Any, dict[str, Any]]:
-        try:
-            meta = self.read_meta(step)
-        except CheckpointError as exc:
-            raise _Damaged(str(exc)) from None
-        names, leaves, treedef = state_leaves(like)
-        expected = describe(names, leaves)
-        _check_same_arrays(self.path(step), meta.get("arrays", {}), expected)
-        shard_list = jax.tree.leaves(shardings)
+    def _candidates(self, step: int | None) -> list[int]:
+        """``[step]``, or every complete checkpoint newest first; an error naming what there
+        is when there is nothing to read."""
+        available = self.steps()
+        if not available:
+            raise CheckpointError(
+                f"no checkpoint in {self.directory}: it is empty or holds no complete checkpoint"
+            )
+        if step is not None and step not in available:
+            raise CheckpointError(
+                f"no checkpoint of step {step} in {self.directory}; it has steps "
+                f"{', '.join(map(str, available))}"
+            )
+        return [step] if step is not None else available[::-1]
+
+    def _read(
+        self, step: int, meta: Mapping[str, Any], names: list[str], shardings: list[Any]
+    ) -> list[jax.Array]:
+        """The arrays ``names`` of checkpoint ``step``, each in its sharding, checked against
+        their fingerprints; :class:`_Damaged` if they cannot be read or differ."""
         abstract = [
-            jax.ShapeDtypeStruct(tuple(info["shape"]), jnp.dtype(info["dtype"]), sharding=s)
-            for info, s in zip((expected[n] for n in names), shard_list, strict=True)
-        ]
+            jax.ShapeDtypeStruct(
+                tuple(meta["arrays"][n]["shape"]), jnp.dtype(meta["arrays"][n]["dtype"]),
+                sharding=s,
+            )
+            for n, s in zip(names, shardings, strict=True)
+        ]  # fmt: skip
         ocp = self._ocp
         try:
             with _quiet_when_failing():
@@ -271,6 +272,17 @@ class Checkpoints:
                 f"checkpoint {self.path(step)} is damaged: {len(wrong)} array(s) differ from "
                 f"what was saved ({', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''})"
             )
+        return arrays
+
+    def _restore(self, step: int, like: Any, shardings: Any) -> tuple[Any, dict[str, Any]]:
+        try:
+            meta = self.read_meta(step)
+        except CheckpointError as exc:
+            raise _Damaged(str(exc)) from None
+        names, leaves, treedef = state_leaves(like)
+        expected = describe(names, leaves)
+        _check_same_arrays(self.path(step), meta.get("arrays", {}), expected)
+        arrays = self._read(step, meta, names, jax.tree.leaves(shardings))
         out = [
             jax.random.wrap_key_data(a, impl=expected[n]["key"]) if "key" in expected[n] else a
             for n, a in zip(names, arrays, strict=True)
@@ -292,49 +304,28 @@ class Checkpoints:
         self._manager.reload()
         return target
 
-    def read_arrays(self, step: int | None = None, prefix: str = "") -> dict[str, np.ndarray]:
-        """The arrays whose names start with ``prefix``, as host NumPy arrays (for export).
+    def read_arrays(
+        self, step: int | None = None
+    ) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
+        """Checkpoint ``step`` (the newest for None) as host NumPy arrays, for export: its
+        step, its arrays by name (PRNG keys left out) and its JSON.
 
         Read on the first device, whatever saved them; verified against the fingerprints.
         """
-        available = self.steps()
-        if not available:
-            raise CheckpointError(f"no checkpoint in {self.directory}")
-        step = available[-1] if step is None else step
+        step = self._candidates(step)[0]
         meta = self.read_meta(step)
         names = list(meta["arrays"])
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        abstract = [
-            jax.ShapeDtypeStruct(
-                tuple(meta["arrays"][n]["shape"]), jnp.dtype(meta["arrays"][n]["dtype"]),
-                sharding=device,
-            )
-            for n in names
-        ]  # fmt: skip
-        ocp = self._ocp
         try:
-            with _quiet_when_failing():
-                restored = self._manager.restore(
-                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-                )
-        except Exception as exc:
-            raise CheckpointError(
-                f"checkpoint {self.path(step)} is damaged: its arrays cannot be read "
-                f"({_reason(exc)})"
-            ) from None
-        arrays = list(restored.state)
-        found = fingerprints(arrays)
-        for name, f in zip(names, found, strict=True):
-            if meta["fingerprints"].get(name) != f:
-                raise CheckpointError(
-                    f"checkpoint {self.path(step)} is damaged: array {name} differs from "
-                    f"what was saved"
-                )
-        return {
-            n[len(prefix) :]: np.asarray(a)
+            arrays = self._read(step, meta, names, [device] * len(names))
+        except _Damaged as exc:
+            raise CheckpointError(str(exc)) from None
+        found = {
+            n: np.asarray(a)
             for n, a in zip(names, arrays, strict=True)
-            if n.startswith(prefix) and "key" not in meta["arrays"][n]
+            if "key" not in meta["arrays"][n]
         }
+        return step, found, meta
 
 
 class _Damaged(Exception):

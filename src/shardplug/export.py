@@ -41,18 +41,7 @@ def export_checkpoint(
         raise ConfigError(f"export file {out} must end in .npz")
     if out.exists():
         raise ConfigError(f"{out} already exists: choose another file or remove it first")
-    checkpoints = Checkpoints(checkpoint_dir, read_only=True)
-    steps = checkpoints.steps()
-    if not steps:
-        raise CheckpointError(f"no checkpoint in {checkpoints.directory}")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise CheckpointError(
-            f"no checkpoint of step {step} in {checkpoints.directory}; it has steps "
-            f"{', '.join(map(str, steps))}"
-        )
-    meta = checkpoints.read_meta(step)
-    arrays = checkpoints.read_arrays(step)
+    step, arrays, meta = Checkpoints(checkpoint_dir, read_only=True).read_arrays(step)
     entries: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
     for name, value in arrays.items():

@@ -108,25 +108,23 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
             target=lambda r=rank, p=proc: exits.append((r, p.wait())), daemon=True
         ).start()
 
-    received: list[int] = []
-    signalled_at: list[float] = []
+    signalled: list[tuple[int, float]] = []  # (signal, when)
 
     def forward(signum, frame):
-        received.append(signum)
-        signalled_at.append(time.monotonic())
+        signalled.append((signum, time.monotonic()))
         for proc in workers:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    failed: tuple[int, int] | None = None
+    failed: tuple[int, int] | None = None  # the first worker to fail, once the others stop
     try:
         while len(exits) < len(workers):
             bad = [(r, c) for r, c in list(exits) if c != 0]
-            if bad and failed is None and not received:
+            if bad and failed is None and not signalled:
                 failed = bad[0]
                 _stop(workers, lock, f"process {failed[0]} {_how(failed[1])}: stopping the others")
-            if signalled_at and time.monotonic() > signalled_at[0] + GRACE_S:
+            if signalled and time.monotonic() > signalled[0][1] + GRACE_S:
                 _kill(workers)  # they had their chance to save
             time.sleep(0.05)
     finally:
@@ -135,16 +133,13 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
         _kill(workers)
         for t in threads:
             t.join(timeout=5)
-    if failed is not None:
-        rank, code = failed
-        print(f"shardplug: error: process {rank} {_how(code)}; stopped the others", file=sys.stderr)
-        return EXIT_WORKER_FAILED
-    if received:
-        return 128 + received[0]
+    if signalled and failed is None:
+        return 128 + signalled[0][0]
     bad = [(r, c) for r, c in exits if c != 0]
     if bad:
-        rank, code = bad[0]
-        print(f"shardplug: error: process {rank} {_how(code)}", file=sys.stderr)
+        rank, code = failed or bad[0]
+        stopped = "; stopped the others" if failed else ""
+        print(f"shardplug: error: process {rank} {_how(code)}{stopped}", file=sys.stderr)
         return EXIT_WORKER_FAILED
     return 0
 

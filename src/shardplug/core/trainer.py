@@ -142,20 +142,19 @@ def make_step(
             return _forward(adapter, loss_fn, extras, params, model_state, rng, batch, True)
 
         grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-        if not encodes:
-            (loss, (metrics, model_state)), grads = grad_fn(state.params, state.model_state, batch)
-            grads = strategy.reduce_grads(grads, mesh)
-        elif batch_axis_name() is not None:  # a per-device program: the reduction is explicit
-            (loss, (metrics, model_state)), grads = grad_fn(state.params, state.model_state, batch)
-            encoded = strategy.encode_grads(grads, mesh)
-            grads = _decode(strategy.reduce_grads(encoded, mesh), state.params)
-        else:
-            loss, metrics, model_state, encoded = _per_shard_grads(
+        axis = batch_axis_name()  # set inside a per-device program (pmap)
+        if encodes and axis is None:  # under jit: each shard's gradient, explicitly
+            loss, metrics, model_state, grads = _per_shard_grads(
                 grad_fn, strategy, mesh, state, batch, param_shardings, batch_shardings
             )
-            grads = _decode(strategy.reduce_grads(encoded, mesh), state.params)
+        else:
+            (loss, (metrics, model_state)), grads = grad_fn(state.params, state.model_state, batch)
+            if encodes:
+                grads = strategy.encode_grads(grads, mesh)
+        grads = strategy.reduce_grads(grads, mesh)
+        if encodes:
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
-        axis = batch_axis_name()
         if axis is not None:  # a per-device program: every device must decide alike
             finite = jax.lax.pmin(finite.astype(jnp.int32), axis).astype(bool)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -182,11 +181,7 @@ def _keep_if_not(finite: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array
     return jnp.where(finite, new, old)
 
 
-def _decode(grads: Any, params: Any) -> Any:
-    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-
-
-def _batch_split(batch_shardings: Any, mesh: Any) -> tuple[tuple[str, ...], Any]:
+def _batch_split(batch_shardings: Any) -> tuple[tuple[str, ...], Any]:
     """The mesh axes the batch's leading dimension is split over, and which leaves are."""
     found: set[tuple[str, ...]] = set()
 
@@ -221,7 +216,7 @@ def _per_shard_grads(grad_fn, strategy, mesh, state, batch, param_shardings, bat
     dtype. The vmap's axis is the models' ``batch_axis_name()``, so batch statistics and
     dropout masks stay those of the global batch.
     """
-    axes, split = _batch_split(batch_shardings, mesh)
+    axes, split = _batch_split(batch_shardings)
     n = math.prod(mesh.shape[a] for a in axes)
     lead = axes if axes else None
 
@@ -540,7 +535,7 @@ class Trainer:
         """This process's rows of the batch as one global array in ``shardings``."""
         return jax.tree.map(
             lambda x, s: jax.make_array_from_process_local_data(
-                s, np.asarray(x), _global_struct(x).shape
+                s, np.asarray(x), _global_shape(np.shape(x))
             ),
             batch,
             shardings,
@@ -616,19 +611,19 @@ class Trainer:
             nonlocal started
             new = self._rows(pending, self._step - len(pending), started)
             pending.clear()
-            flags = [r.pop(NONFINITE) > 0 for r in new]
-            bad = new[flags.index(True)] if True in flags else None
+            faults = [row.pop(NONFINITE) > 0 for row in new]
             if self.on_nonfinite == "skip":
-                for r in new:
-                    self.skipped_steps += int(r["skipped"])
-            elif bad is not None:
-                new = new[: new.index(bad) + 1]
+                for row, fault in zip(new, faults, strict=True):
+                    row["skipped"] = float(fault)
+                self.skipped_steps += sum(faults)
+            elif True in faults:
+                new = new[: faults.index(True) + 1]  # nothing after the fault
             rows.extend(new)
             self.history.extend(new)
             if callback is not None:
                 callback(new)
-            if bad is not None and self.on_nonfinite == "stop":
-                raise self._nonfinite(int(bad["step"]))
+            if self.on_nonfinite == "stop" and True in faults:
+                raise self._nonfinite(int(new[-1]["step"]))
             started = time.perf_counter()
 
         with _StopSignals(enabled=self.checkpoints is not None) as stop:
@@ -748,8 +743,6 @@ class Trainer:
         rows = []
         for k, metrics in enumerate(values):
             row = {"step": first + k, **{name: float(v) for name, v in metrics.items()}}
-            if self.on_nonfinite == "skip":
-                row["skipped"] = row[NONFINITE]
             row["step_time"] = step_time
             row["samples_per_sec"] = samples / step_time if step_time > 0 else math.inf
             rows.append(row)
@@ -785,13 +778,16 @@ def _dtype(x: Any) -> np.dtype:
     return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
-def _global_struct(x: Any) -> jax.ShapeDtypeStruct:
-    """The global batch leaf that this process's ``x`` is a part of: in a multi-process run
-    each process holds an equal block of the leading (batch) dimension."""
-    shape = np.shape(x)
+def _global_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the global batch leaf a process's leaf of ``shape`` is part of: in a
+    multi-process run each process holds an equal block of the leading (batch) dimension."""
     if shape and jax.process_count() > 1:
-        shape = (shape[0] * jax.process_count(), *shape[1:])
-    return jax.ShapeDtypeStruct(shape, _dtype(x))
+        return (shape[0] * jax.process_count(), *shape[1:])
+    return tuple(shape)
+
+
+def _global_struct(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(_global_shape(np.shape(x)), _dtype(x))
 
 
 def _check_process_rows(leaf: jax.ShapeDtypeStruct, sharding: NamedSharding) -> None:

@@ -23,16 +23,12 @@ IMAGE = 8
 IMAGE_CLASSES = 4
 
 
-def _check(batch_size: int, start: int, rows: slice | None) -> range:
-    if not isinstance(start, int) or start < 0:
-        raise ValueError(f"start must be a non-negative integer, got {start!r}")
-    return range(batch_size)[rows if rows is not None else slice(None)]
-
-
 def _batches(batch_size, seed, start, rows, make_row):
     """Batch i's rows, each drawn from its own stream ``(seed, i, row)``: any process can
     make just its own rows, and they are the same rows whoever makes them."""
-    wanted = _check(batch_size, start, rows)
+    if not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be a non-negative integer, got {start!r}")
+    wanted = range(batch_size)[rows if rows is not None else slice(None)]
     step = start
     while True:
         made = [make_row(np.random.default_rng((seed, step, row))) for row in wanted]
