@@ -24,7 +24,7 @@ from typing import IO
 
 from shardplug.errors import ConfigError
 
-GRACE_S = 10.0  # how long workers asked to stop (Ctrl-C) get to save and exit
+GRACE_S = 60.0  # how long workers asked to stop (Ctrl-C) get to agree, save and exit
 FAILED_GRACE_S = 5.0  # after a worker failed, the others only wait in collectives
 EXIT_WORKER_FAILED = 1
 

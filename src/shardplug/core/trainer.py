@@ -629,7 +629,7 @@ class Trainer:
         with _StopSignals(enabled=self.checkpoints is not None) as stop:
             try:
                 for i in range(steps):
-                    if stop.received:
+                    if stop.requested:
                         break
                     try:
                         batch = next(iterator)
@@ -650,23 +650,25 @@ class Trainer:
                     )
                     if len(pending) == self.log_every or due:
                         flush()
+                        stop.agree()  # at the same step in every process
                     if due:
                         self.save()
                         started = time.perf_counter()  # saving is not a step
                 if pending:
                     flush()
+                stop.agree()
                 if self.checkpoints is not None and self._saved_step != self._step:
                     self.save()
             finally:
                 if self.checkpoints is not None:
                     self.checkpoints.wait()
-        if stop.received:
-            name = signal.Signals(stop.received).name
+        if stop.requested:
+            name = signal.Signals(stop.requested).name
             path = self.last_checkpoint
             raise TrainingInterrupted(
                 f"stopped by {name} after step {self._step}; saved {path}: continue with "
                 f"restore() (--resume)",
-                signal=stop.received,
+                signal=stop.requested,
                 step=self._step,
                 checkpoint=path,
             )
@@ -751,12 +753,35 @@ class Trainer:
 
 class _StopSignals:
     """While active (in the main thread), SIGINT and SIGTERM ask the loop to stop after the
-    current step instead of killing it; a second SIGINT interrupts at once."""
+    current step instead of killing it; a second SIGINT interrupts at once.
+
+    In a multi-process run every process must stop after the same step (a process that ran
+    one more step would wait forever in its collectives for the others, who are saving), so
+    a signal only takes effect once the processes agree on it, at :meth:`agree`: the loop
+    calls it where it reads the metrics, at the same step in every process.
+    """
 
     def __init__(self, enabled: bool):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.received: int | None = None
+        self._agreed: int | None = None
+        self._multi = jax.process_count() > 1
         self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> int | None:
+        """The signal to stop for: as received (one process), or as agreed (many)."""
+        return self._agreed if self._multi else self.received
+
+    def agree(self) -> None:
+        """Share the signals received so far; every process must call it at the same step."""
+        if not (self._multi and self.enabled):
+            return
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(self.received or 0))
+        received = [int(f) for f in np.ravel(flags) if f]
+        self._agreed = received[0] if received else None
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is not None and signum == signal.SIGINT:
