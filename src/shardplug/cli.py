@@ -51,6 +51,16 @@ def _positive(kind: type) -> Any:
     return parse
 
 
+def _step_range(text: str) -> range:
+    try:
+        start, stop = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B (steps A to B-1), got {text!r}") from None
+    if not 0 <= start < stop:
+        raise argparse.ArgumentTypeError(f"expected 0 <= A < B, got {text!r}")
+    return range(start, stop)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="shardplug", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -119,6 +129,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON lines, one per step (appended to with --resume)",
     )
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    speed = train.add_argument_group("speed")
+    speed.add_argument(
+        "--grad-accum",
+        type=_positive(int),
+        default=1,
+        metavar="K",
+        help="microbatches per step, inside the compiled step: the update of the whole "
+        "batch with the activation memory of 1/K of it (default 1)",
+    )
+    speed.add_argument(
+        "--precision",
+        choices=("float32", "bf16"),
+        default="float32",
+        help="bf16: bfloat16 forward and backward, float32 parameters and optimizer state",
+    )
+    speed.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write a profiler trace of --profile-steps here (TensorBoard, Perfetto)",
+    )
+    speed.add_argument(
+        "--profile-steps",
+        type=_step_range,
+        default=range(3, 6),
+        metavar="A:B",
+        help="the steps to trace, from A to B-1 (default 3:6)",
+    )
     ckpt = train.add_argument_group("checkpoints")
     ckpt.add_argument(
         "--checkpoint-dir",
@@ -375,6 +414,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             "lr": lr,
         },
         on_nonfinite=args.on_nonfinite,
+        grad_accum=args.grad_accum,
+        precision=args.precision,
+        profile_dir=args.profile,
+        profile_steps=args.profile_steps,
     )
     from shardplug.distributed import is_primary, process_rows
 
@@ -418,10 +461,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     import jax
 
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    extras = f" in {args.grad_accum} microbatches" if args.grad_accum > 1 else ""
+    extras += ", bf16" if args.precision == "bf16" else ""
     print(
         f"shardplug: trained {args.model} ({args.adapter}) with {args.strategy} on "
         f"{trainer.mesh.size} {device} devices{processes} ({describe(trainer.mesh)}), "
-        f"batch {batch_size}: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} "
+        f"batch {batch_size}{extras}: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} "
         f"in {len(history)} steps{resumed}; compile {trainer.compile_seconds:.1f} s, "
         f"{step_ms:.1f} ms/step, {batch_size / step_ms * 1000:.0f} samples/s{saved_to}"
     )

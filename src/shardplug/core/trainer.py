@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import inspect
 import itertools
 import json
 import math
 import os
+import queue
 import signal
 import threading
 import time
@@ -118,8 +121,17 @@ def make_step(
     param_shardings: Any = None,
     batch_shardings: Any = None,
     skip_nonfinite: bool = False,
+    grad_accum: int = 1,
+    precision: str = "float32",
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
     """One optimizer step on the global batch: loss, gradients, ``reduce_grads``, update.
+
+    With ``grad_accum`` K > 1 the batch is cut into K microbatches (rows ``k, k+K, ...``, so
+    each stays spread over every device) whose gradients are computed one after another in a
+    ``lax.scan`` and averaged: the update of the whole batch, with the activations of one
+    microbatch. With ``precision="bfloat16"`` the forward and backward passes run on
+    bfloat16 copies of the parameters and of the batch's floating-point leaves; the
+    parameters, gradients and optimizer state stay float32.
 
     The metrics carry ``NONFINITE``: 1.0 when the loss or the gradient's norm is NaN or
     infinite. With ``skip_nonfinite`` such a step leaves the parameters, optimizer state and
@@ -131,24 +143,31 @@ def make_step(
     """
     extras = loss_extras(loss_fn)
     encodes = strategy.encodes_grads
+    compute = _compute_dtype(precision)
+
+    # The model state is an argument, not a closure: frameworks that update it in place
+    # (NNX's BatchStat) must see it at the level of the gradient's trace.
+    def loss_of(params, model_state, batch, rng):
+        if compute is not None:  # cast before gathering: fsdp's all-gathers move half the bytes
+            params, batch = _cast_floats((params, batch), compute)
+        params = strategy.gather_params(params, mesh)
+        return _forward(adapter, loss_fn, extras, params, model_state, rng, batch, True)
+
+    value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         rng = step_key(state)
-
-        # The model state is an argument, not a closure: frameworks that update it in place
-        # (NNX's BatchStat) must see it at the level of the gradient's trace.
-        def loss_of(params, model_state, batch):
-            params = strategy.gather_params(params, mesh)
-            return _forward(adapter, loss_fn, extras, params, model_state, rng, batch, True)
-
-        grad_fn = jax.value_and_grad(loss_of, has_aux=True)
         axis = batch_axis_name()  # set inside a per-device program (pmap)
+        plain = axis is None and not encodes  # under jit, the compiler places the reduction
+        grad_fn = _accumulate(value_and_grad, grad_accum, batch_shardings if plain else None)
         if encodes and axis is None:  # under jit: each shard's gradient, explicitly
             loss, metrics, model_state, grads = _per_shard_grads(
-                grad_fn, strategy, mesh, state, batch, param_shardings, batch_shardings
+                grad_fn, strategy, mesh, state, batch, rng, param_shardings, batch_shardings
             )
         else:
-            (loss, (metrics, model_state)), grads = grad_fn(state.params, state.model_state, batch)
+            (loss, (metrics, model_state)), grads = grad_fn(
+                state.params, state.model_state, batch, rng
+            )
             if encodes:
                 grads = strategy.encode_grads(grads, mesh)
         grads = strategy.reduce_grads(grads, mesh)
@@ -173,6 +192,67 @@ def make_step(
 
 
 NONFINITE = "_nonfinite"
+
+# Steps the loop lets run ahead of the devices. Enough to keep them busy; a deeper queue
+# only holds more batches in memory, and on the CPU backend a deep queue of programs with
+# collectives can starve its thread pool until a rendezvous times out (seen at ~100).
+MAX_IN_FLIGHT = 4
+
+PRECISIONS = {"float32": None, "fp32": None, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+
+
+def _compute_dtype(precision: str) -> Any:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return PRECISIONS[precision]
+
+
+def _cast_floats(tree: Any, dtype: Any) -> Any:
+    """Every float32 array of ``tree`` as ``dtype``; other arrays (integers, keys) as they are."""
+
+    def cast(x):
+        if hasattr(x, "dtype") and x.dtype == jnp.float32:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+def _accumulate(value_and_grad: Callable, k: int, batch_shardings: Any) -> Callable:
+    """``value_and_grad`` over ``k`` microbatches in turn: the mean loss, metrics and gradient.
+
+    Microbatch ``i`` takes rows ``i, i+k, i+2k, ...`` of every leaf, so each microbatch is
+    split over the devices as the whole batch is (``batch_shardings`` pins that under jit);
+    its dropout key is the step's key folded with ``i``. The model state (batch statistics)
+    passes from one microbatch to the next.
+    """
+    if k == 1:
+        return value_and_grad
+
+    def accumulated(params, model_state, batch, rng):
+        def split(x):
+            if not np.ndim(x):
+                return jnp.broadcast_to(x, (k,))
+            return x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+
+        def body(carry, inputs):
+            total, model_state = carry
+            i, rows = inputs
+            if batch_shardings is not None:
+                rows = jax.lax.with_sharding_constraint(rows, batch_shardings)
+            key = jax.random.fold_in(rng, i)
+            (loss, (metrics, model_state)), grads = value_and_grad(params, model_state, rows, key)
+            total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
+            return (total, model_state), (loss, metrics)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (total, model_state), (losses, metrics) = jax.lax.scan(
+            body, (zeros, model_state), (jnp.arange(k), jax.tree.map(split, batch))
+        )
+        grads = jax.tree.map(lambda g: g / k, total)
+        return (jnp.mean(losses), (jax.tree.map(jnp.mean, metrics), model_state)), grads
+
+    return accumulated
 
 
 def _keep_if_not(finite: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
@@ -206,7 +286,7 @@ def _batch_split(batch_shardings: Any) -> tuple[tuple[str, ...], Any]:
     return (found.pop() if found else ()), split
 
 
-def _per_shard_grads(grad_fn, strategy, mesh, state, batch, param_shardings, batch_shardings):
+def _per_shard_grads(grad_fn, strategy, mesh, state, batch, rng, param_shardings, batch_shardings):
     """Under ``jax.jit``: each batch shard's gradient, encoded, then summed across shards.
 
     The batch's leading dimension (split over the axes A) is reshaped to ``(shards, rows)``
@@ -231,7 +311,7 @@ def _per_shard_grads(grad_fn, strategy, mesh, state, batch, param_shardings, bat
     in_axes = jax.tree.map(lambda s: 0 if s else None, split)
 
     def one_shard(params, model_state, rows):
-        out, grads = grad_fn(params, model_state, rows)
+        out, grads = grad_fn(params, model_state, rows, rng)
         return out, strategy.encode_grads(grads, mesh)
 
     with per_device_program(SHARD_AXIS):
@@ -320,6 +400,16 @@ class Trainer:
         :class:`shardplug.errors.NonFiniteError` naming the step and the last good
         checkpoint (nothing more is saved); ``"skip"``: such a step leaves the model and
         optimizer as they were, and is counted in ``trainer.skipped_steps``.
+    :param grad_accum: microbatches per step: the step computes the gradient of the batch
+        in ``grad_accum`` parts, one after another, inside the compiled step, and makes one
+        update, equal to that of the whole batch (batch statistics, being per microbatch,
+        excepted). Activation memory falls to that of one microbatch.
+    :param precision: ``"float32"``, or ``"bfloat16"`` (``"bf16"``): forward and backward
+        in bfloat16 on bfloat16 copies of the parameters and of the batch's float32 leaves;
+        parameters, gradients and optimizer state stay float32.
+    :param profile_dir: write a profiler trace (TensorBoard, Perfetto) of the steps
+        ``profile_steps`` (a ``range`` of step numbers, default 3 to 5, after compilation)
+        into this directory.
     """
 
     def __init__(
@@ -338,6 +428,10 @@ class Trainer:
         keep: int = 3,
         config: Mapping[str, Any] | None = None,
         on_nonfinite: str = "stop",
+        grad_accum: int = 1,
+        precision: str = "float32",
+        profile_dir: str | os.PathLike | None = None,
+        profile_steps: range = range(3, 6),
     ):
         if not isinstance(adapter, Adapter):
             raise ConfigError(
@@ -364,6 +458,17 @@ class Trainer:
             raise ConfigError("checkpoint_every needs a checkpoint_dir to save into")
         if on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
+        if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+            raise ConfigError(f"grad_accum must be a positive integer, got {grad_accum!r}")
+        _compute_dtype(precision)
+        if not isinstance(profile_steps, range) or not profile_steps or profile_steps.step != 1:
+            raise ConfigError(
+                f"profile_steps must be a non-empty range of steps, got {profile_steps!r}"
+            )
+        self.grad_accum = grad_accum
+        self.precision = precision
+        self.profile_dir = None if profile_dir is None else os.fspath(profile_dir)
+        self.profile_steps = profile_steps
         try:
             json.dumps(dict(config or {}))
         except (TypeError, ValueError) as exc:
@@ -492,6 +597,8 @@ class Trainer:
             param_shardings=self.param_shardings,
             batch_shardings=batch_shardings,
             skip_nonfinite=self.on_nonfinite == "skip",
+            grad_accum=self.grad_accum,
+            precision=self.precision,
         )
 
     def _lower(self, step_for: Callable[[Any], Callable], batch: Any) -> tuple[Any, Any]:
@@ -500,6 +607,9 @@ class Trainer:
         batch_shardings = self.strategy.shard_batch(abstract, self.mesh)
         if jax.process_count() > 1:
             jax.tree.map(_check_process_rows, abstract, batch_shardings)
+        if self.grad_accum > 1 and step_for == self._step_for:
+            check = functools.partial(_check_microbatches, self.grad_accum)
+            jax.tree.map(check, abstract, batch_shardings)
         program = self.strategy.compile_step(
             step_for(batch_shardings), self.mesh, self.state_shardings, batch_shardings
         )
@@ -529,6 +639,11 @@ class Trainer:
                 f"batch {index} differs from the first batch in structure, shape or dtype "
                 f"(first: {shapes}): every batch must look alike"
             )
+
+    def _place(self, batch: Any, index: int) -> Any:
+        """Check a training batch against the compiled step's and put it on the devices."""
+        self._check(batch, index, self._train.signature)
+        return self._put(batch, self._train.batch_shardings)
 
     @staticmethod
     def _put(batch: Any, shardings: Any) -> Any:
@@ -603,6 +718,13 @@ class Trainer:
                     f"empty directory"
                 )
         iterator = iter(batches)
+        if self._train is None:  # compile on the first batch, in this thread
+            first = next(iterator, None)
+            if first is None:
+                warnings.warn(f"batches ran out after 0 of {steps} steps", stacklevel=2)
+                return []
+            self.compile(first)
+            iterator = itertools.chain([first], iterator)
         rows: list[dict[str, float]] = []
         pending: list[dict[str, jax.Array]] = []
         started = time.perf_counter()
@@ -626,25 +748,28 @@ class Trainer:
                 raise self._nonfinite(int(new[-1]["step"]))
             started = time.perf_counter()
 
+        program = self._train
+        first_step = self._step
+        feed = _Prefetch(iterator, steps, lambda batch, i: self._place(batch, first_step + i))
+        trace = _Trace(self.profile_dir, self.profile_steps)
+        in_flight: collections.deque = collections.deque()
         with _StopSignals(enabled=self.checkpoints is not None) as stop:
             try:
                 for i in range(steps):
                     if stop.requested:
                         break
                     try:
-                        batch = next(iterator)
+                        global_batch = next(feed)
                     except StopIteration:
                         warnings.warn(f"batches ran out after {i} of {steps} steps", stacklevel=2)
                         break
-                    if self._train is None:
-                        self.compile(batch)
-                        started = time.perf_counter()  # compilation is not a step
-                    else:
-                        self._check(batch, self._step, self._train.signature)
-                    global_batch = self._put(batch, self._train.batch_shardings)
-                    self.state, metrics = self._train.compiled(self.state, global_batch)
+                    if len(in_flight) == MAX_IN_FLIGHT:  # a step long done: no stall
+                        jax.block_until_ready(in_flight.popleft())
+                    with trace.step(self._step, lambda: self.state):
+                        self.state, metrics = program.compiled(self.state, global_batch)
                     self._step += 1
                     pending.append(metrics)
+                    in_flight.append(metrics[NONFINITE])
                     due = self.checkpoint_every is not None and (
                         self._step % self.checkpoint_every == 0
                     )
@@ -660,6 +785,8 @@ class Trainer:
                 if self.checkpoints is not None and self._saved_step != self._step:
                     self.save()
             finally:
+                feed.close()
+                trace.close(self.state)
                 if self.checkpoints is not None:
                     self.checkpoints.wait()
         if stop.requested:
@@ -751,6 +878,88 @@ class Trainer:
         return rows
 
 
+class _Prefetch:
+    """Reads up to ``count`` batches and puts them on the devices in a background thread,
+    ``depth`` ahead of the loop: the next batch is on its way while a step runs, and ready
+    when the loop comes back from reading the metrics. Errors reach the loop in order."""
+
+    _END = object()
+
+    def __init__(self, batches: Iterable[Any], count: int, place: Callable, depth: int = 2):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(iter(batches), count, place), daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, batches: Any, count: int, place: Callable) -> None:
+        try:
+            for i in range(count):
+                batch = next(batches, self._END)
+                if batch is self._END:
+                    break
+                if not self._offer(place(batch, i)):
+                    return
+        except BaseException as exc:  # handed to the loop, raised there
+            self._offer(_Failure(exc))
+            return
+        self._offer(self._END)
+
+    def _offer(self, item: Any) -> bool:
+        while not self._closed.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __next__(self) -> Any:
+        item = self._queue.get()
+        if item is self._END:
+            self._queue.put(self._END)  # stays ended
+            raise StopIteration
+        if isinstance(item, _Failure):
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=1.0)
+
+
+class _Failure(NamedTuple):
+    error: BaseException
+
+
+class _Trace:
+    """A profiler trace of the steps in ``steps`` (TensorBoard and Perfetto), when asked."""
+
+    def __init__(self, directory: str | None, steps: range):
+        self.directory, self.steps, self.active = directory, steps, False
+
+    @contextlib.contextmanager
+    def step(self, number: int, state: Callable[[], Any]) -> Any:
+        if self.directory is not None and number == self.steps.start:
+            jax.block_until_ready(state())  # the trace holds these steps only
+            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+            self.active = True
+        if not self.active:
+            yield
+            return
+        with jax.profiler.StepTraceAnnotation("train", step_num=number):
+            yield
+        if number + 1 == self.steps.stop:
+            self.close(state())
+
+    def close(self, state: Any) -> None:
+        if self.active:
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
+            self.active = False
+
+
 class _StopSignals:
     """While active (in the main thread), SIGINT and SIGTERM ask the loop to stop after the
     current step instead of killing it; a second SIGINT interrupts at once.
@@ -833,6 +1042,21 @@ def _check_process_rows(leaf: jax.ShapeDtypeStruct, sharding: NamedSharding) -> 
             f"{jax.process_index()} rows {lo}..{hi - 1} of {leaf.shape[0]}, but each process "
             f"feeds its own block ({want.start}..{want.stop - 1}): split the batch over "
             f"axes whose devices are grouped by process"
+        )
+
+
+def _check_microbatches(k: int, leaf: jax.ShapeDtypeStruct, sharding: NamedSharding) -> None:
+    """Each of the ``k`` microbatches must split over the devices as the batch does."""
+    if not leaf.shape:
+        return
+    first = sharding.spec[0] if len(sharding.spec) else None
+    axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+    parts = math.prod(sharding.mesh.shape[a] for a in axes)
+    if leaf.shape[0] % (k * parts):
+        raise BatchError(
+            f"a batch of {leaf.shape[0]} rows does not cut into {k} microbatches that each "
+            f"split over {parts} devices: use a global batch size that is a multiple of "
+            f"{k * parts} (grad_accum x devices)"
         )
 
 

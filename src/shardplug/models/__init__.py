@@ -78,7 +78,7 @@ class ReferenceModel:
     ):
         """The loss for this model in any framework: ``(loss, metrics[, new_state])``."""
         out, new_state = _forward(model, batch[self.inputs], rng, train, state)
-        loss, metrics = self.head(out, batch)
+        loss, metrics = self.head(out.astype(jnp.float32), batch)  # the loss in float32
         return (loss, metrics) if new_state is None else (loss, metrics, new_state)
 
 
