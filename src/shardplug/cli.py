@@ -51,6 +51,42 @@ def _positive(kind: type) -> Any:
     return parse
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def _memory(text: str) -> int:
+    """``80GB``, ``512MiB``, ``1.5e9``: a size in bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 80GB or 512MiB, got {text!r}")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return int(value)
+
+
+def _model_arguments(parser: argparse.ArgumentParser, grad_accum: bool = True) -> None:
+    """The options that say what to compile: model, adapter, devices, mesh, batch."""
+    parser.add_argument("--model", default="transformer", help="reference model (transformer)")
+    parser.add_argument("--adapter", default="nnx", help="nnx, linen or equinox (default nnx)")
+    parser.add_argument(
+        "--devices", type=_positive(int), default=8, help="devices (simulated CPU ones: 8)"
+    )
+    parser.add_argument("--batch-size", type=_positive(int), default=None, help="global batch")
+    parser.add_argument("--seed", type=int, default=0)
+    if grad_accum:
+        parser.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                            help="a strategy option (repeatable)")  # fmt: skip
+        parser.add_argument("--addon", action="append", default=[], metavar="NAME")
+        parser.add_argument("--mesh", default=None, help="axis sizes, e.g. data=2,model=4")
+        parser.add_argument("--grad-accum", type=_positive(int), default=1, metavar="K")
+        parser.add_argument("--precision", choices=("float32", "bf16"), default="float32")
+
+
 def _step_range(text: str) -> range:
     try:
         start, stop = (int(part) for part in text.split(":"))
@@ -186,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--on-nonfinite",
         choices=("stop", "skip"),
         default="stop",
-        help="a NaN/inf loss or gradient: stop with the step and last good checkpoint "
+        help="a NaN/inf loss: stop with the step and last good checkpoint "
         "named (default), or skip the update and count it",
     )
 
@@ -222,6 +258,53 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulated CPU devices per process (default 4)",
     )
     launch.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- train ...")
+
+    explain = sub.add_parser(
+        "explain",
+        help="what a strategy costs: memory per device, collectives, layout (nothing runs)",
+        description="Compile the training step without running it and report each "
+        "parameter's layout, the bytes per device (from the compiled step's memory analysis), "
+        "the collectives per step next to the textbook figures, and pictures of the layout.",
+    )
+    _model_arguments(explain)
+    explain.add_argument("--strategy", default="dp", help="strategy name (default: dp)")
+    explain.add_argument("--param", default=None, help="parameter to picture (default: largest)")
+    explain.add_argument(
+        "--device-memory", type=_memory, default=None, metavar="SIZE",
+        help="the device's memory, e.g. 80GB, to compare the peak against",
+    )  # fmt: skip
+    explain.add_argument("--plot", type=Path, default=None, metavar="FILE", help="PNG picture")
+    explain.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    recommend = sub.add_parser(
+        "recommend",
+        help="which installed strategies fit in the device's memory, and which to use",
+        description="Compile the step with every installed strategy, read its peak memory per "
+        "device and its communication per step, and recommend: of those that fit, data "
+        "parallel when it fits (one all-reduce per step), else the one that sends least.",
+    )
+    _model_arguments(recommend)
+    recommend.add_argument(
+        "--device-memory", type=_memory, required=True, metavar="SIZE",
+        help="each device's memory, e.g. 80GB or 512MiB",
+    )  # fmt: skip
+    recommend.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    bench = sub.add_parser(
+        "bench",
+        help="time strategies side by side against the same step written by hand in JAX",
+        description="Interleaved rounds of every strategy, of the same step written by hand "
+        "(jax.jit with the same shardings), of Flax's nnx.jit loop and of one device: compile "
+        "time, median step, throughput, peak memory, and the ratio shardplug / hand-written.",
+    )
+    _model_arguments(bench, grad_accum=False)
+    bench.add_argument(
+        "--strategies", default="dp,fsdp,2d,pmap", help="comma-separated (default: the built-ins)"
+    )
+    bench.add_argument("--steps", type=_positive(int), default=20, help="steps per round")
+    bench.add_argument("--rounds", type=_positive(int), default=7, help="interleaved rounds")
+    bench.add_argument("--plot", type=Path, default=None, metavar="FILE", help="PNG of the bars")
+    bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     export = sub.add_parser(
         "export",
@@ -583,10 +666,176 @@ class _Progress:
             self.bar.stop()
 
 
+def _compiled_trainer(args: argparse.Namespace, strategy: str, options: dict[str, Any]):
+    """A trainer of the reference model with ``strategy``, its step compiled; and its batch."""
+    import optax
+
+    from shardplug.core.registry import get_strategy
+    from shardplug.core.trainer import Trainer
+    from shardplug.models import get_model
+
+    model = get_model(args.model)
+    trainer = Trainer(
+        model.adapter(args.adapter),
+        loss_fn=model.loss_fn,
+        optimizer=optax.adam(model.learning_rate),
+        strategy=get_strategy(strategy, addons=args.addon, **options),
+        devices=args.devices,
+        mesh=args.mesh,
+        seed=args.seed,
+        grad_accum=args.grad_accum,
+        precision=args.precision,
+    )
+    batch = next(model.batches(args.batch_size or model.batch_size, args.seed))
+    return trainer, batch
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    """Check the model and adapter, then give JAX its simulated devices."""
+    from shardplug.core.devices import simulate_cpu_devices
+    from shardplug.models import check_adapter, get_model
+
+    get_model(args.model)
+    check_adapter(args.adapter)
+    if getattr(args, "mesh", None):
+        from shardplug.core.mesh import parse_mesh
+
+        parse_mesh(args.mesh)
+    simulate_cpu_devices(args.devices)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=max(100, __import__("shutil").get_terminal_size().columns))
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    options = parse_options(args.strategy, args.option)
+    _prepare(args)
+    from shardplug.explain import explain, plot, render
+
+    trainer, batch = _compiled_trainer(args, args.strategy, options)
+    report = explain(trainer, batch, device_memory=args.device_memory, param=args.param)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        render(report, _console())
+    if args.plot is not None:
+        plot(report, str(args.plot))
+        if not args.json:
+            print(f"shardplug: wrote {args.plot}")
+    return 0
+
+
+def cmd_recommend(args: argparse.Namespace) -> int:
+    _prepare(args)
+    from shardplug.core.registry import list_strategies
+    from shardplug.explain import explain, size
+
+    rows = []
+    for info in list_strategies():
+        try:
+            trainer, batch = _compiled_trainer(args, info.name, {})
+            report = explain(trainer, batch, device_memory=args.device_memory)
+        except ShardplugError as exc:  # a strategy that cannot run this model here
+            rows.append({"strategy": info.name, "fits": False, "error": str(exc)})
+            continue
+        peak = report.per_device["peak_bytes"]
+        rows.append({
+            "strategy": info.name,
+            "fits": peak is not None and peak <= args.device_memory,
+            "peak_bytes": peak,
+            "params_bytes": report.per_device["params_bytes"],
+            "opt_state_bytes": report.per_device["opt_state_bytes"],
+            "sent_bytes": report.wire_bytes(),
+            "collectives": sum(c["count"] for c in report.collectives),
+        })  # fmt: skip
+    fitting = [r for r in rows if r["fits"]]
+    choice, reason = None, "no installed strategy fits: add devices, or shrink the batch or model"
+    if fitting:
+        dp = next((r for r in fitting if r["strategy"] == "dp"), None)
+        choice = dp or min(fitting, key=lambda r: (r["sent_bytes"], r["peak_bytes"]))
+        if dp:
+            reason = (
+                f"the model fits on each device ({size(dp['peak_bytes'])} of "
+                f"{size(args.device_memory)}), so data parallel: the least communication that "
+                f"splits the batch, one all-reduce of the gradients ({size(dp['sent_bytes'])} "
+                f"sent per device per step)"
+            )
+        else:
+            reason = (
+                f"data parallel does not fit; of those that do, {choice['strategy']} sends the "
+                f"least per step ({size(choice['sent_bytes'])} per device) at a peak of "
+                f"{size(choice['peak_bytes'])} of {size(args.device_memory)}"
+            )
+    if args.json:
+        recommended = choice["strategy"] if choice else None
+        print(json.dumps({"strategies": rows, "recommended": recommended, "reason": reason},
+                         indent=1))  # fmt: skip
+        return 0
+    from rich.table import Table
+
+    table = Table(
+        title=f"{args.model} ({args.adapter}) on {args.devices} devices of "
+        f"{size(args.device_memory)}",
+        title_justify="left",
+    )
+    for column in ("strategy", "fits", "peak/device", "params+opt/device", "sent/step"):
+        table.add_column(column, justify="left" if column in ("strategy", "fits") else "right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["strategy"], "no", "", "", r["error"])
+            continue
+        table.add_row(
+            r["strategy"], "yes" if r["fits"] else "no", size(r["peak_bytes"]),
+            size(r["params_bytes"] + r["opt_state_bytes"]), size(r["sent_bytes"]),
+        )  # fmt: skip
+    console = _console()
+    console.print(table)
+    if choice:
+        console.print(f"recommended: [bold]{choice['strategy']}[/bold]: {reason}")
+    else:
+        console.print(f"recommended: none: {reason}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from shardplug.core.registry import get_strategy
+
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if not strategies:
+        raise ConfigError("--strategies names no strategy: give e.g. dp,fsdp")
+    for name in strategies:
+        get_strategy(name)  # an unknown name fails here, before anything compiles
+    _prepare(args)
+    from shardplug.bench import bench, plot, render
+
+    console = _console()
+    quiet = args.json
+    report = bench(
+        strategies, args.model, args.adapter, args.devices, steps=args.steps,
+        rounds=args.rounds, batch_size=args.batch_size, seed=args.seed,
+        progress=None if quiet else lambda text: console.print(f"[dim]{text}[/dim]"),
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        render(report, console)
+    if args.plot is not None:
+        plot(report, str(args.plot))
+        if not quiet:
+            print(f"shardplug: wrote {args.plot}")
+    return 0
+
+
 COMMANDS = {
     "strategies": cmd_strategies,
     "train": cmd_train,
     "launch": cmd_launch,
+    "explain": cmd_explain,
+    "recommend": cmd_recommend,
+    "bench": cmd_bench,
     "export": cmd_export,
 }
 

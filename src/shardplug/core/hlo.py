@@ -22,14 +22,50 @@ _ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 
 
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_LIST_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\})")
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One kind of collective in one dtype: how many ops, and the bytes they produce."""
+    """One kind of collective in one dtype: how many ops, the bytes they produce, and the
+    bytes each device sends for them with ring algorithms (``wire_bytes``)."""
 
     kind: str
     dtype: str
     count: int
     bytes: int
+    wire_bytes: int = 0
+
+
+def wire_bytes(kind: str, result_bytes: float, group: int) -> float:
+    """Bytes one device sends for a collective over ``group`` devices, ring algorithms.
+
+    An all-gather producing S bytes sends (g-1)/g S; a reduce-scatter producing S bytes (of
+    g S in) sends (g-1) S; an all-reduce of S bytes is a reduce-scatter and an all-gather,
+    2 (g-1)/g S; an all-to-all sends (g-1)/g S; a collective-permute sends S.
+    """
+    if group <= 1:
+        return 0.0
+    share = (group - 1) / group
+    return {
+        "all-reduce": 2 * share * result_bytes,
+        "all-gather": share * result_bytes,
+        "reduce-scatter": (group - 1) * result_bytes,
+        "all-to-all": share * result_bytes,
+        "collective-permute": float(result_bytes),
+    }[kind]
+
+
+def _group_size(line: str, everyone: int) -> int:
+    iota = _IOTA_GROUPS.search(line)
+    if iota:
+        return int(iota.group(2))
+    listed = _LIST_GROUPS.search(line)
+    if listed:
+        return len([d for d in listed.group(1).strip("{}").split(",") if d])
+    return everyone  # replica_groups={} : every device
 
 
 def collectives(hlo_text: str) -> list[Collective]:
@@ -41,6 +77,9 @@ def collectives(hlo_text: str) -> list[Collective]:
     """
     count: collections.Counter[tuple[str, str]] = collections.Counter()
     size: collections.Counter[tuple[str, str]] = collections.Counter()
+    wire: collections.Counter[tuple[str, str]] = collections.Counter()
+    partitions = _PARTITIONS.search(hlo_text)
+    everyone = int(partitions.group(1)) if partitions else 1
     for line in hlo_text.splitlines():
         match = _OP.match(line)
         if match is None:
@@ -50,12 +89,15 @@ def collectives(hlo_text: str) -> list[Collective]:
         if started and kind != "all-reduce" and len(arrays) % 2 == 0:
             arrays = arrays[len(arrays) // 2 :]  # async (operands, results): the results
         seen: set[str] = set()
+        group = _group_size(line, everyone)
         for dtype, dims in arrays:
-            size[kind, dtype] += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+            nbytes = _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+            size[kind, dtype] += nbytes
+            wire[kind, dtype] += wire_bytes(kind, nbytes, group)
             if dtype not in seen:
                 count[kind, dtype] += 1
                 seen.add(dtype)
-    return [Collective(k, d, count[k, d], size[k, d]) for k, d in sorted(size)]
+    return [Collective(k, d, count[k, d], size[k, d], round(wire[k, d])) for k, d in sorted(size)]
 
 
 def partitioned_hlo(lowered: Any) -> str:

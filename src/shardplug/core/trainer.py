@@ -133,9 +133,11 @@ def make_step(
     bfloat16 copies of the parameters and of the batch's floating-point leaves; the
     parameters, gradients and optimizer state stay float32.
 
-    The metrics carry ``NONFINITE``: 1.0 when the loss or the gradient's norm is NaN or
-    infinite. With ``skip_nonfinite`` such a step leaves the parameters, optimizer state and
-    model state as they were (the step count and the data still advance).
+    The metrics carry ``NONFINITE``: 1.0 when the loss is NaN or infinite. With
+    ``skip_nonfinite`` the gradient's norm is checked too (a reduction over every parameter,
+    which costs a few percent of a small model's step on a CPU), and such a step leaves the
+    parameters, optimizer state and model state as they were (the step count and the data
+    still advance). Without it, a non-finite gradient shows in the next step's loss.
 
     When the strategy or an add-on implements ``encode_grads``, the gradient reduction is
     made explicit: each device's gradient is computed, encoded, summed in the encoded dtype
@@ -173,8 +175,10 @@ def make_step(
         grads = strategy.reduce_grads(grads, mesh)
         if encodes:
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-        finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
-        if axis is not None:  # a per-device program: every device must decide alike
+        finite = jnp.isfinite(loss)
+        if skip_nonfinite:  # the update must be judged before it is applied
+            finite &= jnp.isfinite(optax.tree.norm(grads))
+        if axis is not None and skip_nonfinite:  # per device: every device must decide alike
             finite = jax.lax.pmin(finite.astype(jnp.int32), axis).astype(bool)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -648,6 +652,8 @@ class Trainer:
     @staticmethod
     def _put(batch: Any, shardings: Any) -> Any:
         """This process's rows of the batch as one global array in ``shardings``."""
+        if jax.process_count() == 1:
+            return jax.device_put(batch, shardings)  # the same, with less bookkeeping
         return jax.tree.map(
             lambda x, s: jax.make_array_from_process_local_data(
                 s, np.asarray(x), _global_shape(np.shape(x))
@@ -805,6 +811,8 @@ class Trainer:
         """Checkpoint the current state now (in the background); returns its path."""
         if self.checkpoints is None:
             raise ConfigError("this Trainer has no checkpoint_dir to save into")
+        if not bool(_finite(self.state.params)):  # never save a broken model
+            raise self._nonfinite(self._step - 1, what="the parameters are")
         from shardplug import __version__
 
         meta = {
@@ -852,11 +860,11 @@ class Trainer:
             return None
         return str(self.checkpoints.path(self._saved_step))
 
-    def _nonfinite(self, step: int) -> NonFiniteError:
+    def _nonfinite(self, step: int, what: str = "the loss is") -> NonFiniteError:
         path = self.last_checkpoint
         last = f"last good checkpoint: {path}" if path else "no checkpoint saved"
         return NonFiniteError(
-            f"the loss or gradient is not finite (NaN or inf) at step {step}; {last}. "
+            f"{what} not finite (NaN or inf) at step {step}; {last}. "
             f"Lower the learning rate, or skip such steps with on_nonfinite='skip' "
             f"(--on-nonfinite skip)",
             step=step,
@@ -1006,6 +1014,11 @@ class _StopSignals:
     def __exit__(self, *exc: Any) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
+
+@jax.jit
+def _finite(tree: Any) -> jax.Array:
+    return jnp.isfinite(optax.tree.norm(tree))
 
 
 def _dtype(x: Any) -> np.dtype:

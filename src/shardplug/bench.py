@@ -1,0 +1,406 @@
+"""Strategies side by side in one run, against the same step written by hand in plain JAX.
+
+Every contender trains the same model on the same host batches, from the same parameters.
+The rounds are interleaved (round 1 of each contender, then round 2 of each...), so a slow
+moment of the machine costs every contender alike; each round times ``steps`` steps
+(batches put on the devices by the loop, one wait at the end), and the figure reported is
+the median over rounds.
+
+The hand-written baseline is what a JAX user writes without shardplug: ``jax.value_and_grad``
+of the loss, ``optax`` update, ``jax.jit`` with the strategy's parameter, optimizer-state and
+batch shardings (``jax.shard_map`` with ``lax.pmean`` for ``pmap``; a gather constraint on the
+parameters for ``fsdp``, as shardplug's fsdp has), and a loop that puts each batch on the
+devices. Its losses must equal shardplug's: that is checked, so the two did the same work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardplug.core.registry import get_strategy
+from shardplug.core.trainer import Trainer, _global_struct
+from shardplug.errors import ConfigError
+from shardplug.explain import explain
+
+
+@dataclasses.dataclass
+class Result:
+    """One contender's figures."""
+
+    name: str
+    strategy: str | None
+    kind: str  # "shardplug", "hand-written", "nnx.jit", "one device"
+    devices: int
+    compile_seconds: float
+    step_seconds: list[float]  # one per round
+    samples_per_step: int
+    tokens_per_step: int | None
+    peak_bytes: int | None
+    losses: list[float]
+
+    @property
+    def median_step(self) -> float:
+        return statistics.median(self.step_seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["median_step_seconds"] = self.median_step
+        out["samples_per_second"] = self.samples_per_step / self.median_step
+        out["tokens_per_second"] = (
+            None if self.tokens_per_step is None else self.tokens_per_step / self.median_step
+        )
+        del out["losses"]
+        return out
+
+
+class _Contender:
+    """Something that compiles once and then runs ``steps`` steps from host batches."""
+
+    result: Result
+
+    def run(self, batches: Sequence[Any], steps: int) -> float:
+        raise NotImplementedError
+
+
+class _Shardplug(_Contender):
+    def __init__(self, name, trainer: Trainer, first: Any, samples: int, tokens: int | None):
+        self.trainer = trainer
+        report = explain(trainer, first)  # compiles
+        self.result = Result(
+            name, trainer.strategy.name, "shardplug", int(trainer.mesh.size),
+            trainer.compile_seconds, [], samples, tokens, report.per_device["peak_bytes"], [],
+        )  # fmt: skip
+
+    def run(self, batches, steps):
+        start = time.perf_counter()
+        rows = self.trainer.fit(itertools.islice(itertools.cycle(batches), steps), steps)
+        elapsed = time.perf_counter() - start
+        self.result.losses.extend(r["loss"] for r in rows)
+        return elapsed / steps
+
+
+class _HandWritten(_Contender):
+    """``value_and_grad``, ``optax``, ``jax.jit`` with the trainer's shardings: no shardplug."""
+
+    def __init__(self, name, kind, template: Trainer, model, first, samples, tokens):
+        adapter, optimizer, mesh = template.adapter, template.optimizer, template.mesh
+        params_sharding = template.state_shardings.params
+        opt_sharding = template.state_shardings.opt_state
+        model_state = template.state.model_state
+        if jax.tree.leaves(model_state):
+            raise ConfigError(
+                f"the hand-written baseline covers models without model state; "
+                f"{model.name!r} has batch statistics"
+            )
+        abstract = jax.tree.map(_global_struct, first)
+        batch_sharding = jax.tree.map(
+            lambda s: NamedSharding(mesh, s.spec), template.strategy.shard_batch(abstract, mesh)
+        )
+        strategy = template.strategy.name
+        whole = NamedSharding(mesh, P())
+        key = jax.random.key(0)
+
+        def loss(params, batch):
+            if strategy == "fsdp":  # gather each parameter where it is used (ZeRO-3)
+                params = jax.lax.with_sharding_constraint(params, whole)
+            bound = adapter.bind(params, model_state, rng=key, train=True)
+            return model.loss_fn(bound, batch)[0]
+
+        def step(params, opt_state, batch):
+            value, grads = jax.value_and_grad(loss)(params, batch)
+            if strategy == "pmap":
+                value, grads = jax.lax.pmean((value, grads), "data")
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        if strategy == "pmap":
+            specs = lambda tree: jax.tree.map(lambda s: s.spec, tree)  # noqa: E731
+            step = jax.shard_map(
+                step,
+                mesh=mesh,
+                in_specs=(specs(params_sharding), specs(opt_sharding), specs(batch_sharding)),
+                out_specs=(specs(params_sharding), specs(opt_sharding), P()),
+                check_vma=False,
+            )
+        jitted = jax.jit(
+            step,
+            in_shardings=(params_sharding, opt_sharding, batch_sharding),
+            out_shardings=(params_sharding, opt_sharding, whole),
+            donate_argnums=(0, 1),
+        )
+        start = time.perf_counter()
+        self.compiled = jitted.lower(
+            template.state.params, template.state.opt_state, abstract
+        ).compile()
+        compile_seconds = time.perf_counter() - start
+        # the trainer's initial parameters, copied: both start from the same point
+        self.params = jax.tree.map(lambda x: x.copy(), template.state.params)
+        self.opt_state = jax.tree.map(lambda x: x.copy(), template.state.opt_state)
+        self.batch_sharding = batch_sharding
+        analysis = self.compiled.memory_analysis()
+        peak = (
+            analysis.argument_size_in_bytes
+            + analysis.output_size_in_bytes
+            - analysis.alias_size_in_bytes
+            + analysis.temp_size_in_bytes
+        )
+        self.result = Result(
+            name, strategy, kind, int(mesh.size), compile_seconds, [], samples, tokens, peak, []
+        )
+
+    def run(self, batches, steps):
+        start = time.perf_counter()
+        losses = []
+        for batch in itertools.islice(itertools.cycle(batches), steps):
+            batch = jax.device_put(batch, self.batch_sharding)
+            self.params, self.opt_state, value = self.compiled(self.params, self.opt_state, batch)
+            losses.append(value)
+        losses = jax.device_get(losses)
+        elapsed = time.perf_counter() - start
+        self.result.losses.extend(float(v) for v in losses)
+        return elapsed / steps
+
+
+class _NnxJit(_Contender):
+    """The training loop as Flax's own documentation writes it: ``nnx.Optimizer`` and
+    ``@nnx.jit``, the model replicated and the batch split over a ``data`` mesh."""
+
+    def __init__(self, name, template: Trainer, model, first, samples, tokens):
+        from flax import nnx
+
+        mesh = jax.sharding.Mesh(np.asarray(template.mesh.devices).reshape(-1), ("data",))
+        adapter = template.adapter
+        params = jax.tree.map(lambda x: np.asarray(x), template.state.params)
+        module = nnx.merge(adapter.graphdef, params, template.state.model_state, copy=True)
+        module.train()
+        replicated = NamedSharding(mesh, P())
+        state = nnx.state(module)
+        nnx.update(module, jax.device_put(state, replicated))
+        self.optimizer = nnx.Optimizer(module, template.optimizer, wrt=nnx.Param)
+        self.module = module
+        self.batch_sharding = jax.tree.map(
+            lambda x: NamedSharding(mesh, P("data") if np.ndim(x) else P()), first
+        )
+        loss_fn = model.loss_fn
+
+        @nnx.jit
+        def train_step(model, optimizer, batch):
+            def loss(model):
+                return loss_fn(model, batch)[0]
+
+            value, grads = nnx.value_and_grad(loss)(model)
+            optimizer.update(model, grads)
+            return value
+
+        self.train_step = train_step
+        start = time.perf_counter()
+        jax.block_until_ready(
+            # nnx.jit compiles on the first call; time it on a copy so training starts fresh
+            train_step(nnx.clone(module), nnx.clone(self.optimizer), self._put(first))
+        )
+        compile_seconds = time.perf_counter() - start
+        self.result = Result(
+            name, "dp", "nnx.jit", int(mesh.size), compile_seconds, [], samples, tokens, None, []
+        )
+
+    def _put(self, batch):
+        return jax.device_put(batch, self.batch_sharding)
+
+    def run(self, batches, steps):
+        start = time.perf_counter()
+        losses = []
+        for batch in itertools.islice(itertools.cycle(batches), steps):
+            losses.append(self.train_step(self.module, self.optimizer, self._put(batch)))
+        losses = jax.device_get(losses)
+        elapsed = time.perf_counter() - start
+        self.result.losses.extend(float(v) for v in losses)
+        return elapsed / steps
+
+
+def bench(
+    strategies: Sequence[str],
+    model_name: str = "transformer",
+    adapter: str = "nnx",
+    devices: int | None = None,
+    steps: int = 20,
+    rounds: int = 5,
+    batch_size: int | None = None,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Time ``strategies`` against hand-written JAX, interleaved; see the module's docstring.
+
+    :return: ``{"results": [Result.to_dict()...], "ratios": {strategy: shardplug's step time
+        / hand-written's, the median of the rounds' ratios}, "nnx_jit_ratio": the same for
+        shardplug's dp / the nnx.jit loop (NNX only),
+        "speedup": {strategy: one device's median step / the strategy's}, "max_loss_diff":
+        {strategy: largest relative difference of shardplug's losses from the baseline's}}``.
+    """
+    from shardplug.models import check_adapter, get_model
+
+    model = get_model(model_name)
+    check_adapter(adapter)
+    if not strategies:
+        raise ConfigError("name at least one strategy to bench")
+    batch_size = batch_size or model.batch_size
+    batches = list(itertools.islice(model.batches(batch_size, seed), 8))
+    first = batches[0]
+    samples = int(np.shape(jax.tree.leaves(first)[0])[0])
+    tokens = int(np.size(first["tokens"])) if "tokens" in first else None
+    say = progress or (lambda _: None)
+
+    def trainer(strategy: str, count: int | None) -> Trainer:
+        return Trainer(
+            model.adapter(adapter),
+            loss_fn=model.loss_fn,
+            optimizer=optax.adam(model.learning_rate),
+            strategy=get_strategy(strategy),
+            devices=count,
+            seed=seed,
+            log_every=steps,
+        )
+
+    contenders: list[_Contender] = []
+    for strategy in strategies:
+        say(f"compiling {strategy}")
+        t = trainer(strategy, devices)
+        contenders.append(_Shardplug(strategy, t, first, samples, tokens))
+        by_hand = trainer(strategy, devices)
+        name = f"{strategy} by hand"
+        contenders.append(
+            _HandWritten(name, "hand-written", by_hand, model, first, samples, tokens)
+        )
+    if adapter == "nnx" and "dp" in strategies:
+        say("compiling the nnx.jit loop")
+        contenders.append(
+            _NnxJit("dp as nnx.jit", trainer("dp", devices), model, first, samples, tokens)
+        )
+    say("compiling one device")
+    contenders.append(
+        _HandWritten("one device", "one device", trainer("dp", 1), model, first, samples, tokens)
+    )
+    for contender in contenders:  # warm up: first runs pay for allocations and caches
+        contender.run(batches, 2)
+        contender.result.losses.clear()
+    for round_ in range(rounds):
+        say(f"round {round_ + 1} of {rounds}")
+        # each shardplug run sits next to its baseline; every other round runs backwards,
+        # so neither goes first (after the previous contender) more often
+        for contender in contenders if round_ % 2 == 0 else contenders[::-1]:
+            contender.result.step_seconds.append(contender.run(batches, steps))
+
+    by = {(c.result.kind, c.result.strategy): c.result for c in contenders}
+    one = next(c.result for c in contenders if c.result.kind == "one device")
+    ratios, speedup, diffs = {}, {}, {}
+
+    def paired(a: Result, b: Result) -> float:  # the median of the rounds' ratios
+        return statistics.median(x / y for x, y in zip(a.step_seconds, b.step_seconds, strict=True))
+
+    for strategy in strategies:
+        mine, hand = by["shardplug", strategy], by["hand-written", strategy]
+        ratios[strategy] = paired(mine, hand)
+        speedup[strategy] = one.median_step / mine.median_step
+        a, b = np.asarray(mine.losses), np.asarray(hand.losses)
+        diffs[strategy] = float(np.max(np.abs(a - b) / np.abs(b)))
+    nnx_ratio = None
+    if ("nnx.jit", "dp") in by:
+        nnx_ratio = paired(by["shardplug", "dp"], by["nnx.jit", "dp"])
+    return {
+        "model": model_name,
+        "adapter": adapter,
+        "devices": int(contenders[0].result.devices),
+        "platform": jax.devices()[0].platform,
+        "batch_size": batch_size,
+        "steps_per_round": steps,
+        "rounds": rounds,
+        "results": [c.result.to_dict() for c in contenders],
+        "ratios": ratios,
+        "nnx_jit_ratio": nnx_ratio,
+        "speedup": speedup,
+        "max_loss_diff": diffs,
+    }
+
+
+def render(report: dict[str, Any], console: Any) -> None:
+    """The bench as a table on a ``rich`` console."""
+    from rich.table import Table
+
+    from shardplug.explain import size
+
+    table = Table(
+        title=f"{report['model']} ({report['adapter']}), batch {report['batch_size']}, "
+        f"{report['devices']} {report['platform']} devices: median of {report['rounds']} "
+        f"interleaved rounds of {report['steps_per_round']} steps",
+        title_justify="left",
+    )
+    for column in ("contender", "compile s", "step ms", "samples/s", "tokens/s", "peak/device",
+                   "vs hand-written", "speedup vs 1 device"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "contender" else "right")
+    for r in report["results"]:
+        strategy = r["strategy"]
+        mine = r["kind"] == "shardplug"
+        table.add_row(
+            r["name"] if r["kind"] != "shardplug" else f"[bold]{r['name']}[/bold]",
+            f"{r['compile_seconds']:.2f}",
+            f"{1000 * r['median_step_seconds']:.2f}",
+            f"{r['samples_per_second']:.0f}",
+            "" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:.0f}",
+            size(r["peak_bytes"]) if r["peak_bytes"] is not None else "",
+            f"{report['ratios'][strategy]:.3f}x" if mine else "",
+            f"{report['speedup'][strategy]:.2f}x" if mine else "",
+        )
+    console.print(table)
+    if report["nnx_jit_ratio"] is not None:
+        console.print(
+            f"shardplug dp / the nnx.jit loop of Flax's documentation: "
+            f"{report['nnx_jit_ratio']:.3f}x"
+        )
+    worst = max(report["max_loss_diff"].values())
+    console.print(f"losses equal the hand-written runs' within {worst:.1e} (relative)")
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Bars of the median step time of every contender, with the figures on them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    names = [r["name"] for r in results]
+    times = [1000 * r["median_step_seconds"] for r in results]
+    colours = {"shardplug": "tab:blue", "hand-written": "tab:gray", "nnx.jit": "tab:orange",
+               "one device": "tab:green"}  # fmt: skip
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(names)), 4.5))
+    bars = ax.bar(names, times, color=[colours[r["kind"]] for r in results])
+    for bar, r, t in zip(bars, results, times, strict=True):
+        text = f"{t:.2f} ms"
+        if r["kind"] == "shardplug":
+            text += f"\n{report['ratios'][r['strategy']]:.3f}x"
+        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)  # fmt: skip
+    ax.set_ylabel("median step (ms)")
+    ax.set_title(
+        f"{report['model']} ({report['adapter']}) on {report['devices']} {report['platform']} "
+        f"devices; x = shardplug / hand-written",
+        fontsize=10,
+    )
+    ax.tick_params(axis="x", rotation=30)
+    ax.margins(y=0.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+__all__ = ["Result", "bench", "plot", "render"]

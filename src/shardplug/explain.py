@@ -1,0 +1,495 @@
+"""What a strategy costs, read off its compiled step before a single step runs.
+
+:func:`explain` compiles a trainer's step for a batch and reports where every parameter
+lives, the bytes each device holds (parameters, optimizer state, gradients, and the
+temporaries of the compiled program's own memory analysis), and the collectives the program
+runs, next to the textbook figures for the strategy's layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from shardplug.core.hlo import collectives, wire_bytes
+from shardplug.core.sharding import leaf_paths, mesh_axes
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamReport:
+    """One parameter: where it lives and what a device holds of it."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: str
+    bytes_per_device: int
+    replicated: bool
+    why: str | None  # why a parameter is whole on every device of a multi-device mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What :func:`explain` found; ``to_dict()`` is the JSON that ``shardplug explain`` prints."""
+
+    strategy: str
+    devices: int
+    mesh: dict[str, int]
+    platform: str
+    params: list[ParamReport]
+    per_device: dict[str, int | None]
+    collectives: list[dict[str, Any]]
+    textbook: list[dict[str, Any]]
+    batch: list[dict[str, Any]]
+    compile_seconds: float | None
+    #: how the first batch leaf and one parameter are split: ``{"name", "shape", "spec",
+    #: "dims", "blocks": [[[row0, row1], [col0, col1], [device ids]], ...]}``
+    pictures: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: where the compiled program and the textbook part ways, and why
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["params"] = [dict(dataclasses.asdict(p), shape=list(p.shape)) for p in self.params]
+        return out
+
+    def collective_bytes(self, kind: str | None = None) -> int:
+        """Bytes of the step's collectives (of one kind), per device."""
+        return sum(c["bytes"] for c in self.collectives if kind in (None, c["kind"]))
+
+    def wire_bytes(self) -> int:
+        """Bytes each device sends per step for the collectives (ring algorithms)."""
+        return sum(c["wire_bytes"] for c in self.collectives)
+
+    def textbook_bytes(self, kind: str | None = None) -> int:
+        return sum(t["bytes"] for t in self.textbook if kind in (None, t["kind"]))
+
+    def textbook_wire_bytes(self) -> int:
+        return sum(t["wire_bytes"] for t in self.textbook)
+
+
+def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):  # uint32 words per key
+        impl = getattr(dtype, "_impl", None)
+        return math.prod(shape) * 4 * math.prod(getattr(impl, "key_shape", (2,)))
+    return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def _shard_bytes(x: Any, sharding: NamedSharding) -> int:
+    return _bytes(sharding.shard_shape(tuple(x.shape)), x.dtype)
+
+
+def _tree_bytes(tree: Any, shardings: Any) -> int:
+    leaves = jax.tree.leaves(tree)
+    return sum(_shard_bytes(x, s) for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True))
+
+
+def _batch_axes(batch_shardings: Any) -> tuple[str, ...]:
+    for sharding in jax.tree.leaves(batch_shardings):
+        spec = tuple(sharding.spec)
+        if spec and spec[0] is not None:
+            return (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+    return ()
+
+
+def _why(strategy: Any, shape: tuple[int, ...], logical: Any, mesh: Any, seen: dict) -> str:
+    """Why a parameter stayed whole on a mesh of many devices, from what can be seen:
+    ``seen`` holds the smallest split parameter's size and the logical names split anywhere."""
+    if "shard_params" not in strategy.info.hooks:
+        return "the strategy has no shard_params rule: core's fallback replicates every parameter"
+    if seen["smallest"] is None:
+        return f"{strategy.name} keeps every parameter whole on every device"
+    sizes = sorted({n for n in mesh.shape.values() if n > 1})
+    if not any(d % n == 0 for d in shape for n in sizes):
+        return f"no dimension of {shape} divides a mesh axis of size {' or '.join(map(str, sizes))}"
+    names = [n for n in (logical or ()) if n is not None]
+    if names and not set(names) & seen["names"]:
+        return f"the rule splits none of its logical axes {tuple(logical)}"
+    if math.prod(shape) < seen["smallest"]:
+        return (
+            f"small: {math.prod(shape)} elements (the smallest split parameter has "
+            f"{seen['smallest']}); gathering it would cost more than it saves"
+        )
+    if logical is not None and not names:
+        return "no logical-axis annotation to split it by"
+    return "the strategy's rule left it whole"
+
+
+def _textbook(params: list[ParamReport], param_shardings: list, mesh, batch_axes) -> list:
+    """The strategy's collectives as the literature states them, parameter by parameter.
+
+    A parameter replicated over the batch axes has its gradient all-reduced over them (data
+    parallel); one split over batch axes is all-gathered in the forward and again in the
+    backward pass and its gradient reduce-scattered (ZeRO-3/FSDP), plus an all-reduce over
+    any batch axes it is not split over (hybrid). Bytes are result bytes per device, as
+    :func:`shardplug.core.hlo.collectives` counts them. Parameters split over axes the batch
+    is not split on (tensor parallelism) add activation collectives that depend on the
+    model's code: those are not modelled.
+    """
+    if math.prod(mesh.shape[a] for a in batch_axes) == 1:
+        return []
+    totals = {"all-reduce": 0, "all-gather": 0, "reduce-scatter": 0}
+    wire = dict.fromkeys(totals, 0.0)
+    for report, sharding in zip(params, param_shardings, strict=True):
+        split = [a for a in mesh_axes(sharding.spec) if a in batch_axes]
+        rest = [a for a in batch_axes if a not in split and mesh.shape[a] > 1]
+        shard = report.bytes_per_device
+        if split:
+            group = math.prod(mesh.shape[a] for a in split)
+            totals["all-gather"] += 2 * shard * group
+            wire["all-gather"] += 2 * wire_bytes("all-gather", shard * group, group)
+            totals["reduce-scatter"] += shard
+            wire["reduce-scatter"] += wire_bytes("reduce-scatter", shard, group)
+        if rest:
+            totals["all-reduce"] += shard
+            wire["all-reduce"] += wire_bytes(
+                "all-reduce", shard, math.prod(mesh.shape[a] for a in rest)
+            )
+    what = {
+        "all-reduce": "the gradients of parameters replicated over the batch axes",
+        "all-gather": "parameters split over the batch axes, gathered forward and backward",
+        "reduce-scatter": "the gradients of those parameters, onto each device's shard",
+    }
+    return [
+        {"kind": k, "bytes": b, "wire_bytes": round(wire[k]), "what": what[k]}
+        for k, b in totals.items()
+        if b
+    ]
+
+
+def explain(
+    trainer: Any, batch: Any, device_memory: int | None = None, param: str | None = None
+) -> Report:
+    """Compile ``trainer``'s step for batches like ``batch`` (if not yet) and report its costs.
+
+    :param device_memory: the device's memory in bytes, to compare the peak against; the
+        backend's own figure when it gives one (GPUs do; CPUs do not).
+    :param param: the path of the parameter to picture (default: the largest).
+    :raises ConfigError: when ``param`` names no parameter.
+    """
+    trainer.compile(batch)
+    state, shardings, mesh = trainer.state, trainer.state_shardings, trainer.mesh
+    flat_params = jax.tree.leaves(state.params)
+    flat_shardings = jax.tree.leaves(shardings.params)
+    logical = (
+        [None] * len(flat_params)
+        if trainer.annotations is None
+        else jax.tree.leaves(
+            trainer.annotations, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+        )
+    )
+    split_sizes, split_names = [], set()
+    for p, s, names in zip(flat_params, flat_shardings, logical, strict=True):
+        if s.shard_shape(p.shape) != p.shape:
+            split_sizes.append(math.prod(p.shape))
+            spec = tuple(s.spec) + (None,) * p.ndim
+            split_names |= {n for n, e in zip(names or (), spec, strict=False) if e is not None}
+    seen = {"smallest": min(split_sizes) if split_sizes else None, "names": split_names}
+    params = []
+    for path, p, s, names in zip(
+        leaf_paths(state.params), flat_params, flat_shardings, logical, strict=True
+    ):
+        replicated = s.shard_shape(p.shape) == p.shape
+        why = None
+        if replicated and mesh.size > 1:
+            why = _why(trainer.strategy, tuple(p.shape), names, mesh, seen)
+        params.append(
+            ParamReport(
+                path, tuple(p.shape), str(p.dtype), str(s.spec), _shard_bytes(p, s), replicated, why
+            )
+        )
+
+    analysis = trainer.compiled.memory_analysis()
+    params_bytes = _tree_bytes(state.params, shardings.params)
+    argument = getattr(analysis, "argument_size_in_bytes", None)
+    output = getattr(analysis, "output_size_in_bytes", None)
+    alias = getattr(analysis, "alias_size_in_bytes", 0) or 0
+    temp = getattr(analysis, "temp_size_in_bytes", None)
+    peak = None if None in (argument, output, temp) else argument + output - alias + temp
+    device = mesh.devices.flat[0]
+    if device_memory is None:
+        stats = device.memory_stats() or {}
+        device_memory = stats.get("bytes_limit")
+    per_device = {
+        "params_bytes": params_bytes,
+        "opt_state_bytes": _tree_bytes(state.opt_state, shardings.opt_state),
+        # the reduced gradient, as the strategy leaves it: laid out like the parameters
+        "grads_bytes": params_bytes,
+        "model_state_bytes": _tree_bytes(state.model_state, shardings.model_state),
+        "batch_bytes": _tree_bytes(jax.tree.map(_global_leaf, batch), trainer.batch_shardings),
+        "temp_bytes": temp,
+        "argument_bytes": argument,
+        "output_bytes": output,
+        "alias_bytes": alias,
+        "peak_bytes": peak,
+        "device_memory_bytes": device_memory,
+    }
+    found = [dataclasses.asdict(c) for c in collectives(trainer.compiled.as_text())]
+    batch_axes = _batch_axes(trainer.batch_shardings)
+    batch_info = [
+        {
+            "path": path or "batch",
+            "shape": list(_global_leaf(x).shape),
+            "spec": str(s.spec),
+            "rows_per_device": s.shard_shape(_global_leaf(x).shape)[0] if np.ndim(x) else None,
+        }
+        for path, x, s in zip(
+            leaf_paths(batch),
+            jax.tree.leaves(batch),
+            jax.tree.leaves(trainer.batch_shardings),
+            strict=True,
+        )
+    ]
+    paths = [p.path for p in params]
+    if param is None:
+        param = max(params, key=lambda p: math.prod(p.shape)).path
+    elif param not in paths:
+        from shardplug.errors import ConfigError
+
+        raise ConfigError(f"no parameter {param!r}; the parameters are: {', '.join(paths)}")
+    chosen = paths.index(param)
+    pictures = [
+        _picture(batch_info[0]["path"], tuple(batch_info[0]["shape"]),
+                 jax.tree.leaves(trainer.batch_shardings)[0]),
+        _picture(param, params[chosen].shape, flat_shardings[chosen]),
+    ]  # fmt: skip
+    notes = []
+    tensor_parallel = {a for s in flat_shardings for a in mesh_axes(s.spec) if a not in batch_axes}
+    if tensor_parallel:
+        notes.append(
+            f"parameters split over {sorted(tensor_parallel)}, which the batch is not split "
+            "over (tensor parallelism), need activation collectives forward and backward "
+            "that the model's code decides; the textbook figure leaves them out"
+        )
+    textbook = _textbook(params, flat_shardings, mesh, batch_axes)
+    kinds = {c["kind"] for c in found}
+    if "reduce-scatter" in {t["kind"] for t in textbook} - kinds:
+        notes.append(
+            "the compiler reduces the gradients of split parameters with an all-reduce "
+            "(each device then keeps its shard) and gathers each parameter once for forward "
+            "and backward: 1 all-gather + 1 all-reduce sends what 2 all-gathers + 1 "
+            "reduce-scatter send"
+        )
+    return Report(
+        strategy=trainer.strategy.name,
+        devices=int(mesh.size),
+        mesh={str(k): int(v) for k, v in mesh.shape.items()},
+        platform=device.platform,
+        params=params,
+        per_device=per_device,
+        collectives=found,
+        textbook=textbook,
+        batch=batch_info,
+        compile_seconds=trainer.compile_seconds,
+        pictures=pictures,
+        notes=notes,
+    )
+
+
+def _picture(name: str, shape: tuple[int, ...], sharding: NamedSharding) -> dict[str, Any]:
+    dims, blocks = regions(shape, sharding)
+    return {
+        "name": name,
+        "shape": list(shape),
+        "spec": str(sharding.spec),
+        "dims": list(dims),
+        "blocks": [[list(r), list(c), ids] for r, c, ids in blocks],
+    }
+
+
+def _global_leaf(x: Any) -> jax.ShapeDtypeStruct:
+    from shardplug.core.trainer import _global_struct
+
+    return _global_struct(x)
+
+
+def regions(shape: tuple[int, ...], sharding: NamedSharding) -> tuple[tuple[int, int], list]:
+    """The picture of how ``sharding`` splits an array of ``shape``, in two dimensions.
+
+    :return: the two dimensions drawn (the split ones first, else the largest), and for
+        each distinct block ``((row0, row1), (col0, col1), device ids)``.
+    """
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    split = [d for d in range(len(shape)) if spec[d] is not None]
+    rest = sorted(range(len(shape)), key=lambda d: -shape[d])
+    dims = sorted([*split, *(d for d in rest if d not in split)][:2])
+    while len(dims) < 2:
+        dims.append(None)
+    blocks: dict[tuple, list[int]] = {}
+    for device, index in sharding.devices_indices_map(tuple(shape)).items():
+        span = []
+        for d in dims:
+            if d is None:
+                span.append((0, 1))
+            else:
+                start, stop, _ = index[d].indices(shape[d])
+                span.append((start, stop))
+        blocks.setdefault(tuple(span), []).append(device.id)
+    return tuple(dims), [(r, c, sorted(ids)) for (r, c), ids in sorted(blocks.items())]
+
+
+def size(n: float | None) -> str:
+    """``1234567`` as ``1.2 MB`` (powers of 1000)."""
+    if n is None:
+        return "unknown"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def render(report: Report, console: Any) -> None:
+    """Print the report as tables and pictures on a ``rich`` console."""
+    from rich.table import Table
+
+    mesh = ",".join(f"{k}={v}" for k, v in report.mesh.items())
+    console.print(
+        f"[bold]{report.strategy}[/bold] on {report.devices} {report.platform} devices "
+        f"({mesh}); step compiled in {report.compile_seconds or 0:.1f} s"
+    )
+    table = Table(title="parameters", title_justify="left")
+    for column in ("path", "shape", "spec", "per device", "replicated because"):
+        table.add_column(column, overflow="fold")
+    for p in report.params:
+        shape = "x".join(map(str, p.shape))
+        table.add_row(p.path, shape, p.spec, size(p.bytes_per_device), p.why or "")
+    console.print(table)
+
+    memory = Table(title="memory per device", title_justify="left")
+    memory.add_column("what")
+    memory.add_column("bytes", justify="right")
+    d = report.per_device
+    rows = [
+        ("parameters", d["params_bytes"]),
+        ("optimizer state", d["opt_state_bytes"]),
+        ("gradients (reduced)", d["grads_bytes"]),
+        ("model state", d["model_state_bytes"]),
+        ("batch", d["batch_bytes"]),
+        ("temporaries (activations, gradients in flight)", d["temp_bytes"]),
+        ("peak: arguments + outputs - donated + temporaries", d["peak_bytes"]),
+    ]
+    for what, n in rows:
+        memory.add_row(what, size(n))
+    if d["device_memory_bytes"]:
+        share = d["peak_bytes"] / d["device_memory_bytes"] if d["peak_bytes"] else 0
+        memory.add_row("device memory", f"{size(d['device_memory_bytes'])} ({share:.1%} used)")
+    console.print(memory)
+
+    comm = Table(title="communication per step (per device)", title_justify="left")
+    for column in ("", "collective", "dtype", "count", "result bytes", "sent (ring)"):
+        comm.add_column(column, justify="right" if "bytes" in column else "left")
+    for c in report.collectives:
+        comm.add_row(
+            "compiled", c["kind"], c["dtype"], str(c["count"]), size(c["bytes"]),
+            size(c["wire_bytes"]),
+        )  # fmt: skip
+    for t in report.textbook:
+        comm.add_row("textbook", t["kind"], "", "", size(t["bytes"]), size(t["wire_bytes"]))
+    if not report.collectives:
+        comm.add_row("compiled", "none", "", "", "", "")
+    console.print(comm)
+    if report.textbook:
+        ratio = report.wire_bytes() / max(report.textbook_wire_bytes(), 1)
+        console.print(
+            f"sent per step: {size(report.wire_bytes())} compiled, "
+            f"{size(report.textbook_wire_bytes())} textbook ({ratio:.3f}x)"
+        )
+    for note in report.notes:
+        console.print(f"note: {note}")
+    for picture in report.pictures:
+        console.print(_grid(picture, report.devices))
+
+
+def _grid(picture: dict[str, Any], devices: int) -> Any:
+    """A table whose cells are the blocks of an array and the devices that hold them."""
+    from rich.table import Table
+
+    dims = picture["dims"]
+    shape = picture["shape"]
+    label = [("-" if d is None else f"dim {d} ({shape[d]})") for d in dims]
+    table = Table(show_lines=True)
+    rows = sorted({tuple(b[0]) for b in picture["blocks"]})
+    cols = sorted({tuple(b[1]) for b in picture["blocks"]})
+    table.add_column("")
+    for c in cols:
+        table.add_column(f"{c[0]}:{c[1]}")
+    cells = {(tuple(r), tuple(c)): ids for r, c, ids in picture["blocks"]}
+    for r in rows:
+        table.add_row(f"{r[0]}:{r[1]}", *(_devices(cells.get((r, c), []), devices) for c in cols))
+    from rich.console import Group
+
+    title = (
+        f"[italic]{picture['name']}[/italic] {'x'.join(map(str, shape))} {picture['spec']}: "
+        f"rows {label[0]}, columns {label[1]}"
+    )
+    return Group(title, table)
+
+
+def _devices(ids: list[int], total: int) -> str:
+    if len(ids) == total and total > 1:
+        return f"all {total} devices"
+    return (
+        "device " + ",".join(map(str, ids))
+        if len(ids) == 1
+        else "devices " + ",".join(map(str, ids))
+    )
+
+
+def plot(report: Report, path: str) -> None:
+    """Draw the pictures of :func:`render` into a PNG: one panel per array, blocks to scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    pictures = report.pictures
+    fig, axes = plt.subplots(1, len(pictures), figsize=(6 * len(pictures), 5), squeeze=False)
+    colours = plt.get_cmap("tab10")
+    for ax, picture in zip(axes[0], pictures, strict=True):
+        shape, dims = picture["shape"], picture["dims"]
+        height = shape[dims[0]] if dims[0] is not None else 1
+        width = shape[dims[1]] if dims[1] is not None else 1
+        for k, (rows, cols, ids) in enumerate(picture["blocks"]):
+            ax.add_patch(
+                Rectangle(
+                    (cols[0] / width, 1 - rows[1] / height),
+                    (cols[1] - cols[0]) / width,
+                    (rows[1] - rows[0]) / height,
+                    facecolor=colours(k % 10),
+                    edgecolor="black",
+                    alpha=0.6,
+                )
+            )
+            ax.text(
+                (cols[0] + cols[1]) / 2 / width,
+                1 - (rows[0] + rows[1]) / 2 / height,
+                _devices(ids, report.devices).replace("devices ", "dev "),
+                ha="center",
+                va="center",
+                fontsize=9,
+                wrap=True,
+            )
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        names = [("-" if d is None else f"dim {d} ({shape[d]})") for d in dims]
+        ax.set_title(
+            f"{picture['name']} {'x'.join(map(str, shape))}\n{picture['spec']}", fontsize=10
+        )
+        ax.set_ylabel(names[0])
+        ax.set_xlabel(names[1])
+    mesh = ",".join(f"{k}={v}" for k, v in report.mesh.items())
+    fig.suptitle(f"{report.strategy} on {report.devices} devices ({mesh})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+__all__ = ["ParamReport", "Report", "explain", "plot", "regions", "render"]

@@ -1,0 +1,150 @@
+"""explain, recommend and bench: what a strategy costs, read off the compiled step."""
+
+import json
+
+import optax
+import pytest
+
+import shardplug
+from shardplug.cli import main
+from shardplug.core.hlo import collectives, wire_bytes
+from shardplug.errors import ConfigError
+from shardplug.explain import explain
+
+KEYS = {"params_bytes", "opt_state_bytes", "grads_bytes", "temp_bytes"}
+
+
+@pytest.fixture(scope="module")
+def reports():
+    model = shardplug.get_model("transformer")
+    batch = next(model.batches(model.batch_size, 0))
+    out = {}
+    for strategy in ("dp", "fsdp", "2d"):
+        trainer = shardplug.Trainer(
+            model.adapter("nnx"), loss_fn=model.loss_fn, optimizer=optax.adam(1e-3),
+            strategy=strategy,
+        )  # fmt: skip
+        out[strategy] = explain(trainer, batch)
+    return out
+
+
+def test_fsdp_holds_an_eighth_of_dp_per_device(reports):
+    dp, fsdp = reports["dp"].per_device, reports["fsdp"].per_device
+    for key in ("params_bytes", "opt_state_bytes"):
+        assert fsdp[key] == pytest.approx(dp[key] / 8, rel=0.05)
+        assert fsdp[key] > dp[key] / 8  # the small parameters stay whole: a little over
+    assert dp["params_bytes"] == sum(p.bytes_per_device for p in reports["dp"].params)
+    for report in reports.values():
+        assert report.per_device.keys() >= KEYS and report.per_device["temp_bytes"] > 0
+        assert report.per_device["peak_bytes"] > report.per_device["params_bytes"]
+
+
+def test_collectives_match_the_textbook(reports):
+    dp, fsdp = reports["dp"], reports["fsdp"]
+    # data parallel: one all-reduce of the gradients (+4 bytes: the loss)
+    assert [c["kind"] for c in dp.collectives] == ["all-reduce"]
+    assert dp.collective_bytes("all-reduce") == pytest.approx(dp.textbook_bytes(), rel=1e-3)
+    # fsdp: the compiler gathers once for forward and backward and all-reduces the
+    # gradient; on the wire that is what 2 all-gathers and a reduce-scatter send
+    assert fsdp.collective_bytes("all-gather") == pytest.approx(
+        fsdp.textbook_bytes("all-gather") / 2, rel=0.01
+    )
+    for report in (dp, fsdp):
+        assert report.wire_bytes() == pytest.approx(report.textbook_wire_bytes(), rel=0.10)
+    assert any("sends what 2 all-gathers" in note for note in fsdp.notes)
+    # 2d: the activation all-reduces of tensor parallelism come on top, and are said to
+    two_d = reports["2d"]
+    assert two_d.wire_bytes() > 2 * two_d.textbook_wire_bytes()
+    assert any("tensor parallelism" in note for note in two_d.notes)
+
+
+def test_each_replicated_parameter_says_why(reports):
+    why = {r: {p.path: p.why for p in reports[r].params} for r in reports}
+    assert why["dp"]["embed"] == "dp keeps every parameter whole on every device"
+    assert why["fsdp"]["norm/scale"].startswith("small: 64 elements")
+    assert why["2d"]["norm/scale"] == "the rule splits none of its logical axes ('embed',)"
+    assert why["fsdp"]["embed"] is None  # split, so nothing to explain
+    split = {p.path: p.spec for p in reports["2d"].params}
+    assert split["blocks/0/wi"] == "P(None, 'model')"
+
+
+def test_pictures_show_every_device_once_per_block(reports):
+    batch, param = reports["fsdp"].pictures
+    assert batch["name"] == "targets" and param["name"] == "blocks/0/wf"
+    assert sorted(i for block in batch["blocks"] for i in block[2]) == list(range(8))
+    two_d_param = reports["2d"].pictures[1]
+    assert [ids for _, _, ids in two_d_param["blocks"]] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_hlo_wire_bytes_follow_the_groups():
+    text = """HloModule m, num_partitions=8
+  %a = f32[100]{0} all-reduce(f32[100]{0} %x), replica_groups={{0,1},{2,3},{4,5},{6,7}}
+  %b = f32[80]{0} all-gather(f32[10]{0} %y), replica_groups=[1,8]<=[8], dimensions={0}
+  %c = f32[10]{0} reduce-scatter(f32[80]{0} %z), replica_groups={}, dimensions={0}
+"""
+    found = {c.kind: c for c in collectives(text)}
+    assert found["all-reduce"].wire_bytes == round(wire_bytes("all-reduce", 400, 2)) == 400
+    assert found["all-gather"].wire_bytes == 280  # 7/8 of 320 bytes
+    assert found["reduce-scatter"].wire_bytes == 280  # 7 x 40 bytes
+
+
+def test_cli_explain_json_and_plot(tmp_path, capsys):
+    png = tmp_path / "layout.png"
+    assert main(["explain", "--strategy", "fsdp", "--model", "mlp", "--json",
+                 "--plot", str(png), "--device-memory", "1GB"]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert report["per_device"].keys() >= KEYS
+    assert report["per_device"]["device_memory_bytes"] == 10**9
+    assert {"kind", "count", "bytes"} <= report["collectives"][0].keys()
+    assert {"path", "shape", "spec", "bytes_per_device", "why"} <= report["params"][0].keys()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    assert main(["explain", "--model", "mlp", "--param", "fc1/kernel"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per device" in out and "fc1/kernel" in out and "textbook" in out
+
+
+def test_explain_bad_input_is_one_line(capsys):
+    assert main(["explain", "--model", "mlp", "--param", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardplug: error: no parameter 'nope'; the parameters are: ")
+    assert len(err.strip().splitlines()) == 1
+    assert main(["recommend", "--model", "mlp", "--device-memory", "lots"]) == 2
+    assert "expected a size such as 80GB or 512MiB, got 'lots'" in capsys.readouterr().err
+    assert main(["bench", "--strategies", "dp,nope", "--model", "mlp"]) == 2
+    assert "unknown strategy 'nope'" in capsys.readouterr().err
+
+
+def test_recommend_follows_the_memory(capsys):
+    assert main(["recommend", "--device-memory", "80GB", "--json"]) == 0
+    roomy = json.loads(capsys.readouterr().out)
+    assert roomy["recommended"] == "dp" and "one all-reduce" in roomy["reason"]
+    peaks = {r["strategy"]: r["peak_bytes"] for r in roomy["strategies"]}
+    assert peaks["fsdp"] < peaks["dp"]
+    between = (peaks["fsdp"] + min(peaks["dp"], peaks["2d"])) // 2
+    assert main(["recommend", "--device-memory", str(between), "--json"]) == 0
+    tight = json.loads(capsys.readouterr().out)
+    assert tight["recommended"] == "fsdp" and "data parallel does not fit" in tight["reason"]
+    assert main(["recommend", "--device-memory", "1kB"]) == 0
+    assert "recommended: none" in capsys.readouterr().out
+
+
+def test_bench_compares_with_hand_written_jax(tmp_path, capsys):
+    png = tmp_path / "bench.png"
+    assert main(["bench", "--strategies", "dp,pmap", "--model", "mlp", "--steps", "2",
+                 "--rounds", "2", "--json", "--plot", str(png)]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    kinds = [r["kind"] for r in report["results"]]
+    assert kinds == ["shardplug", "hand-written"] * 2 + ["nnx.jit", "one device"]
+    assert set(report["ratios"]) == {"dp", "pmap"} and report["nnx_jit_ratio"] > 0
+    assert max(report["max_loss_diff"].values()) < 1e-5  # the baseline did the same work
+    for r in report["results"]:
+        assert len(r["step_seconds"]) == 2 and r["samples_per_second"] > 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_baseline_refuses_models_with_state():
+    from shardplug.bench import bench
+
+    with pytest.raises(ConfigError, match="without model state; 'cnn' has batch statistics"):
+        bench(["dp"], "cnn", steps=1, rounds=1)
