@@ -116,16 +116,16 @@ def test_explain_bad_input_is_one_line(capsys):
 
 
 def test_recommend_follows_the_memory(capsys):
-    assert main(["recommend", "--device-memory", "80GB", "--json"]) == 0
+    assert main(["recommend", "--model", "mlp", "--device-memory", "80GB", "--json"]) == 0
     roomy = json.loads(capsys.readouterr().out)
     assert roomy["recommended"] == "dp" and "one all-reduce" in roomy["reason"]
     peaks = {r["strategy"]: r["peak_bytes"] for r in roomy["strategies"]}
     assert peaks["fsdp"] < peaks["dp"]
     between = (peaks["fsdp"] + min(peaks["dp"], peaks["2d"])) // 2
-    assert main(["recommend", "--device-memory", str(between), "--json"]) == 0
+    assert main(["recommend", "--model", "mlp", "--device-memory", str(between), "--json"]) == 0
     tight = json.loads(capsys.readouterr().out)
     assert tight["recommended"] == "fsdp" and "data parallel does not fit" in tight["reason"]
-    assert main(["recommend", "--device-memory", "1kB"]) == 0
+    assert main(["recommend", "--model", "mlp", "--device-memory", "1kB"]) == 0
     assert "recommended: none" in capsys.readouterr().out
 
 

@@ -413,7 +413,7 @@ class Trainer:
         parameters, gradients and optimizer state stay float32.
     :param profile_dir: write a profiler trace (TensorBoard, Perfetto) of the steps
         ``profile_steps`` (a ``range`` of step numbers, default 3 to 5, after compilation)
-        into this directory.
+        into this directory (``process_<i>/`` in it for each process of a multi-process run).
     """
 
     def __init__(
@@ -951,7 +951,10 @@ class _Trace:
     def step(self, number: int, state: Callable[[], Any]) -> Any:
         if self.directory is not None and number == self.steps.start:
             jax.block_until_ready(state())  # the trace holds these steps only
-            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+            directory = self.directory
+            if jax.process_count() > 1:  # one trace per process, not one file fought over
+                directory = os.path.join(directory, f"process_{jax.process_index()}")
+            jax.profiler.start_trace(directory, create_perfetto_trace=True)
             self.active = True
         if not self.active:
             yield
