@@ -133,11 +133,12 @@ def make_step(
     bfloat16 copies of the parameters and of the batch's floating-point leaves; the
     parameters, gradients and optimizer state stay float32.
 
-    The metrics carry ``NONFINITE``: 1.0 when the loss is NaN or infinite. With
-    ``skip_nonfinite`` the gradient's norm is checked too (a reduction over every parameter,
-    which costs a few percent of a small model's step on a CPU), and such a step leaves the
-    parameters, optimizer state and model state as they were (the step count and the data
-    still advance). Without it, a non-finite gradient shows in the next step's loss.
+    A non-finite loss is seen by the host, in the metrics it reads. With ``skip_nonfinite``
+    the step judges itself: it checks the loss and the gradient's norm (a reduction over
+    every parameter, which costs a few percent of a small model's step on a CPU), and a step
+    with either NaN or infinite leaves the parameters, optimizer state and model state as
+    they were (the step count and the data still advance) and says so in the metric
+    ``NONFINITE`` (1.0). Without it, a non-finite gradient shows in the next step's loss.
 
     When the strategy or an add-on implements ``encode_grads``, the gradient reduction is
     made explicit: each device's gradient is computed, encoded, summed in the encoded dtype
@@ -175,22 +176,21 @@ def make_step(
         grads = strategy.reduce_grads(grads, mesh)
         if encodes:
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-        finite = jnp.isfinite(loss)
-        if skip_nonfinite:  # the update must be judged before it is applied
-            finite &= jnp.isfinite(optax.tree.norm(grads))
-        if axis is not None and skip_nonfinite:  # per device: every device must decide alike
-            finite = jax.lax.pmin(finite.astype(jnp.int32), axis).astype(bool)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        if skip_nonfinite:
+        out = {"loss": loss, **metrics}
+        if skip_nonfinite:  # the update must be judged before it is applied
+            finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+            if axis is not None:  # per device: every device must decide alike
+                finite = jax.lax.pmin(finite.astype(jnp.int32), axis).astype(bool)
             params, opt_state, model_state = jax.tree.map(
                 functools.partial(_keep_if_not, finite),
                 (params, opt_state, model_state),
                 (state.params, state.opt_state, state.model_state),
             )
+            out[NONFINITE] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
         new = TrainState(state.step + 1, params, opt_state, model_state, state.rng)
-        flag = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
-        return new, {"loss": loss, **metrics, NONFINITE: flag}
+        return new, out
 
     return step
 
@@ -739,7 +739,10 @@ class Trainer:
             nonlocal started
             new = self._rows(pending, self._step - len(pending), started)
             pending.clear()
-            faults = [row.pop(NONFINITE) > 0 for row in new]
+            faults = [
+                row.pop(NONFINITE) > 0 if NONFINITE in row else not math.isfinite(row["loss"])
+                for row in new
+            ]
             if self.on_nonfinite == "skip":
                 for row, fault in zip(new, faults, strict=True):
                     row["skipped"] = float(fault)
@@ -775,7 +778,7 @@ class Trainer:
                         self.state, metrics = program.compiled(self.state, global_batch)
                     self._step += 1
                     pending.append(metrics)
-                    in_flight.append(metrics[NONFINITE])
+                    in_flight.append(metrics["loss"])
                     due = self.checkpoint_every is not None and (
                         self._step % self.checkpoint_every == 0
                     )
