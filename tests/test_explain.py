@@ -148,3 +148,10 @@ def test_the_baseline_refuses_models_with_state():
 
     with pytest.raises(ConfigError, match="without model state; 'cnn' has batch statistics"):
         bench(["dp"], "cnn", steps=1, rounds=1)
+
+
+def test_bench_needs_a_hand_written_twin():
+    from shardplug.bench import bench
+
+    with pytest.raises(ConfigError, match="mine has no hand-written twin"):
+        bench(["dp", "mine"], "mlp", steps=1, rounds=1)

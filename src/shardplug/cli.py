@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shutil
 import sys
 import warnings
 from collections.abc import Sequence
@@ -69,8 +70,9 @@ def _memory(text: str) -> int:
     return int(value)
 
 
-def _model_arguments(parser: argparse.ArgumentParser, grad_accum: bool = True) -> None:
-    """The options that say what to compile: model, adapter, devices, mesh, batch."""
+def _model_arguments(parser: argparse.ArgumentParser, trainer_options: bool = True) -> None:
+    """The options that say what to compile: model, adapter, devices, batch; and with
+    ``trainer_options`` the strategy's options, add-ons, mesh, microbatches and precision."""
     parser.add_argument("--model", default="transformer", help="reference model (transformer)")
     parser.add_argument("--adapter", default="nnx", help="nnx, linen or equinox (default nnx)")
     parser.add_argument(
@@ -78,7 +80,7 @@ def _model_arguments(parser: argparse.ArgumentParser, grad_accum: bool = True) -
     )
     parser.add_argument("--batch-size", type=_positive(int), default=None, help="global batch")
     parser.add_argument("--seed", type=int, default=0)
-    if grad_accum:
+    if trainer_options:
         parser.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                             help="a strategy option (repeatable)")  # fmt: skip
         parser.add_argument("--addon", action="append", default=[], metavar="NAME")
@@ -297,9 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(jax.jit with the same shardings), of Flax's nnx.jit loop and of one device: compile "
         "time, median step, throughput, peak memory, and the ratio shardplug / hand-written.",
     )
-    _model_arguments(bench, grad_accum=False)
+    _model_arguments(bench, trainer_options=False)
     bench.add_argument(
-        "--strategies", default="dp,fsdp,2d,pmap", help="comma-separated (default: the built-ins)"
+        "--strategies",
+        default="dp,fsdp,2d,pmap",
+        help="comma-separated built-ins, which have hand-written twins (default: all four)",
     )
     bench.add_argument("--steps", type=_positive(int), default=20, help="steps per round")
     bench.add_argument("--rounds", type=_positive(int), default=7, help="interleaved rounds")
@@ -707,7 +711,7 @@ def _prepare(args: argparse.Namespace) -> None:
 def _console():
     from rich.console import Console
 
-    return Console(width=max(100, __import__("shutil").get_terminal_size().columns))
+    return Console(width=max(100, shutil.get_terminal_size().columns))
 
 
 def cmd_explain(args: argparse.Namespace) -> int:

@@ -17,7 +17,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardplug.core.hlo import collectives, wire_bytes
-from shardplug.core.sharding import leaf_paths, mesh_axes
+from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
+from shardplug.core.trainer import _global_struct
+from shardplug.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +93,21 @@ def _tree_bytes(tree: Any, shardings: Any) -> int:
 
 def _batch_axes(batch_shardings: Any) -> tuple[str, ...]:
     for sharding in jax.tree.leaves(batch_shardings):
-        spec = tuple(sharding.spec)
-        if spec and spec[0] is not None:
-            return (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+        if leading_axes(sharding.spec):
+            return leading_axes(sharding.spec)
     return ()
+
+
+def peak_bytes(analysis: Any) -> int | None:
+    """A compiled program's peak per device, from its ``memory_analysis()``: arguments +
+    outputs - what the outputs reuse of donated arguments + temporaries."""
+    sizes = [
+        getattr(analysis, f"{name}_size_in_bytes", None) for name in ("argument", "output", "temp")
+    ]
+    if None in sizes:
+        return None
+    alias = getattr(analysis, "alias_size_in_bytes", 0) or 0
+    return sizes[0] + sizes[1] - alias + sizes[2]
 
 
 def _why(strategy: Any, shape: tuple[int, ...], logical: Any, mesh: Any, seen: dict) -> str:
@@ -172,10 +185,15 @@ def explain(
     :param param: the path of the parameter to picture (default: the largest).
     :raises ConfigError: when ``param`` names no parameter.
     """
-    trainer.compile(batch)
     state, shardings, mesh = trainer.state, trainer.state_shardings, trainer.mesh
+    paths = leaf_paths(state.params)
+    if param is not None and param not in paths:  # before compiling: a typo costs nothing
+        raise ConfigError(f"no parameter {param!r}; the parameters are: {', '.join(paths)}")
+    trainer.compile(batch)
     flat_params = jax.tree.leaves(state.params)
     flat_shardings = jax.tree.leaves(shardings.params)
+    pairs = zip(flat_params, flat_shardings, strict=True)
+    whole = [s.shard_shape(p.shape) == p.shape for p, s in pairs]
     logical = (
         [None] * len(flat_params)
         if trainer.annotations is None
@@ -184,17 +202,16 @@ def explain(
         )
     )
     split_sizes, split_names = [], set()
-    for p, s, names in zip(flat_params, flat_shardings, logical, strict=True):
-        if s.shard_shape(p.shape) != p.shape:
+    for p, s, names, replicated in zip(flat_params, flat_shardings, logical, whole, strict=True):
+        if not replicated:
             split_sizes.append(math.prod(p.shape))
             spec = tuple(s.spec) + (None,) * p.ndim
             split_names |= {n for n, e in zip(names or (), spec, strict=False) if e is not None}
     seen = {"smallest": min(split_sizes) if split_sizes else None, "names": split_names}
     params = []
-    for path, p, s, names in zip(
-        leaf_paths(state.params), flat_params, flat_shardings, logical, strict=True
+    for path, p, s, names, replicated in zip(
+        paths, flat_params, flat_shardings, logical, whole, strict=True
     ):
-        replicated = s.shard_shape(p.shape) == p.shape
         why = None
         if replicated and mesh.size > 1:
             why = _why(trainer.strategy, tuple(p.shape), names, mesh, seen)
@@ -206,11 +223,6 @@ def explain(
 
     analysis = trainer.compiled.memory_analysis()
     params_bytes = _tree_bytes(state.params, shardings.params)
-    argument = getattr(analysis, "argument_size_in_bytes", None)
-    output = getattr(analysis, "output_size_in_bytes", None)
-    alias = getattr(analysis, "alias_size_in_bytes", 0) or 0
-    temp = getattr(analysis, "temp_size_in_bytes", None)
-    peak = None if None in (argument, output, temp) else argument + output - alias + temp
     device = mesh.devices.flat[0]
     if device_memory is None:
         stats = device.memory_stats() or {}
@@ -221,12 +233,12 @@ def explain(
         # the reduced gradient, as the strategy leaves it: laid out like the parameters
         "grads_bytes": params_bytes,
         "model_state_bytes": _tree_bytes(state.model_state, shardings.model_state),
-        "batch_bytes": _tree_bytes(jax.tree.map(_global_leaf, batch), trainer.batch_shardings),
-        "temp_bytes": temp,
-        "argument_bytes": argument,
-        "output_bytes": output,
-        "alias_bytes": alias,
-        "peak_bytes": peak,
+        "batch_bytes": _tree_bytes(jax.tree.map(_global_struct, batch), trainer.batch_shardings),
+        "temp_bytes": getattr(analysis, "temp_size_in_bytes", None),
+        "argument_bytes": getattr(analysis, "argument_size_in_bytes", None),
+        "output_bytes": getattr(analysis, "output_size_in_bytes", None),
+        "alias_bytes": getattr(analysis, "alias_size_in_bytes", 0) or 0,
+        "peak_bytes": peak_bytes(analysis),
         "device_memory_bytes": device_memory,
     }
     found = [dataclasses.asdict(c) for c in collectives(trainer.compiled.as_text())]
@@ -234,9 +246,9 @@ def explain(
     batch_info = [
         {
             "path": path or "batch",
-            "shape": list(_global_leaf(x).shape),
+            "shape": list(_global_struct(x).shape),
             "spec": str(s.spec),
-            "rows_per_device": s.shard_shape(_global_leaf(x).shape)[0] if np.ndim(x) else None,
+            "rows_per_device": s.shard_shape(_global_struct(x).shape)[0] if np.ndim(x) else None,
         }
         for path, x, s in zip(
             leaf_paths(batch),
@@ -245,13 +257,8 @@ def explain(
             strict=True,
         )
     ]
-    paths = [p.path for p in params]
     if param is None:
         param = max(params, key=lambda p: math.prod(p.shape)).path
-    elif param not in paths:
-        from shardplug.errors import ConfigError
-
-        raise ConfigError(f"no parameter {param!r}; the parameters are: {', '.join(paths)}")
     chosen = paths.index(param)
     pictures = [
         _picture(batch_info[0]["path"], tuple(batch_info[0]["shape"]),
@@ -300,12 +307,6 @@ def _picture(name: str, shape: tuple[int, ...], sharding: NamedSharding) -> dict
         "dims": list(dims),
         "blocks": [[list(r), list(c), ids] for r, c, ids in blocks],
     }
-
-
-def _global_leaf(x: Any) -> jax.ShapeDtypeStruct:
-    from shardplug.core.trainer import _global_struct
-
-    return _global_struct(x)
 
 
 def regions(shape: tuple[int, ...], sharding: NamedSharding) -> tuple[tuple[int, int], list]:
@@ -492,4 +493,4 @@ def plot(report: Report, path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["ParamReport", "Report", "explain", "plot", "regions", "render"]
+__all__ = ["ParamReport", "Report", "explain", "peak_bytes", "plot", "regions", "render"]

@@ -128,6 +128,14 @@ def mesh_axes(spec: P) -> list[str]:
     return axes
 
 
+def leading_axes(spec: P) -> tuple[str, ...]:
+    """The mesh axes a spec splits its first dimension over: the batch axes of a batch leaf."""
+    first = spec[0] if len(spec) else None
+    if first is None:
+        return ()
+    return (first,) if isinstance(first, str) else tuple(first)
+
+
 def check_batch(batch: Any, shardings: Any) -> None:
     """Raise :class:`BatchError` if a split dimension of the batch does not divide its axes."""
     for path, leaf, sharding in zip(

@@ -29,7 +29,7 @@ from shardplug.core.context import batch_axis_name, per_device_program
 from shardplug.core.devices import select_devices
 from shardplug.core.mesh import parse_mesh
 from shardplug.core.registry import Strategy, get_strategy
-from shardplug.core.sharding import optimizer_shardings
+from shardplug.core.sharding import leading_axes, optimizer_shardings
 from shardplug.errors import (
     BatchError,
     CheckpointError,
@@ -270,14 +270,12 @@ def _batch_split(batch_shardings: Any) -> tuple[tuple[str, ...], Any]:
     found: set[tuple[str, ...]] = set()
 
     def axes_of(sharding: NamedSharding) -> tuple[str, ...]:
-        spec = tuple(sharding.spec)
-        if any(entry is not None for entry in spec[1:]):
+        if any(entry is not None for entry in tuple(sharding.spec)[1:]):
             raise ConfigError(
                 "encode_grads needs the batch split along its leading dimension only; "
                 f"strategy gave {sharding.spec}"
             )
-        first = spec[0] if spec else None
-        axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+        axes = leading_axes(sharding.spec)
         if axes:
             found.add(axes)
         return axes
@@ -400,9 +398,10 @@ class Trainer:
     :param keep: how many checkpoints to keep.
     :param config: JSON-serialisable settings to store in each checkpoint (the command line
         stores its arguments), read back as ``trainer.restored_meta["config"]``.
-    :param on_nonfinite: ``"stop"``: a NaN or infinite loss or gradient norm raises
+    :param on_nonfinite: ``"stop"``: a NaN or infinite loss raises
         :class:`shardplug.errors.NonFiniteError` naming the step and the last good
-        checkpoint (nothing more is saved); ``"skip"``: such a step leaves the model and
+        checkpoint (nothing more is saved; parameters that are not finite are never saved);
+        ``"skip"``: a step whose loss or gradient norm is not finite leaves the model and
         optimizer as they were, and is counted in ``trainer.skipped_steps``.
     :param grad_accum: microbatches per step: the step computes the gradient of the batch
         in ``grad_accum`` parts, one after another, inside the compiled step, and makes one
@@ -580,7 +579,7 @@ class Trainer:
             self._check(batch, 0, self._train.signature)
             return
         start = time.perf_counter()
-        self._train = self._build(self._step_for, batch)
+        self._train = self._build(self._step_for, batch, self.grad_accum)
         self.compile_seconds = time.perf_counter() - start
 
     def lower(self, batch: Any) -> Any:
@@ -589,7 +588,7 @@ class Trainer:
         A ``jax.stages.Lowered``: ``.as_text()`` is the program before partitioning,
         ``.compile()`` the program the devices would run (``.as_text()``, ``.memory_analysis()``).
         """
-        return self._lower(self._step_for, batch)[0]
+        return self._lower(self._step_for, batch, self.grad_accum)[0]
 
     def _step_for(self, batch_shardings: Any) -> Callable:
         return make_step(
@@ -605,14 +604,17 @@ class Trainer:
             precision=self.precision,
         )
 
-    def _lower(self, step_for: Callable[[Any], Callable], batch: Any) -> tuple[Any, Any]:
-        """Shard ``batch`` as the strategy says and lower ``step_for(its shardings)``."""
+    def _lower(
+        self, step_for: Callable[[Any], Callable], batch: Any, microbatches: int = 1
+    ) -> tuple[Any, Any]:
+        """Shard ``batch`` as the strategy says and lower ``step_for(its shardings)``; the
+        batch must cut into ``microbatches`` that each split like it."""
         abstract = jax.tree.map(_global_struct, batch)
         batch_shardings = self.strategy.shard_batch(abstract, self.mesh)
         if jax.process_count() > 1:
             jax.tree.map(_check_process_rows, abstract, batch_shardings)
-        if self.grad_accum > 1 and step_for == self._step_for:
-            check = functools.partial(_check_microbatches, self.grad_accum)
+        if microbatches > 1:
+            check = functools.partial(_check_microbatches, microbatches)
             jax.tree.map(check, abstract, batch_shardings)
         program = self.strategy.compile_step(
             step_for(batch_shardings), self.mesh, self.state_shardings, batch_shardings
@@ -632,8 +634,10 @@ class Trainer:
         )
         return lowered, batch_shardings
 
-    def _build(self, step_for: Callable[[Any], Callable], batch: Any) -> _Program:
-        lowered, batch_shardings = self._lower(step_for, batch)
+    def _build(
+        self, step_for: Callable[[Any], Callable], batch: Any, microbatches: int = 1
+    ) -> _Program:
+        lowered, batch_shardings = self._lower(step_for, batch, microbatches)
         return _Program(lowered.compile(), batch_shardings, self._signature(batch))
 
     def _check(self, batch: Any, index: int, signature: Any) -> None:
@@ -1068,9 +1072,7 @@ def _check_microbatches(k: int, leaf: jax.ShapeDtypeStruct, sharding: NamedShard
     """Each of the ``k`` microbatches must split over the devices as the batch does."""
     if not leaf.shape:
         return
-    first = sharding.spec[0] if len(sharding.spec) else None
-    axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
-    parts = math.prod(sharding.mesh.shape[a] for a in axes)
+    parts = math.prod(sharding.mesh.shape[a] for a in leading_axes(sharding.spec))
     if leaf.shape[0] % (k * parts):
         raise BatchError(
             f"a batch of {leaf.shape[0]} rows does not cut into {k} microbatches that each "
