@@ -86,10 +86,10 @@ def test_strategy_options_reach_the_plugin(tmp_path, capsys):
 
 
 BAD = [
-    (["--strategy", "zero3"], "unknown strategy 'zero3'; available: 2d, dp, fsdp, pmap"),
+    (["--strategy", "zero3"], "unknown strategy 'zero3'; available: 2d, dp, fsdp, pmap, tp"),
     (["--mesh", "data=3"], "mesh data=3 has 3 devices but the run has 8"),
     (["--strategy", "2d", "--mesh", "data=2,model=2"], "has 4 devices but the run has 8"),
-    (["--strategy", "2d", "--mesh", "data=8"], "give sizes for exactly ['data', 'model']"),
+    (["--strategy", "pmap", "--mesh", "model=8"], "give sizes for exactly ['data']"),
     (["--mesh", "data:8"], "malformed mesh 'data:8'"),
     (["--steps", "0"], "argument --steps: must be positive, got 0"),
     (["--steps", "ten"], "argument --steps: 'ten' is not a int"),

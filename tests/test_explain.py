@@ -118,13 +118,14 @@ def test_explain_bad_input_is_one_line(capsys):
 def test_recommend_follows_the_memory(capsys):
     assert main(["recommend", "--model", "mlp", "--device-memory", "80GB", "--json"]) == 0
     roomy = json.loads(capsys.readouterr().out)
-    assert roomy["recommended"] == "dp" and "one all-reduce" in roomy["reason"]
+    assert roomy["recommended"] == "dp" and "parameters and gradients only" in roomy["reason"]
+    assert {"dp+fsdp", "fsdp+tp", "dp+fsdp+tp"} <= {r["strategy"] for r in roomy["strategies"]}
     peaks = {r["strategy"]: r["peak_bytes"] for r in roomy["strategies"]}
     assert peaks["fsdp"] < peaks["dp"]
     between = (peaks["fsdp"] + min(peaks["dp"], peaks["2d"])) // 2
     assert main(["recommend", "--model", "mlp", "--device-memory", str(between), "--json"]) == 0
     tight = json.loads(capsys.readouterr().out)
-    assert tight["recommended"] == "fsdp" and "data parallel does not fit" in tight["reason"]
+    assert tight["recommended"] == "fsdp" and "dp, pmap" in tight["reason"]
     assert main(["recommend", "--model", "mlp", "--device-memory", "1kB"]) == 0
     assert "recommended: none" in capsys.readouterr().out
 
@@ -150,8 +151,12 @@ def test_the_baseline_refuses_models_with_state():
         bench(["dp"], "cnn", steps=1, rounds=1)
 
 
-def test_bench_needs_a_hand_written_twin():
+def test_bench_needs_a_hand_written_twin(monkeypatch):
     from shardplug.bench import bench
+    from shardplug.plugins.pmap import PerDeviceProgram
 
-    with pytest.raises(ConfigError, match="mine has no hand-written twin"):
+    with pytest.raises(shardplug.UnknownStrategyError, match="unknown strategy 'mine'"):
         bench(["dp", "mine"], "mlp", steps=1, rounds=1)
+    monkeypatch.delattr(PerDeviceProgram, "baseline")  # a whole strategy that names none
+    with pytest.raises(ConfigError, match="pmap has no hand-written twin"):
+        bench(["dp", "pmap"], "mlp", steps=1, rounds=1)

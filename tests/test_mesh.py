@@ -5,7 +5,7 @@ import pytest
 
 from shardplug import DeviceError, MeshError, get_strategy, parse_mesh, select_devices
 from shardplug.core.mesh import build_mesh, describe
-from shardplug.plugins.two_d import default_split
+from shardplug.core.compose import default_sizes
 
 
 def test_parse_mesh():
@@ -30,8 +30,16 @@ def test_mesh_that_does_not_match_the_devices():
 
 
 def test_mesh_with_axes_the_strategy_lacks():
-    with pytest.raises(MeshError, match=r"give sizes for exactly \['data', 'model'\]"):
-        get_strategy("2d").make_mesh(jax.devices(), {"data": 8})
+    with pytest.raises(MeshError, match=r"give sizes for exactly \['data'\]"):
+        get_strategy("pmap").make_mesh(jax.devices(), {"model": 8})
+    with pytest.raises(MeshError, match="mesh axis 'tp' is not an axis of this composition"):
+        get_strategy("2d").make_mesh(jax.devices(), {"data": 4, "tp": 2})
+
+
+def test_a_composition_sizes_the_axes_left_out():
+    assert describe(get_strategy("2d").make_mesh(jax.devices(), {"data": 8})) == "data=8,model=1"
+    mesh = get_strategy("dp+fsdp+tp").make_mesh(jax.devices(), {"model": 4})
+    assert describe(mesh) == "data=2,fsdp=1,model=4"
 
 
 def test_build_mesh_keeps_the_default_axis_order():
@@ -44,8 +52,13 @@ def test_build_mesh_keeps_the_default_axis_order():
     ("count", "split"),
     [(1, (1, 1)), (2, (2, 1)), (4, (2, 2)), (6, (3, 2)), (8, (4, 2)), (16, (4, 4)), (7, (7, 1))],
 )
-def test_2d_default_split(count, split):
-    assert tuple(default_split(count).values()) == split
+def test_default_split_of_two_axes(count, split):
+    assert tuple(default_sizes(count, 2)) == split
+
+
+@pytest.mark.parametrize(("count", "split"), [(8, (2, 2, 2)), (16, (4, 2, 2)), (4, (2, 2, 1))])
+def test_default_split_of_three_axes(count, split):
+    assert tuple(default_sizes(count, 3)) == split
 
 
 def test_select_devices():

@@ -13,7 +13,7 @@ GUIDE = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
 
 def test_the_guide_builds_a_working_strategy(tmp_path):
     files = re.findall(r"```\w+ file=(\S+)\n(.*?)```", GUIDE.read_text(), re.S)
-    assert [name for name, _ in files] == ["pyproject.toml", "shardplug_tp.py", "test_tp.py"]
+    assert [name for name, _ in files] == ["pyproject.toml", "shardplug_megatron.py", "test_megatron.py"]
     project, site = tmp_path / "project", tmp_path / "site"
     project.mkdir()
     for name, text in files:
@@ -51,21 +51,21 @@ def test_the_guide_builds_a_working_strategy(tmp_path):
 
     listing = run("shardplug", "strategies", "--json")
     rows = {r["name"]: r for r in json.loads(listing.stdout)}
-    assert rows["tp"]["source"] == "shardplug-tp 0.1.0"
-    assert rows["tp"]["description"].startswith("Tensor parallel")
+    assert rows["megatron"]["source"] == "shardplug-megatron 0.1.0"
+    assert rows["megatron"]["description"].startswith("Tensor parallel")
 
     train = run(
-        "shardplug", "train", "--strategy", "tp", "--model", "mlp", "--steps", "5", "--quiet"
+        "shardplug", "train", "--strategy", "megatron", "--model", "mlp", "--steps", "5", "--quiet"
     )
     assert train.returncode == 0, train.stderr
-    assert "with tp on 8 cpu devices (model=8)" in train.stdout
+    assert "with megatron on 8 cpu devices (model=8)" in train.stdout
 
     tests = run(
         "pytest",
         "-q",
         "-p",
         "no:cacheprovider",
-        "test_tp.py",
+        "test_megatron.py",
         "--shardplug-models=mlp,cnn",
         "-rs",
         cwd=project,
@@ -74,8 +74,8 @@ def test_the_guide_builds_a_working_strategy(tmp_path):
     assert "tensor parallelism gives every device the whole batch" in tests.stdout
     assert re.search(r"\d+ passed, 1 skipped", tests.stdout), tests.stdout
     assert (
-        "[tp-mlp]"
+        "[megatron-mlp]"
         in run(
-            "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", "test_tp.py", cwd=project
+            "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", "test_megatron.py", cwd=project
         ).stdout
     )

@@ -41,8 +41,8 @@ def test_fixtures_run_as_a_matrix_with_readable_ids(tmp_path):
     done = collect(tmp_path, "--collect-only")
     cells = ids(done.stdout)
     assert "fsdp-linen-transformer" in cells
-    assert len(cells) == 4 * 3 * 4
-    assert {c.split("-")[0] for c in cells} == {"2d", "dp", "fsdp", "pmap"}
+    assert len(cells) == 5 * 3 * 4
+    assert {c.split("-")[0] for c in cells} == {"2d", "dp", "fsdp", "pmap", "tp"}
 
 
 def test_options_narrow_the_matrix(tmp_path):

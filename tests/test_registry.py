@@ -17,7 +17,7 @@ from shardplug.core import registry
 
 def test_builtins_are_listed_with_their_own_descriptions():
     infos = {i.name: i for i in shardplug.list_strategies()}
-    assert {"dp", "fsdp", "2d", "pmap"} <= infos.keys()
+    assert {"dp", "fsdp", "tp", "2d", "pmap"} <= infos.keys()
     for name in ("dp", "fsdp", "2d", "pmap"):
         assert infos[name].source == "built-in"
         assert infos[name].description == infos[name].description.strip()
@@ -51,7 +51,9 @@ def test_bad_options_raise_typed_errors(name, options, message):
 def test_each_strategy_gets_its_own_configured_instance():
     a = shardplug.get_strategy("fsdp", min_size=0)
     b = shardplug.get_strategy("fsdp")
-    assert (a.plugin.min_size, b.plugin.min_size) == (0, 1024)
+    assert (a.parts["fsdp"].min_size, b.parts["fsdp"].min_size) == (0, 1024)
+    both = shardplug.get_strategy("fsdp+tp", min_size=0, **{"tp.min_size": 7})
+    assert (both.parts["fsdp"].min_size, both.parts["tp"].min_size) == (0, 7)
 
 
 PLUGIN = textwrap.dedent(
@@ -140,7 +142,7 @@ def test_broken_plugin_is_named_and_the_others_keep_working(tmp_path, monkeypatc
         "cannot be used: import failed: ImportError: needs a library",
     ):
         names = {i.name for i in shardplug.list_strategies()}
-    assert {"dp", "fsdp", "2d", "pmap"} <= names and "broken" not in names
+    assert {"dp", "fsdp", "tp", "2d", "pmap"} <= names and "broken" not in names
     everything = {i.name: i for i in shardplug.list_strategies(include_broken=True)}
     assert everything["broken"].error.startswith("import failed: ImportError")
     with pytest.raises(
@@ -273,7 +275,13 @@ def test_hooks_implemented_are_recorded():
         "shard_batch",
         "shard_params",
     )
-    assert infos["dp"].hooks == ("make_mesh", "shard_batch", "shard_params")
+    assert infos["dp"].hooks == ("parallel_axis",)
+    assert infos["fsdp"].hooks == ("gather_param", "parallel_axis", "split_param")
+    assert (infos["dp"].kind, infos["pmap"].kind, infos["2d"].kind) == (
+        "parallelism",
+        "strategy",
+        "composition",
+    )
 
 
 def test_shardplug_plugins_narrows_what_loads(tmp_path, monkeypatch, fresh_registry):
@@ -281,7 +289,7 @@ def test_shardplug_plugins_narrows_what_loads(tmp_path, monkeypatch, fresh_regis
         tmp_path, monkeypatch, "rowsplug", "1.2", {"rows": "rowsplug:Rows"}, {"rowsplug": PLUGIN}
     )
     monkeypatch.setenv("SHARDPLUG_PLUGINS", "")
-    assert {i.name for i in shardplug.list_strategies()} == {"dp", "fsdp", "2d", "pmap"}
+    assert {i.name for i in shardplug.list_strategies()} == {"dp", "fsdp", "tp", "2d", "pmap"}
     monkeypatch.setenv("SHARDPLUG_PLUGINS", "rows")
     assert "rows" in {i.name for i in shardplug.list_strategies()}
     monkeypatch.setenv("SHARDPLUG_PLUGINS", "something-else")
@@ -361,7 +369,7 @@ def test_broken_plugin_on_the_command_line(tmp_path):
 
     listing = run("strategies", "--json")
     assert listing.returncode == 0
-    assert {"dp", "fsdp", "2d", "pmap"} <= {r["name"] for r in json.loads(listing.stdout)}
+    assert {"dp", "fsdp", "tp", "2d", "pmap"} <= {r["name"] for r in json.loads(listing.stdout)}
     assert listing.stderr.strip() == (
         "shardplug: warning: shardplug plugin 'broken' (brokenplug 0.3) cannot be used: "
         "import failed: ImportError: needs a missing library"

@@ -123,7 +123,7 @@ def test_running_out_of_batches_warns_and_stops():
     [
         ({"strategy": "zero"}, shardplug.UnknownStrategyError, "available: 2d, dp, fsdp, pmap"),
         ({"mesh": "fsdp=3"}, shardplug.MeshError, "has 3 devices but the run has 8"),
-        ({"mesh": "data=8"}, shardplug.MeshError, r"give sizes for exactly \['fsdp'\]"),
+        ({"mesh": "data=8"}, shardplug.MeshError, "mesh axis 'data' is not an axis of this"),
         ({"devices": 12}, shardplug.DeviceError, "asked for 12 devices"),
         ({"log_every": 0}, shardplug.ConfigError, "log_every must be a positive integer"),
     ],

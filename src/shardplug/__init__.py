@@ -1,18 +1,20 @@
 """shardplug: train JAX models on many devices with a sharding strategy chosen by name.
 
-Every public name is listed here. They load on first use, so that importing the package (as
-the pytest plugin does, before JAX may start) imports no JAX.
+Every public name is listed once, in ``_EXPORTS`` below, with the module it lives in
+(``__all__`` is derived from it). They load on first use, so that importing the package (as
+the pytest plugin does, before JAX may start) imports no JAX. Plugin authors import from
+:mod:`shardplug.plugin`.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "shardplug.core.context": ("batch_axis_name",),
+    "shardplug.core.context": ("batch_axis_name", "constrain"),
     "shardplug.core.devices": ("select_devices", "simulate_cpu_devices"),
     "shardplug.core.hookspecs": ("hookimpl", "hookspec"),
     "shardplug.core.mesh": ("parse_mesh",),
@@ -24,11 +26,13 @@ _EXPORTS = {
         "list_addons",
         "list_strategies",
     ),
-    "shardplug.core.trainer": ("TrainState", "Trainer"),
+    "shardplug.core.step": ("TrainState",),
+    "shardplug.trainer": ("Trainer",),
     "shardplug.export": ("export_checkpoint", "load_exported", "load_model"),
     "shardplug.errors": (
         "BatchError",
         "CheckpointError",
+        "CompositionError",
         "ConfigError",
         "DeviceError",
         "MeshError",
@@ -53,46 +57,7 @@ _EXPORTS = {
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = [
-    "Adapter",
-    "BatchError",
-    "CheckpointError",
-    "ConfigError",
-    "DeviceError",
-    "MeshError",
-    "NonFiniteError",
-    "PluginError",
-    "ReferenceModel",
-    "RuleError",
-    "ShardplugError",
-    "ShardplugWarning",
-    "Strategy",
-    "StrategyInfo",
-    "StrategyOption",
-    "StrategyOptionError",
-    "TrainState",
-    "Trainer",
-    "TrainingInterrupted",
-    "UnknownModelError",
-    "UnknownStrategyError",
-    "batch_axis_name",
-    "export_checkpoint",
-    "from_equinox",
-    "from_linen",
-    "from_nnx",
-    "get_model",
-    "get_strategy",
-    "hookimpl",
-    "hookspec",
-    "list_addons",
-    "list_strategies",
-    "load_exported",
-    "load_model",
-    "parse_mesh",
-    "select_devices",
-    "simulate_cpu_devices",
-    "__version__",
-]
+__all__ = ["__version__", *sorted(_WHERE)]
 
 
 def __getattr__(name: str) -> Any:
@@ -105,44 +70,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
-
-
-if TYPE_CHECKING:
-    from shardplug.core.context import batch_axis_name
-    from shardplug.core.devices import select_devices, simulate_cpu_devices
-    from shardplug.core.hookspecs import hookimpl, hookspec
-    from shardplug.core.mesh import parse_mesh
-    from shardplug.core.registry import (
-        Strategy,
-        StrategyInfo,
-        StrategyOption,
-        get_strategy,
-        list_addons,
-        list_strategies,
-    )
-    from shardplug.core.trainer import Trainer, TrainState
-    from shardplug.errors import (
-        BatchError,
-        CheckpointError,
-        ConfigError,
-        DeviceError,
-        MeshError,
-        NonFiniteError,
-        PluginError,
-        RuleError,
-        ShardplugError,
-        ShardplugWarning,
-        StrategyOptionError,
-        TrainingInterrupted,
-        UnknownModelError,
-        UnknownStrategyError,
-    )
-    from shardplug.export import export_checkpoint, load_exported, load_model
-    from shardplug.models import (
-        Adapter,
-        ReferenceModel,
-        from_equinox,
-        from_linen,
-        from_nnx,
-        get_model,
-    )

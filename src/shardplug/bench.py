@@ -29,9 +29,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core.registry import get_strategy
-from shardplug.core.trainer import Trainer, _global_struct
 from shardplug.errors import ConfigError
 from shardplug.explain import peak_bytes
+from shardplug.loop.batches import global_struct
+from shardplug.trainer import Trainer
 
 
 @dataclasses.dataclass
@@ -64,9 +65,17 @@ class Result:
         return out
 
 
-# How each built-in strategy is written by hand in plain JAX. A plugin's strategy has no
-# hand-written twin to measure shardplug against.
-HAND_WRITTEN = {"dp": "jit", "2d": "jit", "fsdp": "jit, gathered", "pmap": "shard_map"}
+def hand_written_form(strategy: Any) -> str | None:
+    """How the strategy's step is written by hand in plain JAX, as its plugin says.
+
+    A composition of parallelisms is ``jax.jit`` with its shardings (and each parameter
+    constrained where it is used, as the parallelisms' ``gather_param`` says); a whole
+    strategy names its form in a ``baseline`` attribute (``"jit"`` or ``"shard_map"``, as
+    ``pmap`` does), or has no hand-written twin (None).
+    """
+    if strategy.composition is not None:
+        return "jit"
+    return getattr(strategy.plugin, "baseline", None)
 
 
 class _Contender:
@@ -109,23 +118,29 @@ class _HandWritten(_Contender):
                 f"the hand-written baseline covers models without model state; "
                 f"{model.name!r} has batch statistics"
             )
-        abstract = jax.tree.map(_global_struct, first)
+        abstract = jax.tree.map(global_struct, first)
         batch_sharding = template.strategy.shard_batch(abstract, mesh)
         strategy = template.strategy.name
-        form = HAND_WRITTEN[strategy]
+        form = hand_written_form(template.strategy)
+        composition = template.strategy.composition
         whole = NamedSharding(mesh, P())
         key = jax.random.key(0)
 
+        def where_used(p, sharding):  # fsdp: each parameter whole where it is used (ZeRO-3)
+            used = composition.used_spec(sharding.spec) if composition else sharding.spec
+            if tuple(used) == tuple(sharding.spec):
+                return p
+            return jax.lax.with_sharding_constraint(p, NamedSharding(mesh, used))
+
         def loss(params, batch):
-            if form == "jit, gathered":  # each parameter whole where it is used (ZeRO-3)
-                params = jax.lax.with_sharding_constraint(params, whole)
+            params = jax.tree.map(where_used, params, params_sharding)
             bound = adapter.bind(params, model_state, rng=key, train=True)
             return model.loss_fn(bound, batch)[0]
 
         def step(params, opt_state, batch):
             value, grads = jax.value_and_grad(loss)(params, batch)
             if form == "shard_map":
-                value, grads = jax.lax.pmean((value, grads), "data")
+                value, grads = jax.lax.pmean((value, grads), tuple(mesh.axis_names))
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, value
 
@@ -252,11 +267,12 @@ def bench(
     check_adapter(adapter)
     if not strategies:
         raise ConfigError("name at least one strategy to bench")
-    unknown = [s for s in strategies if s not in HAND_WRITTEN]
+    unknown = [s for s in strategies if hand_written_form(get_strategy(s)) is None]
     if unknown:
         raise ConfigError(
-            f"bench compares with hand-written JAX for {', '.join(HAND_WRITTEN)}; "
-            f"{', '.join(unknown)} has no hand-written twin: bench those four"
+            f"bench compares with hand-written JAX; {', '.join(unknown)} has no hand-written "
+            f"twin (a whole strategy names one in its plugin's `baseline` attribute): bench "
+            f"parallelisms, their compositions, or pmap"
         )
     batch_size = batch_size or model.batch_size
     batches = list(itertools.islice(model.batches(batch_size, seed), 8))

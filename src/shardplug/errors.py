@@ -33,6 +33,11 @@ class StrategyOptionError(ShardplugError, TypeError):
     """A strategy was given an option it does not accept, or a value it cannot use."""
 
 
+class CompositionError(ShardplugError, ValueError):
+    """Parallelisms that cannot be composed: a whole strategy in a composition, two
+    parallelisms on one mesh axis or one parameter dimension (both named)."""
+
+
 class MeshError(ShardplugError, ValueError):
     """A mesh description is malformed or does not match the devices."""
 

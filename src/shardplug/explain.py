@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding
 
 from shardplug.core.hlo import collectives, wire_bytes
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
-from shardplug.core.trainer import _global_struct
 from shardplug.errors import ConfigError
+from shardplug.loop.batches import global_struct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +113,6 @@ def peak_bytes(analysis: Any) -> int | None:
 def _why(strategy: Any, shape: tuple[int, ...], logical: Any, mesh: Any, seen: dict) -> str:
     """Why a parameter stayed whole on a mesh of many devices, from what can be seen:
     ``seen`` holds the smallest split parameter's size and the logical names split anywhere."""
-    if "shard_params" not in strategy.info.hooks:
-        return "the strategy has no shard_params rule: core's fallback replicates every parameter"
     if seen["smallest"] is None:
         return f"{strategy.name} keeps every parameter whole on every device"
     sizes = sorted({n for n in mesh.shape.values() if n > 1})
@@ -233,7 +231,7 @@ def explain(
         # the reduced gradient, as the strategy leaves it: laid out like the parameters
         "grads_bytes": params_bytes,
         "model_state_bytes": _tree_bytes(state.model_state, shardings.model_state),
-        "batch_bytes": _tree_bytes(jax.tree.map(_global_struct, batch), trainer.batch_shardings),
+        "batch_bytes": _tree_bytes(jax.tree.map(global_struct, batch), trainer.batch_shardings),
         "temp_bytes": getattr(analysis, "temp_size_in_bytes", None),
         "argument_bytes": getattr(analysis, "argument_size_in_bytes", None),
         "output_bytes": getattr(analysis, "output_size_in_bytes", None),
@@ -246,9 +244,9 @@ def explain(
     batch_info = [
         {
             "path": path or "batch",
-            "shape": list(_global_struct(x).shape),
+            "shape": list(global_struct(x).shape),
             "spec": str(s.spec),
-            "rows_per_device": s.shard_shape(_global_struct(x).shape)[0] if np.ndim(x) else None,
+            "rows_per_device": s.shard_shape(global_struct(x).shape)[0] if np.ndim(x) else None,
         }
         for path, x, s in zip(
             leaf_paths(batch),

@@ -4,31 +4,109 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
-_BATCH_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+import jax
+from jax.sharding import PartitionSpec as P
+
+_BATCH_AXIS: contextvars.ContextVar[str | tuple[str, ...] | None] = contextvars.ContextVar(
     "shardplug_batch_axis", default=None
+)
+_MANUAL_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "shardplug_manual_axes", default=()
+)
+_RULES: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "shardplug_activation_rules", default=None
 )
 
 
-def batch_axis_name() -> str | None:
-    """The mesh axis the batch is split over, inside an explicit per-device program.
+def batch_axis_name() -> str | tuple[str, ...] | None:
+    """The mesh axis (or axes) the batch is split over, inside an explicit per-device program.
 
-    Under ``jax.jit`` strategies (dp, fsdp, 2d) the step is written for the global batch and
-    this is None: a batch mean is already the global one. Inside a per-device program (pmap)
-    each device sees only its rows, and batch statistics must be averaged over this axis to
-    be those of the global batch. Pass it where a layer takes one::
+    Under ``jax.jit`` strategies (dp, fsdp, 2d and their compositions) the step is written
+    for the global batch and this is None: a batch mean is already the global one. Inside a
+    per-device program (pmap) each device sees only its rows, and batch statistics must be
+    averaged over this axis to be those of the global batch. Pass it where a layer takes one
+    (``lax.pmean`` takes a name or a tuple of names alike)::
 
         nn.BatchNorm(use_running_average=not train, axis_name=shardplug.batch_axis_name())
     """
     return _BATCH_AXIS.get()
 
 
+def manual_axes() -> tuple[str, ...]:
+    """Every mesh axis the current per-device program is manual over (empty under jit).
+
+    A decision every device must take alike (skip a non-finite step, stop) is agreed over
+    all of them, not only over the batch's.
+    """
+    return _MANUAL_AXES.get()
+
+
 @contextlib.contextmanager
-def per_device_program(axis: str) -> Iterator[None]:
-    """Trace the code inside as one device's program, its batch split over ``axis``."""
-    token = _BATCH_AXIS.set(axis)
+def per_device_program(
+    axis: str | tuple[str, ...], manual: tuple[str, ...] | None = None
+) -> Iterator[None]:
+    """Trace the code inside as one device's program, its batch split over ``axis``.
+
+    :param axis: the batch's mesh axis, or a tuple of them.
+    :param manual: every axis the program is manual over (default: the batch's).
+    """
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    batch_token = _BATCH_AXIS.set(axis)
+    manual_token = _MANUAL_AXES.set(tuple(manual) if manual is not None else axes)
     try:
         yield
     finally:
-        _BATCH_AXIS.reset(token)
+        _MANUAL_AXES.reset(manual_token)
+        _BATCH_AXIS.reset(batch_token)
+
+
+@contextlib.contextmanager
+def activation_rules(rules: Mapping[str, Any] | None) -> Iterator[None]:
+    """Trace the code inside with ``rules`` (logical name -> mesh axes) for :func:`constrain`."""
+    token = _RULES.set(rules)
+    try:
+        yield
+    finally:
+        _RULES.reset(token)
+
+
+def logical_spec(names: tuple[str | None, ...]) -> P | None:
+    """``names`` mapped by the current step's rules; None outside a step or where none maps."""
+    rules = _RULES.get()
+    if rules is None or _MANUAL_AXES.get():
+        return None
+    used: set[str] = set()
+    out: list[Any] = []
+    for name in names:
+        axes = rules.get(name) if name is not None else None
+        if isinstance(axes, str):
+            axes = (axes,)
+        axes = tuple(a for a in axes or () if a not in used)
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    if all(entry is None for entry in out):
+        return None
+    return P(*out)
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Constrain an activation's layout by logical dimension names, mapped by the run's rules.
+
+    ``shardplug.constrain(h, ("batch", "length", "mlp"))`` splits ``h``'s first dimension over
+    the mesh axes the batch splits over and its last over tensor parallelism's axis, under
+    whatever composition runs; a name no parallelism of the run maps stays whole. Outside a
+    training step, inside a per-device program, or where nothing maps, it returns ``x``
+    unchanged, so a model that calls it runs anywhere.
+    """
+    if len(names) != jax.numpy.ndim(x):
+        from shardplug.errors import ConfigError
+
+        raise ConfigError(
+            f"constrain got {len(names)} names {names} for an array of shape {jax.numpy.shape(x)}:"
+            " give one name (or None) per dimension"
+        )
+    spec = logical_spec(tuple(names))
+    return x if spec is None else jax.lax.with_sharding_constraint(x, spec)

@@ -32,6 +32,11 @@ def shard_batch(batch, mesh):
 
 
 @hookimpl(trylast=True)
+def shard_model_state(model_state):
+    return jax.tree.map(lambda _: P(), model_state)
+
+
+@hookimpl(trylast=True)
 def gather_params(params):
     return params
 

@@ -1,23 +1,36 @@
-"""The hook specifications: the whole contract between the trainer and a strategy.
+"""The hook specifications: the whole contract between the trainer and a plugin.
 
-The trainer owns the loop. A strategy decides only where arrays live and how devices meet,
+The trainer owns the loop. A plugin decides only where arrays live and how devices meet,
 by implementing some of the hooks below. Each hook is called with keyword arguments and is
-``firstresult``: the strategy's implementation wins, and core's fallback (in
-:mod:`shardplug.core.fallbacks`) answers whatever the strategy leaves out. An implementation
-may accept fewer arguments than the spec names, as pluggy allows.
+``firstresult``: the plugin's implementation wins, and core's fallback (in
+:mod:`shardplug.core.fallbacks`) answers whatever it leaves out. An implementation may accept
+fewer arguments than the spec names, as pluggy allows.
 
-A strategy is an ordinary Python object whose methods carry ``@shardplug.hookimpl``,
-published under the entry-point group ``shardplug``; the entry point's name is the
-strategy's name. If the object is a class, ``get_strategy(name, **options)`` instantiates it
-with the options as keyword arguments.
+A plugin is an ordinary Python object whose methods carry ``@shardplug.plugin.hookimpl``,
+published under the entry-point group ``shardplug``; the entry point's name is its name. If
+the object is a class, ``get_strategy(name, **options)`` instantiates it with the options as
+keyword arguments. There are two kinds:
+
+- a **parallelism** implements :func:`parallel_axis` (and :func:`split_param`,
+  :func:`gather_param` as it needs): it owns one mesh axis, and core composes any number of
+  them on one mesh by name (``"dp+fsdp+tp"``, :mod:`shardplug.core.compose`). It may also
+  implement the step hooks below (:func:`compute_grads`, :func:`reduce_grads`,
+  :func:`encode_grads`, :func:`compile_step`, :func:`shard_model_state`); two parallelisms of
+  one composition that implement the same step hook are refused.
+- a **whole strategy** implements the mesh and placement hooks itself (:func:`make_mesh`,
+  :func:`shard_params`, :func:`shard_batch`, ...): it runs alone, as ``pmap`` and strategies
+  written before compositions existed do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
+
+if TYPE_CHECKING:
+    from shardplug.core.compose import Axis
 
 PROJECT = "shardplug"
 
@@ -75,8 +88,10 @@ def shard_params(params: Any, mesh: Any, annotations: Any | None) -> Any:
 def shard_batch(batch: Any, mesh: Any) -> Any:
     """Choose how every leaf of the global batch is split over the mesh.
 
-    Called once, on the first batch (as ``jax.ShapeDtypeStruct``); later batches must have the
-    same structure and shapes.
+    Called on abstract batches (``jax.ShapeDtypeStruct``) each time a program is built for a
+    batch structure: once for training (later batches must look alike), again for
+    evaluation batches and by ``explain``, ``bench`` and ``Trainer.lower``. Answer from the
+    shapes alone, the same way every time.
 
     :param batch: the global batch as a pytree of ``jax.ShapeDtypeStruct``.
     :param mesh: the mesh returned by :func:`make_mesh`.
@@ -175,8 +190,10 @@ def compile_step(
 ) -> Callable[[Any, Any], tuple[Any, dict[str, Any]]]:
     """Turn the training step into the program that runs on the devices.
 
-    Called once at set-up, after the shardings are known; the trainer compiles what it gets
-    for the first batch and reuses it for every step.
+    Called each time a training program is built (once per trainer for ``fit``, again by
+    ``lower``, ``explain`` and ``bench``), after the shardings are known; the trainer
+    compiles what it gets for the first batch and reuses it for every step. Evaluation
+    programs are plain ``jax.jit`` and do not pass through here.
 
     :param step_fn: ``step_fn(state, batch) -> (state, metrics)``, one optimizer step written
         for the global batch. It calls :func:`reduce_grads` inside.
@@ -203,4 +220,138 @@ def compile_step(
                 out_specs=(specs(state_shardings), P()),
             )
             return jax.jit(per_device, donate_argnums=0)
+    """
+
+
+@hookspec(firstresult=True)
+def shard_model_state(model_state: Any, mesh: Any) -> Any:
+    """Choose where the model's non-trainable state lives (batch statistics, caches).
+
+    Called once at set-up, on abstract model state, like :func:`shard_params`.
+
+    :param model_state: the model state as a pytree of ``jax.ShapeDtypeStruct`` (often empty).
+    :param mesh: the run's mesh.
+    :return: a ``PartitionSpec`` (or ``NamedSharding``) for every leaf.
+
+    Core's fallback replicates it: batch statistics are small and every device reads them.
+    Example, split a stacked state's leading (layer) dimension over ``stage``::
+
+        @hookimpl
+        def shard_model_state(self, model_state):
+            return jax.tree.map(lambda x: P("stage") if x.ndim else P(), model_state)
+    """
+
+
+@hookspec(firstresult=True)
+def compute_grads(
+    loss_and_grad: Callable[..., Any],
+    params: Any,
+    model_state: Any,
+    batch: Any,
+    rng: Any,
+    mesh: Any,
+    microbatches: int,
+) -> Any:
+    """Own the gradient computation of one step: forward and backward over its microbatches.
+
+    Called while tracing the training step. Leave it unimplemented (return None) and core
+    does it: the whole batch at once, or ``microbatches`` slices in a ``lax.scan`` with the
+    gradients summed (``grad_accum``), and the explicit per-shard reduction when a plugin
+    implements :func:`encode_grads`. A parallelism that schedules microbatches itself (a
+    pipeline) implements it.
+
+    :param loss_and_grad: ``loss_and_grad(params, model_state, batch, rng)`` returns
+        ``((loss, (metrics, model_state)), grads)`` for one (micro)batch: core's forward
+        (precision, :func:`gather_params`, the model bound, the user's loss) and its
+        gradient with respect to ``params``.
+    :param params: the parameters, in their stored shardings.
+    :param model_state: the model's state before the step.
+    :param batch: the step's global batch.
+    :param rng: the step's key; fold in the microbatch index for each microbatch.
+    :param mesh: the run's mesh.
+    :param microbatches: how many microbatches the user asked for (``grad_accum``).
+    :return: ``((loss, (metrics, model_state)), grads)`` for the whole batch: the mean loss
+        and metrics, the model state after the step and the mean gradient; or None to leave
+        the step to core.
+
+    Example, microbatches one after another in a Python loop (core's scan does the same)::
+
+        @hookimpl
+        def compute_grads(self, loss_and_grad, params, model_state, batch, rng, microbatches):
+            outs = [loss_and_grad(params, model_state, jax.tree.map(
+                lambda x: x[i::microbatches], batch), jax.random.fold_in(rng, i))
+                for i in range(microbatches)]
+            return jax.tree.map(lambda *xs: sum(xs) / microbatches, *outs)
+    """
+
+
+# The hooks of a composable parallelism. Core calls each parallelism of a composition on its
+# own (its axis under the name the run gives it), in the order of compose.ORDER.
+
+
+@hookspec(firstresult=True)
+def parallel_axis() -> Axis:
+    """Declare the mesh axis this parallelism owns: implementing it makes a plugin composable.
+
+    Called once when a composition is built.
+
+    :return: a :class:`shardplug.plugin.Axis`: the axis's name (its role: ``data``,
+        ``fsdp``, ``model``, ``stage``, or a new one), its place in the composition order
+        (``rank``), whether the batch's leading dimension splits over it, and the logical
+        activation names it splits (for :func:`shardplug.constrain`).
+
+    Example, tensor parallelism::
+
+        @hookimpl
+        def parallel_axis(self):
+            return Axis("model", rank=Axis.MODEL, batch=False, logical=("mlp", "heads"))
+    """
+
+
+@hookspec(firstresult=True)
+def split_param(
+    shape: tuple[int, ...], logical: Any, axis: str, size: int, taken: frozenset[int]
+) -> int | None:
+    """Which dimension of one parameter this parallelism splits over its axis, if any.
+
+    Called once per parameter at set-up, parallelisms in the composition's order: those
+    earlier in it have claimed the dimensions in ``taken``. Returning a taken dimension is an
+    error that names both parallelisms.
+
+    :param shape: the parameter's shape.
+    :param logical: its logical ``PartitionSpec`` (``P("embed", "mlp")``; ``P()`` without one).
+        A model that names mesh axes directly (Flax's explicit-sharding examples) names
+        ``axis`` itself here.
+    :param axis: this parallelism's mesh axis, as the run names it.
+    :param size: that axis's size; the chosen dimension must be divisible by it.
+    :param taken: dimensions other parallelisms already split.
+    :return: a dimension index, or None to leave the parameter whole along this axis.
+
+    Core's fallback splits nothing (``dp``). Example, the first free dimension that divides::
+
+        @hookimpl
+        def split_param(self, shape, size, taken):
+            return next((d for d, n in enumerate(shape) if d not in taken and n % size == 0),
+                        None)
+    """
+
+
+@hookspec(firstresult=True)
+def gather_param(spec: Any, axis: str) -> Any:
+    """The layout one parameter has where the forward pass uses it, given its stored layout.
+
+    Called while tracing the step, once per parameter, parallelisms in the composition's
+    order, each seeing the previous one's answer. Core constrains the parameter to the final
+    spec when it differs from the stored one (the gradient flows back through it).
+
+    :param spec: the parameter's ``PartitionSpec`` so far.
+    :param axis: this parallelism's mesh axis, as the run names it.
+    :return: a ``PartitionSpec``.
+
+    Core's fallback keeps the spec. Example, ZeRO-3 (``fsdp``): gather over its own axis only,
+    so the other parallelisms' splits stay::
+
+        @hookimpl
+        def gather_param(self, spec, axis):
+            return P(*(None if entry == axis else entry for entry in spec))
     """

@@ -21,9 +21,11 @@ import jax
 import jax.numpy as jnp
 import pluggy
 
-from shardplug.core import fallbacks, hookspecs
+from shardplug.core import compose, fallbacks, hookspecs
 from shardplug.core.sharding import check_batch, to_named
 from shardplug.errors import (
+    CompositionError,
+    MeshError,
     PluginError,
     ShardplugError,
     ShardplugWarning,
@@ -57,6 +59,11 @@ class StrategyInfo:
     version: str
     options: tuple[StrategyOption, ...] = ()
     hooks: tuple[str, ...] = ()
+    #: "parallelism" (composes with others on one mesh), "strategy" (runs alone) or
+    #: "composition" (a name for parallelisms composed, like ``2d`` for ``dp+tp``)
+    kind: str = "strategy"
+    #: for a composition, the parallelisms it composes (``"dp+tp"``)
+    parts: str | None = None
     #: why it cannot be used (failed import, hooks that do not fit the specs, a name two
     #: packages claim), or None when it loaded.
     error: str | None = None
@@ -106,11 +113,20 @@ def _load(ep: importlib.metadata.EntryPoint) -> tuple[StrategyInfo, Any]:
         plugin = ep.load()
     except Exception as exc:  # a broken plugin must not take the others down
         return broken(error=f"import failed: {type(exc).__name__}: {exc}"), None
+    if isinstance(plugin, compose.Composed):
+        description = plugin.description or f"the composition {plugin.parts}"
+        info = StrategyInfo(
+            ep.name, description, package, version, kind="composition", parts=plugin.parts
+        )
+        return info, plugin
     try:
         hooks = _hooks(plugin)
     except pluggy.PluginValidationError as exc:
         return broken(error=f"hooks do not fit the specs: {exc}"), None
-    info = StrategyInfo(ep.name, _describe(plugin), package, version, _options(plugin), hooks)
+    kind = "parallelism" if "parallel_axis" in hooks else "strategy"
+    info = StrategyInfo(
+        ep.name, _describe(plugin), package, version, _options(plugin), hooks, kind=kind
+    )
     return info, plugin
 
 
@@ -180,7 +196,7 @@ def _lookup(group: str, name: str, kind: str) -> tuple[StrategyInfo, Any]:
     if name not in entries:
         available = [n for n, (info, _) in entries.items() if info.error is None]
         if group == GROUP:
-            raise UnknownStrategyError(name, available)
+            raise UnknownStrategyError(name, available, kind=kind)
         raise UnknownStrategyError(name, available, kind="add-on")
     info, plugin = entries[name]
     if info.error is not None:
@@ -190,22 +206,139 @@ def _lookup(group: str, name: str, kind: str) -> tuple[StrategyInfo, Any]:
     return info, plugin
 
 
-def get_strategy(name: str, *, addons: Sequence[str] = (), **options: Any) -> Strategy:
+def get_strategy(
+    name: str,
+    *,
+    addons: Sequence[str] = (),
+    axis_names: Mapping[str, str] | None = None,
+    **options: Any,
+) -> Strategy:
     """The strategy called ``name``, configured with ``options``, wrapped by ``addons``.
 
     >>> get_strategy("fsdp", min_size=0).name
     'fsdp'
+    >>> get_strategy("fsdp+tp", **{"tp.min_size": 0}).name
+    'fsdp+tp'
+
+    ``name`` is an installed strategy, a parallelism, or parallelisms joined by ``+``
+    (:mod:`shardplug.core.compose`). In a composition an option ``KEY`` goes to every
+    parallelism that takes it, ``PART.KEY`` to that one only. ``axis_names`` renames a
+    composition's mesh axes (``{"model": "tp"}``) to the names the model uses.
 
     Raises :class:`UnknownStrategyError` (listing the available names) for an unknown name,
-    :class:`StrategyOptionError` for an option it does not take, and :class:`PluginError`
-    when the plugin under that name could not be loaded.
+    :class:`StrategyOptionError` for an option it does not take, :class:`CompositionError`
+    for parallelisms that do not compose, and :class:`PluginError` when the plugin under
+    that name could not be loaded.
     """
-    info, plugin = _lookup(GROUP, name, "strategy")
     extra = []
     for addon in addons:
         addon_info, addon_plugin = _lookup(ADDON_GROUP, addon, "add-on")
         extra.append((addon_info, _instantiate(addon_info, addon_plugin, {})))
-    return Strategy(info, _instantiate(info, plugin, options), extra)
+    names = compose.parse(name)
+    if len(names) == 1:
+        info, plugin = _lookup(GROUP, name, "strategy")
+        if info.kind == "strategy":
+            if axis_names:
+                raise CompositionError(
+                    f"strategy {name!r} lays out its own mesh: axis_names (--axis-name) "
+                    f"renames the axes of parallelisms (dp, fsdp, tp, ...) only"
+                )
+            return Strategy(info, _instantiate(info, plugin, options), extra)
+    return _composition(name, names, options, dict(axis_names or {}), extra)
+
+
+def _expand(names: Sequence[str]) -> list[tuple[StrategyInfo, Any]]:
+    """Each name's plugin, a composition's name (``2d``) replaced by its parallelisms."""
+    found = []
+    for part in names:
+        info, plugin = _lookup(GROUP, part, "parallelism")
+        if info.kind == "composition":
+            found.extend(_expand(compose.parse(info.parts or "")))
+        else:
+            found.append((info, plugin))
+    return found
+
+
+def _composition(
+    label: str,
+    names: Sequence[str],
+    options: Mapping[str, Any],
+    renames: dict[str, str],
+    addons: Sequence[tuple[StrategyInfo, Any]],
+) -> Strategy:
+    infos = _expand(names)
+    seen = [info.name for info, _ in infos]
+    repeated = sorted({n for n in seen if seen.count(n) > 1})
+    if repeated:
+        raise CompositionError(f"composition {label!r} names {repeated[0]!r} twice")
+    for info, _ in infos:
+        if info.kind != "parallelism":
+            raise CompositionError(
+                f"{info.name!r} is a whole strategy (it lays out the mesh itself) and does not "
+                f"compose: run it alone, or compose parallelisms "
+                f"({', '.join(i.name for i in list_strategies() if i.kind == 'parallelism')})"
+            )
+    per: dict[str, dict[str, Any]] = {info.name: {} for info, _ in infos}
+    takes = {info.name: {o.name for o in info.options} for info, _ in infos}
+    for key, value in options.items():
+        part, dot, option = key.partition(".")
+        if dot:
+            if part not in per:
+                raise StrategyOptionError(
+                    f"option {key!r} names {part!r}, which is not a parallelism of {label!r} "
+                    f"({', '.join(per)})"
+                )
+            per[part][option] = value
+            continue
+        takers = [part for part in per if key in takes[part]]
+        if not takers:
+            listed = ", ".join(
+                o if len(per) == 1 else f"{p}.{o}" for p in per for o in sorted(takes[p])
+            )
+            listed = listed or "none"
+            raise StrategyOptionError(
+                f"strategy {label!r} has no option {key!r}; its options: {listed}"
+            )
+        for part in takers:
+            per[part][key] = value
+    parts = [
+        compose.make_part(info.name, _instantiate(info, plugin, per[info.name]), renames)
+        for info, plugin in infos
+    ]
+    roles = {p.axis.name for p in parts}
+    unknown = sorted(set(renames.values()) - roles)
+    if unknown:
+        raise MeshError(
+            f"axis_names {renames} renames axes that {label!r} does not have "
+            f"(its axes: {', '.join(sorted(roles))}): rename one of those"
+        )
+    composition = compose.Composition(parts)
+    first = _entries(GROUP).get(label, (None,))[0]
+    info = StrategyInfo(
+        label,
+        first.description if first is not None else " + ".join(i.name for i, _ in infos),
+        BUILTIN_PACKAGE
+        if all(i.builtin for i, _ in infos)
+        else ", ".join(sorted({i.source for i, _ in infos if not i.builtin})),
+        "",
+        _composed_options(infos),
+        tuple(sorted({h for i, _ in infos for h in i.hooks})),
+        kind="composition" if len(infos) > 1 else "parallelism",
+        parts="+".join(i.name for i, _ in infos),
+    )
+    return Strategy(info, composition, addons, parts=[(p.name, p.plugin) for p in parts])
+
+
+def _composed_options(infos: Sequence[tuple[StrategyInfo, Any]]) -> tuple[StrategyOption, ...]:
+    """Every option of the parallelisms, as ``KEY`` (to each that takes it) and ``PART.KEY``."""
+    plain: dict[str, StrategyOption] = {}
+    qualified = []
+    for info, _ in infos:
+        for option in info.options:
+            plain.setdefault(option.name, option)
+            if len(infos) > 1:
+                qualified.append(dataclasses.replace(option, name=f"{info.name}.{option.name}"))
+    return (*plain.values(), *qualified)
 
 
 def _instantiate(info: StrategyInfo, plugin: Any, options: Mapping[str, Any]) -> Any:
@@ -235,16 +368,25 @@ class Strategy:
     """
 
     def __init__(
-        self, info: StrategyInfo, plugin: Any, addons: Sequence[tuple[StrategyInfo, Any]] = ()
+        self,
+        info: StrategyInfo,
+        plugin: Any,
+        addons: Sequence[tuple[StrategyInfo, Any]] = (),
+        parts: Sequence[tuple[str, Any]] = (),
     ):
         self.info = info
         self.plugin = plugin
+        #: the configured plugin object of each parallelism (or of the whole strategy), by name
+        self.parts: dict[str, Any] = dict(parts) if parts else {info.name: plugin}
         self.addons = tuple(addon_info.name for addon_info, _ in addons)
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.pm.register(fallbacks, name=FALLBACKS)
-        # Add-ons register after the strategy; their wrappers wrap its implementations.
-        for name, obj in [(info.name, plugin), *((i.name, a) for i, a in addons)]:
+        # A composition's parallelisms answer the step hooks they implement; add-ons register
+        # last, so their wrappers wrap whichever implementation answers.
+        own = f"{info.name} (composition)" if parts else info.name
+        named = [*parts, (own, plugin), *((i.name, a) for i, a in addons)]
+        for name, obj in named:
             try:
                 self.pm.register(obj, name=name)
                 self.pm.check_pending()
@@ -254,6 +396,15 @@ class Strategy:
     @property
     def name(self) -> str:
         return self.info.name
+
+    @property
+    def composition(self) -> compose.Composition | None:
+        """The parallelisms and their axes, when this strategy composes them."""
+        return self.plugin if isinstance(self.plugin, compose.Composition) else None
+
+    def activation_rules(self) -> dict[str, tuple[str, ...]]:
+        """Logical activation names -> mesh axes (empty for a whole strategy)."""
+        return {} if self.composition is None else self.composition.activation_rules()
 
     def __repr__(self) -> str:
         addons = f", addons={list(self.addons)}" if self.addons else ""
@@ -292,6 +443,14 @@ class Strategy:
         shardings = to_named(specs, mesh, plugin=self.name, hook="shard_batch", like=batch)
         check_batch(batch, shardings)
         return shardings
+
+    def shard_model_state(self, model_state: Any, mesh: Any) -> Any:
+        specs = self._call("shard_model_state", model_state=model_state, mesh=mesh)
+        return to_named(specs, mesh, plugin=self.name, hook="shard_model_state", like=model_state)
+
+    def compute_grads(self, **kwargs: Any) -> Any:
+        """A plugin's own gradient computation, or None for core's."""
+        return self._call("compute_grads", **kwargs)
 
     def gather_params(self, params: Any, mesh: Any) -> Any:
         return self._call("gather_params", params=params, mesh=mesh)

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import jax
-from jax.sharding import PartitionSpec as P
-
-from shardplug.core.hookspecs import hookimpl
-from shardplug.core.mesh import build_mesh
+from shardplug.plugin import Axis, hookimpl
 
 
 class DataParallel:
     """Data parallel: parameters and optimizer state replicated, batch split over `data`."""
 
     @hookimpl
-    def make_mesh(self, devices, mesh_shape):
-        return build_mesh(devices, mesh_shape, default={"data": -1})
-
-    @hookimpl
-    def shard_params(self, params):
-        return jax.tree.map(lambda _: P(), params)
-
-    @hookimpl
-    def shard_batch(self, batch):
-        return jax.tree.map(lambda leaf: P("data") if leaf.ndim else P(), batch)
+    def parallel_axis(self):
+        return Axis("data", rank=Axis.DATA, batch=True)

@@ -3,6 +3,8 @@
 Every device holds 1/N of each large parameter and of its optimizer state. The compiled step
 all-gathers a parameter where it is used and reduce-scatters its gradient, so the per-device
 memory for the model falls with the device count while the batch is split as in ``dp``.
+Composed with ``tp`` it splits a dimension tensor parallelism left whole, and gathers over
+its own axis only.
 """
 
 from __future__ import annotations
@@ -10,27 +12,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
-from shardplug.core.hookspecs import hookimpl
-from shardplug.core.mesh import build_mesh
-from shardplug.core.sharding import per_parameter, shard_largest_dim
-from shardplug.errors import StrategyOptionError
-
-AXIS = "fsdp"
+from shardplug.plugin import Axis, P, StrategyOptionError, hookimpl, largest_divisible_dim
 
 
 class FullyShardedDataParallel:
-    """Fully sharded data parallel (ZeRO-3): parameters and optimizer state split over all devices.
+    """Fully sharded data parallel (ZeRO-3): parameters and optimizer state split over `fsdp`.
 
     :param min_size: arrays with fewer elements stay replicated (biases, norms).
     :param prefer: logical axis names to split, in order of preference, when the model
         carries annotations; the first annotated dimension of these names that divides the
-        device count is split. Parameters whose annotations name none of them, or whose
-        dimensions do not divide, fall back to the size rule: split the largest dimension
-        that divides the device count.
+        axis is split (a dimension the model names by this axis's own name comes first).
+        Parameters whose annotations name none of them, or whose dimensions do not divide,
+        fall back to the size rule: split the largest free dimension that divides the axis.
     """
 
     def __init__(
@@ -48,35 +41,27 @@ class FullyShardedDataParallel:
         self.prefer = tuple(prefer)
 
     @hookimpl
-    def make_mesh(self, devices, mesh_shape):
-        return build_mesh(devices, mesh_shape, default={AXIS: -1})
+    def parallel_axis(self):
+        return Axis("fsdp", rank=Axis.FSDP, batch=True)
 
     @hookimpl
-    def shard_params(self, params, mesh, annotations):
-        return per_parameter(
-            lambda shape, logical: self._spec(shape, logical, mesh), params, annotations
-        )
-
-    def _spec(self, shape, logical, mesh):
+    def split_param(self, shape, logical, axis, size, taken):
         if math.prod(shape) < max(self.min_size, 1):
-            return P()
+            return None
         names = list(logical)
-        for wanted in self.prefer:
+        for wanted in (axis, *self.prefer):
             if wanted in names:
                 dim = names.index(wanted)
-                if shape[dim] % mesh.shape[AXIS] == 0:
-                    return P(*(AXIS if i == dim else None for i in range(dim + 1)))
-        return shard_largest_dim(shape, AXIS, mesh, self.min_size)
+                if dim not in taken and shape[dim] % size == 0:
+                    return dim
+        free = tuple(0 if d in taken else n for d, n in enumerate(shape))  # 0: never largest
+        dim = largest_divisible_dim(free, size)
+        return None if dim is None or dim in taken else dim
 
     @hookimpl
-    def gather_params(self, params, mesh):
+    def gather_param(self, spec, axis):
         # Gather each parameter where the step uses it. Left alone, the compiler may instead
         # keep weights split and move activations (all-to-alls, activation all-reduces),
         # which is tensor parallelism by accident, not ZeRO-3. The gradient flows back
         # through the same constraint and is reduced onto each device's shard.
-        whole = NamedSharding(mesh, P())
-        return jax.tree.map(lambda p: jax.lax.with_sharding_constraint(p, whole), params)
-
-    @hookimpl
-    def shard_batch(self, batch):
-        return jax.tree.map(lambda leaf: P(AXIS) if leaf.ndim else P(), batch)
+        return P(*(None if entry == axis else entry for entry in spec))

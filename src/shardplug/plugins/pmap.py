@@ -12,9 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core.context import per_device_program
-from shardplug.core.hookspecs import hookimpl
-from shardplug.core.mesh import build_mesh
+from shardplug.plugin import build_mesh, hookimpl, per_device_program
 
 AXIS = "data"
 
@@ -25,6 +23,9 @@ def _mean_if_float(x):
 
 class PerDeviceProgram:
     """Per-device program (pmap style): replicated state, gradients averaged with lax.pmean."""
+
+    #: how bench writes this strategy's step by hand: a jax.shard_map per-device program
+    baseline = "shard_map"
 
     @hookimpl
     def make_mesh(self, devices, mesh_shape):
@@ -45,7 +46,8 @@ class PerDeviceProgram:
     @hookimpl
     def compile_step(self, step_fn, mesh, state_shardings, batch_shardings):
         def per_device(state, batch):
-            with per_device_program(AXIS):  # models see batch_axis_name() == "data"
+            # models see batch_axis_name() == "data"; every mesh axis is manual here
+            with per_device_program(AXIS, manual=tuple(mesh.axis_names)):
                 state, metrics = step_fn(state, batch)
             # Batch statistics computed from each device's rows are averaged, so the state
             # leaves the program the same on every device.

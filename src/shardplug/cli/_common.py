@@ -1,0 +1,186 @@
+"""What the commands share: argument types, strategy options, the reference trainer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from shardplug.errors import MeshError, StrategyOptionError
+
+EXIT_FAILED = 1  # training failed (a non-finite loss)
+
+
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line that points to ``--help``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"shardplug: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def _memory(text: str) -> int:
+    """``80GB``, ``512MiB``, ``1.5e9``: a size in bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 80GB or 512MiB, got {text!r}")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return int(value)
+
+
+def _model_arguments(parser: argparse.ArgumentParser, trainer_options: bool = True) -> None:
+    """The options that say what to compile: model, adapter, devices, batch; and with
+    ``trainer_options`` the strategy's options, add-ons, mesh, microbatches and precision."""
+    parser.add_argument("--model", default="transformer", help="reference model (transformer)")
+    parser.add_argument("--adapter", default="nnx", help="nnx, linen or equinox (default nnx)")
+    parser.add_argument(
+        "--devices", type=_positive(int), default=8, help="devices (simulated CPU ones: 8)"
+    )
+    parser.add_argument("--batch-size", type=_positive(int), default=None, help="global batch")
+    parser.add_argument("--seed", type=int, default=0)
+    if trainer_options:
+        parser.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                            help="a strategy option (repeatable)")  # fmt: skip
+        parser.add_argument("--addon", action="append", default=[], metavar="NAME")
+        parser.add_argument("--mesh", default=None, help="axis sizes, e.g. data=2,model=4")
+        parser.add_argument("--axis-name", action="append", default=[], metavar="ROLE=NAME",
+                            help="name a composition's mesh axis as your model does, "
+                            "e.g. model=tp (repeatable)")  # fmt: skip
+        parser.add_argument("--grad-accum", type=_positive(int), default=1, metavar="K")
+        parser.add_argument("--precision", choices=("float32", "bf16"), default="float32")
+
+
+def _step_range(text: str) -> range:
+    try:
+        start, stop = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B (steps A to B-1), got {text!r}") from None
+    if not 0 <= start < stop:
+        raise argparse.ArgumentTypeError(f"expected 0 <= A < B, got {text!r}")
+    return range(start, stop)
+
+
+def _convert(option: Any, text: str) -> Any:
+    kind = option.type
+    try:
+        if kind == "bool":
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+        if kind in ("int", "float", "str"):
+            return {"int": int, "float": float, "str": str}[kind](text)
+        if kind.startswith("Sequence") or kind.startswith("tuple"):
+            return tuple(part.strip() for part in text.split(",") if part.strip())
+        return json.loads(text)
+    except ValueError:
+        raise StrategyOptionError(f"option {option.name}={text!r} is not a valid {kind}") from None
+
+
+def parse_options(strategy: str, pairs: Sequence[str]) -> dict[str, Any]:
+    """``["min_size=0"]`` into ``{"min_size": 0}``, typed by the strategy's own signature."""
+    from shardplug.core.registry import get_strategy
+
+    known = {o.name: o for o in get_strategy(strategy).info.options}
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise StrategyOptionError(f"strategy option {pair!r} is not KEY=VALUE")
+        if key not in known:
+            takes = ", ".join(sorted(known)) or "none"
+            raise StrategyOptionError(
+                f"strategy {strategy!r} has no option {key!r}; its options: {takes}"
+            )
+        options[key] = _convert(known[key], text)
+    return options
+
+
+def axis_names(pairs: Sequence[str]) -> dict[str, str]:
+    """``["model=tp"]`` into ``{"model": "tp"}``."""
+    names: dict[str, str] = {}
+    for pair in pairs:
+        role, sep, name = (part.strip() for part in pair.partition("="))
+        if not sep or not role.isidentifier() or not name.isidentifier():
+            raise MeshError(f"--axis-name {pair!r} is not ROLE=NAME, e.g. model=tp")
+        names[role] = name
+    return names
+
+
+def _compiled_trainer(args: argparse.Namespace, strategy: str, options: dict[str, Any]):
+    """A trainer of the reference model with ``strategy``, its step compiled; and its batch."""
+    import optax
+
+    from shardplug.core.registry import get_strategy
+    from shardplug.models import get_model
+    from shardplug.trainer import Trainer
+
+    model = get_model(args.model)
+    trainer = Trainer(
+        model.adapter(args.adapter),
+        loss_fn=model.loss_fn,
+        optimizer=optax.adam(model.learning_rate),
+        strategy=get_strategy(
+            strategy, addons=args.addon, axis_names=axis_names(args.axis_name), **options
+        ),
+        devices=args.devices,
+        mesh=args.mesh,
+        seed=args.seed,
+        grad_accum=args.grad_accum,
+        precision=args.precision,
+    )
+    batch = next(model.batches(args.batch_size or model.batch_size, args.seed))
+    return trainer, batch
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    """Check the model and adapter, then give JAX its simulated devices."""
+    from shardplug.core.devices import simulate_cpu_devices
+    from shardplug.models import check_adapter, get_model
+
+    get_model(args.model)
+    check_adapter(args.adapter)
+    if getattr(args, "mesh", None):
+        from shardplug.core.mesh import parse_mesh
+
+        parse_mesh(args.mesh)
+    simulate_cpu_devices(args.devices)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=max(100, shutil.get_terminal_size().columns))
+
+
+def _quiet_orbax() -> None:
+    """Orbax reports routine events as absl warnings; the command line prints its own."""
+    import absl.logging
+
+    absl.logging.set_verbosity(absl.logging.ERROR)

@@ -1,0 +1,92 @@
+"""``explain``, ``recommend`` and ``bench``: what a strategy costs, before and while it runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from shardplug.cli._common import _compiled_trainer, _console, _prepare, parse_options
+from shardplug.errors import ConfigError
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    options = parse_options(args.strategy, args.option)
+    _prepare(args)
+    from shardplug.explain import explain, plot, render
+
+    trainer, batch = _compiled_trainer(args, args.strategy, options)
+    report = explain(trainer, batch, device_memory=args.device_memory, param=args.param)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        render(report, _console())
+    if args.plot is not None:
+        plot(report, str(args.plot))
+        if not args.json:
+            print(f"shardplug: wrote {args.plot}")
+    return 0
+
+
+def cmd_recommend(args: argparse.Namespace) -> int:
+    _prepare(args)
+    from shardplug.explain import size
+    from shardplug.recommend import recommend
+
+    result = recommend(lambda name: _compiled_trainer(args, name, {}), args.device_memory)
+    rows, choice, reason = result["strategies"], result["recommended"], result["reason"]
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    from rich.table import Table
+
+    table = Table(
+        title=f"{args.model} ({args.adapter}) on {args.devices} devices of "
+        f"{size(args.device_memory)}",
+        title_justify="left",
+    )
+    for column in ("strategy", "fits", "peak/device", "params+opt/device", "sent/step"):
+        table.add_column(column, justify="left" if column in ("strategy", "fits") else "right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["strategy"], "no", "", "", r["error"])
+            continue
+        table.add_row(
+            r["strategy"], "yes" if r["fits"] else "no", size(r["peak_bytes"]),
+            size(r["params_bytes"] + r["opt_state_bytes"]), size(r["sent_bytes"]),
+        )  # fmt: skip
+    console = _console()
+    console.print(table)
+    if choice:
+        console.print(f"recommended: [bold]{choice}[/bold]: {reason}")
+    else:
+        console.print(f"recommended: none: {reason}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from shardplug.core.registry import get_strategy
+
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if not strategies:
+        raise ConfigError("--strategies names no strategy: give e.g. dp,fsdp")
+    for name in strategies:
+        get_strategy(name)  # an unknown name fails here, before anything compiles
+    _prepare(args)
+    from shardplug.bench import bench, plot, render
+
+    console = _console()
+    quiet = args.json
+    report = bench(
+        strategies, args.model, args.adapter, args.devices, steps=args.steps,
+        rounds=args.rounds, batch_size=args.batch_size, seed=args.seed,
+        progress=None if quiet else lambda text: console.print(f"[dim]{text}[/dim]"),
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        render(report, console)
+    if args.plot is not None:
+        plot(report, str(args.plot))
+        if not quiet:
+            print(f"shardplug: wrote {args.plot}")
+    return 0

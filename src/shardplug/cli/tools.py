@@ -1,0 +1,69 @@
+"""``strategies``, ``launch`` and ``export``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from shardplug.cli._common import _quiet_orbax
+
+
+def cmd_strategies(args: argparse.Namespace) -> int:
+    from shardplug.core.registry import list_addons, list_strategies
+
+    kinds = [("strategy", info) for info in list_strategies(include_broken=args.all)]
+    if args.all:
+        kinds += [("add-on", info) for info in list_addons(include_broken=True)]
+    if args.json:
+        rows = [
+            {
+                "name": i.name,
+                "kind": kind,
+                "description": i.description,
+                "source": i.source,
+                "package": i.package,
+                "version": i.version,
+                "options": {o.name: repr(o.default) for o in i.options},
+                "hooks": list(i.hooks),
+                "error": i.error,
+            }
+            for kind, i in kinds
+        ]
+        print(json.dumps(rows, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    if args.all:
+        table = Table("name", "kind", "source", "hooks", "error")
+        for kind, i in kinds:
+            table.add_row(i.name, kind, i.source, ", ".join(i.hooks), i.error or "")
+    else:
+        table = Table("strategy", "description", "source", "options")
+        for _, i in kinds:
+            table.add_row(i.name, i.description, i.source, ", ".join(o.name for o in i.options))
+    Console().print(table)
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from shardplug.launch import launch
+
+    command = list(args.command_args)
+    if command and command[0] == "--":
+        command = command[1:]
+    return launch(args.nprocs, args.devices_per_proc, command)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    _quiet_orbax()
+    from shardplug.export import export_checkpoint, load_exported
+
+    path = export_checkpoint(args.checkpoint_dir, args.out, step=args.step)
+    arrays, info = load_exported(path)
+    total = sum(a.size for name, a in arrays.items() if name.startswith("params/"))
+    print(
+        f"shardplug: exported step {info['step']} of {args.checkpoint_dir}: "
+        f"{total:,} parameters in {len(arrays)} arrays to {path}"
+    )
+    return 0

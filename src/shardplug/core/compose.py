@@ -1,0 +1,326 @@
+"""Parallelisms composed on one mesh: ``"dp+fsdp+tp"`` as one strategy.
+
+Each parallelism owns one mesh axis (:func:`~shardplug.core.hookspecs.parallel_axis`). Core
+composes them in one fixed order, written down here once:
+
+- **the mesh** lays the axes out by ``Axis.rank``, outermost first: ``data`` (replicas, the
+  least traffic, across nodes), ``stage`` (pipeline), ``fsdp``, ``model`` (tensor parallel,
+  the most traffic, on the fastest links), as MaxText lays out its mesh;
+- **parameters** are split in the reverse order, innermost first, like torchtitan's
+  ``parallelize`` (tensor parallel, then pipeline stages, then sharding of what remains):
+  ``model`` claims its dimensions, then ``stage``, then ``fsdp`` among the dimensions left;
+- **the batch** splits its leading dimension over every axis whose parallelism says
+  ``batch=True``, in mesh order (``P(("data", "fsdp"))`` for ``dp+fsdp``);
+- **the step** sees each parameter as every parallelism's
+  :func:`~shardplug.core.hookspecs.gather_param` leaves it (``fsdp`` gathers its own axis
+  only, so ``tp``'s split stays).
+
+Two parallelisms on one axis, or claiming one dimension of one parameter, are refused with
+a :class:`~shardplug.errors.CompositionError` naming both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import jax
+import pluggy
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardplug.core import hookspecs
+from shardplug.core.hookspecs import hookimpl
+from shardplug.core.mesh import build_mesh
+from shardplug.core.sharding import leaf_paths
+from shardplug.errors import CompositionError, MeshError, PluginError
+
+#: the hooks a whole strategy answers itself; a plugin that implements any of them (and not
+#: parallel_axis) runs alone and does not compose.
+WHOLE_HOOKS = ("make_mesh", "shard_params", "shard_batch", "gather_params")
+#: hooks of the step a parallelism may also implement; one per composition.
+STEP_HOOKS = (
+    "compute_grads",
+    "reduce_grads",
+    "encode_grads",
+    "compile_step",
+    "shard_model_state",
+)
+PART_HOOKS = ("parallel_axis", "split_param", "gather_param")
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """The mesh axis a parallelism owns, as its ``parallel_axis`` hook declares it.
+
+    :param name: the axis's role and default name (``--axis-name ROLE=NAME`` renames it).
+    :param rank: its place in the order: lower is further out in the mesh and claims
+        parameter dimensions later. The built-ins use the class constants below; a new
+        parallelism picks a number between them.
+    :param batch: whether the batch's leading dimension splits over this axis.
+    :param logical: logical activation names this axis splits (``shardplug.constrain``).
+    """
+
+    DATA: ClassVar[int] = 10
+    STAGE: ClassVar[int] = 20
+    FSDP: ClassVar[int] = 30
+    MODEL: ClassVar[int] = 40
+
+    name: str
+    rank: int
+    batch: bool = False
+    logical: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Composed:
+    """An entry point that names a composition: ``2d = "...:TWO_D"`` with
+    ``TWO_D = Composed("dp+tp", "2D mesh ...")`` makes ``--strategy 2d`` mean ``dp+tp``."""
+
+    parts: str
+    description: str = ""
+
+
+class _PartFallbacks:
+    """Core's answers to the part hooks a parallelism leaves out."""
+
+    @hookimpl(trylast=True)
+    def split_param(self):
+        return None
+
+    @hookimpl(trylast=True)
+    def gather_param(self, spec):
+        return spec
+
+
+@dataclasses.dataclass
+class Part:
+    """One parallelism of a composition: its plugin, its axis as this run names it."""
+
+    name: str
+    plugin: Any
+    axis: Axis
+    pm: pluggy.PluginManager
+
+    def call(self, hook: str, **kwargs: Any) -> Any:
+        try:
+            return getattr(self.pm.hook, hook)(**kwargs)
+        except (CompositionError, MeshError):
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"parallelism {self.name!r}: hook {hook} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+def implemented(plugin: Any) -> set[str]:
+    """The hooks ``plugin`` implements (names of methods carrying a hookimpl marker)."""
+    found = set()
+    for attr in dir(plugin):
+        method = getattr(plugin, attr, None)
+        if callable(method) and hasattr(method, f"{hookspecs.PROJECT}_impl"):
+            found.add(attr)
+    return found
+
+
+def is_parallelism(plugin: Any) -> bool:
+    return "parallel_axis" in implemented(plugin)
+
+
+def make_part(name: str, plugin: Any, renames: Mapping[str, str]) -> Part:
+    if not is_parallelism(plugin):
+        raise CompositionError(
+            f"{name!r} is a whole strategy (it lays out the mesh itself) and does not compose: "
+            f"run it alone, or compose parallelisms (dp, fsdp, tp, or a plugin that "
+            f"implements parallel_axis)"
+        )
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(_PartFallbacks(), name="fallbacks")
+    pm.register(plugin, name=name)
+    axis = Part(name, plugin, None, pm).call("parallel_axis")  # type: ignore[arg-type]
+    if not isinstance(axis, Axis):
+        raise PluginError(f"parallelism {name!r}: parallel_axis returned {axis!r}, not an Axis")
+    axis = dataclasses.replace(axis, name=renames.get(axis.name, axis.name))
+    return Part(name, plugin, axis, pm)
+
+
+def default_sizes(count: int, parts: int) -> list[int]:
+    """``count`` devices as ``parts`` factors, as even as divisibility allows, larger ones
+    first (outer axes): 8 over three axes is 2x2x2, over two 4x2 (``dp+tp``: data=4, model=2:
+    tensor parallelism talks every layer, so it gets the smaller factor)."""
+    sizes = []
+    for left in range(parts, 0, -1):
+        size = next(d for d in range(1, count + 1) if count % d == 0 and d**left >= count)
+        sizes.append(size)
+        count //= size
+    return sizes
+
+
+class Composition:
+    """The whole-strategy hooks of a composition, answered from its parallelisms.
+
+    Core builds it from names (``get_strategy("fsdp+tp")``); it is the plugin of the run's
+    :class:`~shardplug.core.registry.Strategy`, next to the parallelisms' own step hooks.
+    """
+
+    def __init__(self, parts: Sequence[Part]):
+        by_axis: dict[str, Part] = {}
+        for part in parts:
+            if part.axis.name in by_axis:
+                raise CompositionError(
+                    f"{by_axis[part.axis.name].name!r} and {part.name!r} both claim the mesh "
+                    f"axis {part.axis.name!r}: compose parallelisms of different axes, or "
+                    f"rename one with --axis-name"
+                )
+            by_axis[part.axis.name] = part
+        for hook in STEP_HOOKS:
+            owners = [p.name for p in parts if hook in implemented(p.plugin)]
+            if len(owners) > 1:
+                raise CompositionError(
+                    f"{owners[0]!r} and {owners[1]!r} both implement {hook}: a composition "
+                    f"takes each step hook from one parallelism at most"
+                )
+        self.parts = sorted(parts, key=lambda p: p.axis.rank)  # mesh order, outer first
+        self._stored: dict[Any, list[P]] = {}
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(p.axis.name for p in self.parts)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return tuple(p.axis.name for p in self.parts if p.axis.batch)
+
+    @property
+    def unsupported(self) -> dict[str, str]:
+        found: dict[str, str] = {}
+        for part in self.parts:
+            found.update(getattr(part.plugin, "unsupported", {}) or {})
+        if self.batch_axes:
+            found.pop("batch-split", None)
+        return found
+
+    def activation_rules(self) -> dict[str, tuple[str, ...]]:
+        """Logical activation name -> mesh axes, for :func:`shardplug.constrain`."""
+        rules: dict[str, tuple[str, ...]] = {}
+        if self.batch_axes:
+            rules["batch"] = self.batch_axes
+        for part in self.parts:
+            for name in part.axis.logical:
+                rules[name] = (*rules.get(name, ()), part.axis.name)
+        return rules
+
+    @hookimpl
+    def make_mesh(self, devices, mesh_shape):
+        shape = dict(mesh_shape or {})
+        unknown = sorted(set(shape) - set(self.axes))
+        if unknown:
+            roles = ", ".join(f"{p.axis.name} ({p.name})" for p in self.parts)
+            raise MeshError(
+                f"mesh axis {unknown[0]!r} is not an axis of this composition, whose axes are "
+                f"{roles}: size those, or rename one to match your model "
+                f"(--axis-name ROLE={unknown[0]})"
+            )
+        given = math.prod(shape.values())
+        rest = [a for a in self.axes if a not in shape]
+        if len(devices) % given:
+            asked = ",".join(f"{k}={v}" for k, v in shape.items())
+            raise MeshError(
+                f"mesh {asked} has {given} devices but the run has {len(devices)}: make the "
+                f"sizes multiply to {len(devices)}, or change --devices"
+            )
+        shape.update(zip(rest, default_sizes(len(devices) // given, len(rest)), strict=True))
+        return build_mesh(devices, {a: shape[a] for a in self.axes}, default=self.axes_default())
+
+    def axes_default(self) -> dict[str, int]:
+        return {a: 1 for a in self.axes}
+
+    @hookimpl
+    def shard_params(self, params, mesh, annotations):
+        paths = leaf_paths(params)
+        leaves, treedef = jax.tree.flatten(params)
+        logicals = (
+            [P()] * len(leaves)
+            if annotations is None
+            else jax.tree.leaves(annotations, is_leaf=lambda x: isinstance(x, P))
+        )
+        specs = [
+            self._spec(path, leaf.shape, logical, mesh)
+            for path, leaf, logical in zip(paths, leaves, logicals, strict=True)
+        ]
+        self._stored[(treedef, id(mesh))] = specs
+        return jax.tree.unflatten(treedef, specs)
+
+    def _spec(self, path: str, shape: tuple[int, ...], logical: P, mesh: Any) -> P:
+        owner: dict[int, Part] = {}
+        for part in reversed(self.parts):  # claims innermost first: model, stage, fsdp, data
+            axis = part.axis.name
+            dim = part.call(
+                "split_param", shape=tuple(shape), logical=logical, axis=axis,
+                size=mesh.shape[axis], taken=frozenset(owner),
+            )  # fmt: skip
+            if dim is None:
+                continue
+            if not isinstance(dim, int) or not 0 <= dim < len(shape):
+                raise PluginError(
+                    f"parallelism {part.name!r}: split_param chose dimension {dim!r} of {path} "
+                    f"(shape {tuple(shape)}), which it does not have"
+                )
+            if dim in owner:
+                raise CompositionError(
+                    f"{owner[dim].name!r} and {part.name!r} both split dimension {dim} of "
+                    f"{path} (shape {tuple(shape)}): a dimension splits over one parallelism's "
+                    f"axis; change the rules of one of them"
+                )
+            if shape[dim] % mesh.shape[axis]:
+                raise PluginError(
+                    f"parallelism {part.name!r}: split_param split dimension {dim} of {path} "
+                    f"({shape[dim]}) over {axis}={mesh.shape[axis]}, which does not divide it"
+                )
+            owner[dim] = part
+        out = [owner[d].axis.name if d in owner else None for d in range(len(shape))]
+        while out and out[-1] is None:
+            out.pop()
+        return P(*out)
+
+    @hookimpl
+    def shard_batch(self, batch):
+        axes = self.batch_axes
+        lead = None if not axes else axes[0] if len(axes) == 1 else axes
+        return jax.tree.map(lambda leaf: P(lead) if leaf.ndim and lead else P(), batch)
+
+    def used_spec(self, spec: P) -> P:
+        """A parameter's layout where the step uses it, given its stored ``spec``."""
+        for part in self.parts:
+            spec = part.call("gather_param", spec=spec, axis=part.axis.name)
+        return spec
+
+    @hookimpl
+    def gather_params(self, params, mesh):
+        leaves, treedef = jax.tree.flatten(params)
+        stored = self._stored.get((treedef, id(mesh)))
+        if stored is None:
+            return params
+        out = []
+        for leaf, spec in zip(leaves, stored, strict=True):
+            used = self.used_spec(spec)
+            if tuple(used) != tuple(spec):
+                leaf = jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, used))
+            out.append(leaf)
+        return jax.tree.unflatten(treedef, out)
+
+
+def parse(name: str) -> list[str]:
+    """``"dp+fsdp+tp"`` into ``["dp", "fsdp", "tp"]``; refuses empty and repeated names."""
+    names = [n.strip() for n in name.split("+")]
+    if not all(names):
+        raise CompositionError(
+            f"malformed composition {name!r}: write parallelism names joined by '+', e.g. fsdp+tp"
+        )
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise CompositionError(f"composition {name!r} names {repeated[0]!r} twice")
+    return names

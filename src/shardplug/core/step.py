@@ -1,0 +1,363 @@
+"""The traced step: state, the loss protocol, microbatches, precision, explicit reduction.
+
+Everything here runs inside ``jax.jit`` (or a per-device program) when the step is traced;
+nothing here touches the host loop. The strategy is asked where things live and how devices
+meet; the model is reached through its adapter's ``bind`` and ``state_of``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardplug.core.context import batch_axis_name, manual_axes, per_device_program
+from shardplug.core.registry import Strategy
+from shardplug.core.sharding import leading_axes
+from shardplug.errors import ConfigError
+
+LossFn = Callable[..., Any]
+Precision = Literal["float32", "fp32", "bfloat16", "bf16"]
+
+
+class ModelAdapter(Protocol):
+    """What the step needs of a model adapter (:class:`shardplug.Adapter` implements it)."""
+
+    def bind(self, params: Any, state: Any, *, rng: Any, train: bool) -> Any: ...
+
+    def state_of(self, model: Any, state: Any) -> Any: ...
+
+
+class TrainState(NamedTuple):
+    """Everything one step reads and writes; a pytree of global arrays."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    model_state: Any
+    rng: jax.Array  # the run's key; step s uses jax.random.fold_in(rng, s)
+
+
+def step_key(state: TrainState) -> jax.Array:
+    """This step's key: the same on every device and under every strategy."""
+    return jax.random.fold_in(state.rng, state.step)
+
+
+EXTRAS = ("rng", "train", "state")
+
+
+def loss_extras(loss_fn: LossFn) -> frozenset[str]:
+    """Which of ``rng``, ``train`` and ``state`` the loss function takes by name."""
+    try:
+        params = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        return frozenset()
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return frozenset(EXTRAS)
+    return frozenset(name for name in EXTRAS if name in params)
+
+
+def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array], Any]:
+    """``loss``, ``(loss, metrics)`` or ``(loss, metrics, new_state)``."""
+    parts = out if isinstance(out, tuple) else (out,)
+    if not 1 <= len(parts) <= 3 or (len(parts) > 1 and not isinstance(parts[1], Mapping)):
+        raise ConfigError(
+            "loss_fn must return a loss, (loss, dict of metrics) or (loss, metrics, new state)"
+        )
+    loss = parts[0]
+    if jnp.shape(loss) != ():
+        raise ConfigError(
+            f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}: average it"
+        )
+    metrics = dict(parts[1]) if len(parts) > 1 else {}
+    return loss, metrics, parts[2] if len(parts) == 3 else None
+
+
+def _forward(adapter, loss_fn, extras, params, model_state, rng, batch, train):
+    """Bind the model, run the loss; ``loss, (metrics, new model state)``."""
+    model = adapter.bind(params, model_state, rng=rng, train=train)
+    given = {"rng": rng, "train": train, "state": model_state}
+    loss, metrics, new_state = _split_loss(
+        loss_fn(model, batch, **{k: v for k, v in given.items() if k in extras})
+    )
+    if new_state is None:
+        new_state = adapter.state_of(model, model_state)
+    return loss, (metrics, new_state)
+
+
+SHARD_AXIS = "shards"
+
+
+NONFINITE = "_nonfinite"
+
+
+PRECISIONS = {"float32": None, "fp32": None, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+
+
+def make_step(
+    adapter: ModelAdapter,
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    strategy: Strategy,
+    mesh: Any,
+    *,
+    param_shardings: Any = None,
+    batch_shardings: Any = None,
+    skip_nonfinite: bool = False,
+    grad_accum: int = 1,
+    precision: Precision = "float32",
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+    """One optimizer step on the global batch: loss, gradients, ``reduce_grads``, update.
+
+    With ``grad_accum`` K > 1 the batch is cut into K microbatches (rows ``k, k+K, ...``, so
+    each stays spread over every device) whose gradients are computed one after another in a
+    ``lax.scan`` and averaged: the update of the whole batch, with the activations of one
+    microbatch. With ``precision="bfloat16"`` the forward and backward passes run on
+    bfloat16 copies of the parameters and of the batch's floating-point leaves; the
+    parameters, gradients and optimizer state stay float32.
+
+    A non-finite loss is seen by the host, in the metrics it reads. With ``skip_nonfinite``
+    the step judges itself: it checks the loss and the gradient's norm (a reduction over
+    every parameter, which costs a few percent of a small model's step on a CPU), and a step
+    with either NaN or infinite leaves the parameters, optimizer state and model state as
+    they were (the step count and the data still advance) and says so in the metric
+    ``NONFINITE`` (1.0). Without it, a non-finite gradient shows in the next step's loss.
+
+    When the strategy or an add-on implements ``encode_grads``, the gradient reduction is
+    made explicit: each device's gradient is computed, encoded, summed in the encoded dtype
+    and cast back. Under ``jax.jit`` that needs the parameter and batch shardings.
+    """
+    extras = loss_extras(loss_fn)
+    encodes = strategy.encodes_grads
+    compute = _compute_dtype(precision)
+
+    # The model state is an argument, not a closure: frameworks that update it in place
+    # (NNX's BatchStat) must see it at the level of the gradient's trace.
+    def loss_of(params, model_state, batch, rng):
+        if compute is not None:  # cast before gathering: fsdp's all-gathers move half the bytes
+            params, batch = _cast_floats((params, batch), compute)
+        params = strategy.gather_params(params, mesh)
+        return _forward(adapter, loss_fn, extras, params, model_state, rng, batch, True)
+
+    value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        rng = step_key(state)
+        axis = batch_axis_name()  # set inside a per-device program (pmap)
+        plain = axis is None and not encodes  # under jit, the compiler places the reduction
+        grad_fn = _accumulate(value_and_grad, grad_accum, batch_shardings if plain else None)
+        owned = strategy.compute_grads(
+            loss_and_grad=value_and_grad, params=state.params, model_state=state.model_state,
+            batch=batch, rng=rng, mesh=mesh, microbatches=grad_accum,
+        )  # fmt: skip
+        if owned is not None:  # a parallelism schedules the microbatches itself
+            (loss, (metrics, model_state)), grads = owned
+            if encodes:
+                grads = strategy.encode_grads(grads, mesh)
+        elif encodes and axis is None:  # under jit: each shard's gradient, explicitly
+            loss, metrics, model_state, grads = _per_shard_grads(
+                grad_fn, strategy, mesh, state, batch, rng, param_shardings, batch_shardings
+            )
+        else:
+            (loss, (metrics, model_state)), grads = grad_fn(
+                state.params, state.model_state, batch, rng
+            )
+            if encodes:
+                grads = strategy.encode_grads(grads, mesh)
+        grads = strategy.reduce_grads(grads, mesh)
+        if encodes:
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        out = {"loss": loss, **metrics}
+        if skip_nonfinite:  # the update must be judged before it is applied
+            finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+            if manual_axes():  # per device: every device of every manual axis decides alike
+                finite = jax.lax.pmin(finite.astype(jnp.int32), manual_axes()).astype(bool)
+            params, opt_state, model_state = jax.tree.map(
+                functools.partial(_keep_if_not, finite),
+                (params, opt_state, model_state),
+                (state.params, state.opt_state, state.model_state),
+            )
+            out[NONFINITE] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
+        new = TrainState(state.step + 1, params, opt_state, model_state, state.rng)
+        return new, out
+
+    return step
+
+
+def _compute_dtype(precision: str) -> Any:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return PRECISIONS[precision]
+
+
+def _cast_floats(tree: Any, dtype: Any) -> Any:
+    """Every float32 array of ``tree`` as ``dtype``; other arrays (integers, keys) as they are."""
+
+    def cast(x):
+        if hasattr(x, "dtype") and x.dtype == jnp.float32:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+def _accumulate(value_and_grad: Callable, k: int, batch_shardings: Any) -> Callable:
+    """``value_and_grad`` over ``k`` microbatches in turn: the mean loss, metrics and gradient.
+
+    Microbatch ``i`` takes rows ``i, i+k, i+2k, ...`` of every leaf, so each microbatch is
+    split over the devices as the whole batch is (``batch_shardings`` pins that under jit);
+    its dropout key is the step's key folded with ``i``. The model state (batch statistics)
+    passes from one microbatch to the next.
+    """
+    if k == 1:
+        return value_and_grad
+
+    def accumulated(params, model_state, batch, rng):
+        def split(x):
+            if not np.ndim(x):
+                return jnp.broadcast_to(x, (k,))
+            return x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+
+        def body(carry, inputs):
+            total, model_state = carry
+            i, rows = inputs
+            if batch_shardings is not None:
+                rows = jax.lax.with_sharding_constraint(rows, batch_shardings)
+            key = jax.random.fold_in(rng, i)
+            (loss, (metrics, model_state)), grads = value_and_grad(params, model_state, rows, key)
+            total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
+            return (total, model_state), (loss, metrics)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (total, model_state), (losses, metrics) = jax.lax.scan(
+            body, (zeros, model_state), (jnp.arange(k), jax.tree.map(split, batch))
+        )
+        grads = jax.tree.map(lambda g: g / k, total)
+        return (jnp.mean(losses), (jax.tree.map(jnp.mean, metrics), model_state)), grads
+
+    return accumulated
+
+
+def _keep_if_not(finite: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+    if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
+        return new
+    return jnp.where(finite, new, old)
+
+
+def _batch_split(batch_shardings: Any) -> tuple[tuple[str, ...], Any]:
+    """The mesh axes the batch's leading dimension is split over, and which leaves are."""
+    found: set[tuple[str, ...]] = set()
+
+    def axes_of(sharding: NamedSharding) -> tuple[str, ...]:
+        if any(entry is not None for entry in tuple(sharding.spec)[1:]):
+            raise ConfigError(
+                "encode_grads needs the batch split along its leading dimension only; "
+                f"strategy gave {sharding.spec}"
+            )
+        axes = leading_axes(sharding.spec)
+        if axes:
+            found.add(axes)
+        return axes
+
+    split = jax.tree.map(lambda s: bool(axes_of(s)), batch_shardings)
+    if len(found) > 1:
+        raise ConfigError(
+            f"encode_grads needs every batch leaf split over the same mesh axes, got {found}"
+        )
+    return (found.pop() if found else ()), split
+
+
+def _per_shard_grads(grad_fn, strategy, mesh, state, batch, rng, param_shardings, batch_shardings):
+    """Under ``jax.jit``: each batch shard's gradient, encoded, then summed across shards.
+
+    The batch's leading dimension (split over the axes A) is reshaped to ``(shards, rows)``
+    and the step is vmapped over the shards, so each device computes the gradient of its own
+    rows, with no communication. The encoded gradients are summed over the shard axis: the
+    compiler turns that sum into the all-reduce (or reduce-scatter) over A, in the encoded
+    dtype. The vmap's axis is the models' ``batch_axis_name()``, so batch statistics and
+    dropout masks stay those of the global batch.
+    """
+    axes, split = _batch_split(batch_shardings)
+    n = math.prod(mesh.shape[a] for a in axes)
+    lead = axes if axes else None
+
+    def to_shards(x, is_split):
+        if not is_split:
+            return x
+        x = x.reshape(n, x.shape[0] // n, *x.shape[1:])
+        spec = P(lead, *([None] * (x.ndim - 1)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    shards = jax.tree.map(to_shards, batch, split)
+    in_axes = jax.tree.map(lambda s: 0 if s else None, split)
+
+    def one_shard(params, model_state, rows):
+        out, grads = grad_fn(params, model_state, rows, rng)
+        return out, strategy.encode_grads(grads, mesh)
+
+    with per_device_program(SHARD_AXIS):
+        (loss, (metrics, model_state)), encoded = jax.vmap(
+            one_shard, in_axes=(None, None, in_axes), axis_name=SHARD_AXIS
+        )(state.params, state.model_state, shards)
+
+    def stacked(g, sharding):
+        # each device keeps its own shard's whole gradient until the reduction
+        rest = [_without(entry, axes) for entry in sharding.spec]
+        rest += [None] * (g.ndim - 1 - len(rest))
+        return jax.lax.with_sharding_constraint(g, NamedSharding(mesh, P(lead, *rest)))
+
+    def mean_over_shards(g, sharding):
+        total = jax.lax.reduce(g, np.zeros((), g.dtype), jax.lax.add, (0,))  # no upcast
+        total = total / np.asarray(n, g.dtype)
+        return jax.lax.with_sharding_constraint(total, sharding)
+
+    encoded = jax.tree.map(stacked, encoded, param_shardings)
+    grads = jax.tree.map(mean_over_shards, encoded, param_shardings)
+    # Batch statistics were averaged over the shards inside; take the mean once more so a
+    # model that does not ask for batch_axis_name() gets the shards' average.
+    model_state = jax.tree.map(_shard_mean, model_state)
+    return jnp.mean(loss), jax.tree.map(jnp.mean, metrics), model_state, grads
+
+
+def _shard_mean(x: jax.Array) -> jax.Array:
+    return jnp.mean(x, axis=0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x[0]
+
+
+def _without(entry: Any, axes: tuple[str, ...]) -> Any:
+    """A partition-spec entry with the batch axes taken out."""
+    if entry is None:
+        return None
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in axes)
+    return kept if len(kept) > 1 else (kept[0] if kept else None)
+
+
+def make_eval_step(
+    adapter: ModelAdapter, loss_fn: LossFn, strategy: Strategy, mesh: Any
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+    """The loss and metrics of the model in evaluation mode; the state passes through."""
+    extras = loss_extras(loss_fn)
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        params = strategy.gather_params(state.params, mesh)
+        loss, (metrics, _) = _forward(
+            adapter, loss_fn, extras, params, state.model_state, step_key(state), batch, False
+        )
+        return state, {"loss": loss, **metrics}
+
+    return step
+
+
+@jax.jit
+def _finite(tree: Any) -> jax.Array:
+    return jnp.isfinite(optax.tree.norm(tree))

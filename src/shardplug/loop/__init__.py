@@ -1,0 +1,1 @@
+"""The host-side loop: prefetch, signals, profiling, batch placement."""

@@ -1,0 +1,132 @@
+"""The host loop of ``Trainer.fit``: dispatch, the in-flight bound, metrics, checkpoints."""
+
+from __future__ import annotations
+
+import collections
+import math
+import signal
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from shardplug.core.step import NONFINITE
+from shardplug.errors import TrainingInterrupted
+from shardplug.loop import batches as host
+from shardplug.loop.prefetch import Prefetch
+from shardplug.loop.profile import Trace
+from shardplug.loop.signals import StopSignals
+
+# Steps the loop lets run ahead of the devices. Enough to keep them busy; a deeper queue
+# only holds more batches in memory, and on the CPU backend a deep queue of programs with
+# collectives can starve its thread pool until a rendezvous times out (seen at ~100).
+MAX_IN_FLIGHT = 4
+
+
+def run(
+    trainer: Any,
+    iterator: Iterator[Any],
+    steps: int,
+    callback: Callable[[list[dict[str, float]]], None] | None,
+) -> list[dict[str, float]]:
+    """Run ``steps`` compiled steps of ``trainer`` on ``iterator``; the new history rows.
+
+    The loop waits on the devices only to read metrics (every ``log_every`` steps), keeps at
+    most :data:`MAX_IN_FLIGHT` steps dispatched, checkpoints on schedule, and turns SIGINT
+    and SIGTERM into a saved stop.
+    """
+    rows: list[dict[str, float]] = []
+    pending: list[dict[str, jax.Array]] = []
+    started = time.perf_counter()
+
+    def flush() -> None:
+        nonlocal started
+        new = _rows(trainer, pending, trainer._step - len(pending), started)
+        pending.clear()
+        faults = [
+            row.pop(NONFINITE) > 0 if NONFINITE in row else not math.isfinite(row["loss"])
+            for row in new
+        ]
+        if trainer.on_nonfinite == "skip":
+            for row, fault in zip(new, faults, strict=True):
+                row["skipped"] = float(fault)
+            trainer.skipped_steps += sum(faults)
+        elif True in faults:
+            new = new[: faults.index(True) + 1]  # nothing after the fault
+        rows.extend(new)
+        trainer.history.extend(new)
+        if callback is not None:
+            callback(new)
+        if trainer.on_nonfinite == "stop" and True in faults:
+            raise trainer._nonfinite(int(new[-1]["step"]))
+        started = time.perf_counter()
+
+    program = trainer._train
+    first_step = trainer._step
+    feed = Prefetch(iterator, steps, lambda batch, i: trainer._place(batch, first_step + i))
+    trace = Trace(trainer.profile_dir, trainer.profile_steps)
+    in_flight: collections.deque = collections.deque()
+    with StopSignals(enabled=trainer.checkpoints is not None) as stop:
+        try:
+            for i in range(steps):
+                if stop.requested:
+                    break
+                try:
+                    global_batch = next(feed)
+                except StopIteration:
+                    warnings.warn(f"batches ran out after {i} of {steps} steps", stacklevel=2)
+                    break
+                if len(in_flight) == MAX_IN_FLIGHT:  # a step long done: no stall
+                    jax.block_until_ready(in_flight.popleft())
+                with trace.step(trainer._step, lambda: trainer.state):
+                    trainer.state, metrics = program.compiled(trainer.state, global_batch)
+                trainer._step += 1
+                pending.append(metrics)
+                in_flight.append(metrics["loss"])
+                due = trainer.checkpoint_every is not None and (
+                    trainer._step % trainer.checkpoint_every == 0
+                )
+                if len(pending) == trainer.log_every or due:
+                    flush()
+                    stop.agree()  # at the same step in every process
+                if due:
+                    trainer.save()
+                    started = time.perf_counter()  # saving is not a step
+            if pending:
+                flush()
+            stop.agree()
+            if trainer.checkpoints is not None and trainer._saved_step != trainer._step:
+                trainer.save()
+        finally:
+            feed.close()
+            trace.close(trainer.state)
+            if trainer.checkpoints is not None:
+                trainer.checkpoints.wait()
+    if stop.requested:
+        name = signal.Signals(stop.requested).name
+        path = trainer.last_checkpoint
+        raise TrainingInterrupted(
+            f"stopped by {name} after step {trainer._step}; saved {path}: continue with "
+            f"restore() (--resume)",
+            signal=stop.requested,
+            step=trainer._step,
+            checkpoint=path,
+        )
+    return rows
+
+
+def _rows(
+    trainer: Any, pending: list[dict[str, jax.Array]], first: int, started: float
+) -> list[dict[str, float]]:
+    values = jax.device_get(pending)  # the loop's only wait on the devices
+    step_time = (time.perf_counter() - started) / len(values)
+    samples = host.batch_rows(trainer._train.signature) * jax.process_count()
+    rows = []
+    for k, metrics in enumerate(values):
+        row = {"step": first + k, **{name: float(v) for name, v in metrics.items()}}
+        row["step_time"] = step_time
+        row["samples_per_sec"] = samples / step_time if step_time > 0 else math.inf
+        rows.append(row)
+    return rows

@@ -1,0 +1,65 @@
+"""The one namespace a plugin author imports: hooks, mesh and sharding helpers, context.
+
+A composable parallelism::
+
+    from shardplug.plugin import Axis, hookimpl
+
+    class SequenceParallel:
+        @hookimpl
+        def parallel_axis(self):
+            return Axis("sequence", rank=35, logical=("length",))
+
+and a whole strategy implements ``make_mesh``, ``shard_params`` and ``shard_batch`` with
+:func:`build_mesh` and the rules below. The hook specifications, with an example each, are
+in :mod:`shardplug.core.hookspecs`; docs/plugins.md walks through a published package.
+"""
+
+from __future__ import annotations
+
+from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec as P
+
+from shardplug.core.compose import Axis, Composed
+from shardplug.core.context import (
+    batch_axis_name,
+    constrain,
+    manual_axes,
+    per_device_program,
+)
+from shardplug.core.hookspecs import hookimpl, hookspec
+from shardplug.core.mesh import build_mesh, describe, parse_mesh
+from shardplug.core.sharding import (
+    largest_divisible_dim,
+    leaf_paths,
+    logical_to_mesh,
+    mesh_axes,
+    per_parameter,
+    shard_largest_dim,
+)
+from shardplug.errors import MeshError, PluginError, StrategyOptionError
+
+__all__ = [
+    "Axis",
+    "Composed",
+    "MeshError",
+    "NamedSharding",
+    "P",
+    "PartitionSpec",
+    "PluginError",
+    "StrategyOptionError",
+    "batch_axis_name",
+    "build_mesh",
+    "constrain",
+    "describe",
+    "hookimpl",
+    "hookspec",
+    "largest_divisible_dim",
+    "leaf_paths",
+    "logical_to_mesh",
+    "manual_axes",
+    "mesh_axes",
+    "parse_mesh",
+    "per_device_program",
+    "per_parameter",
+    "shard_largest_dim",
+]

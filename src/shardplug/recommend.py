@@ -1,0 +1,95 @@
+"""Which strategy to use: every installed strategy and composition compiled, then ranked.
+
+The policy, written once: of the strategies whose peak memory per device fits, prefer those
+whose traffic is all parameters and gradients (the textbook collectives, which overlap with
+compute and do not grow with the batch) over those that also move activations (tensor
+parallelism's all-reduces, on the critical path of every layer); then the fewest bytes sent
+per device per step; then the lower peak. A strategy is never preferred by its name: data
+parallelism wins where it fits because its one gradient all-reduce is the least such
+traffic, and loses where it does not fit.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from shardplug.core.registry import list_strategies
+from shardplug.errors import ShardplugError
+from shardplug.explain import explain, size
+
+
+def candidates() -> list[str]:
+    """Every installed strategy, parallelism and named composition, then every composition of
+    two or more installed parallelisms that no installed name already stands for."""
+    infos = list_strategies()
+    names = [i.name for i in infos]
+    covered = {frozenset((i.parts or i.name).split("+")) for i in infos}
+    parallelisms = [i.name for i in infos if i.kind == "parallelism"]
+    for count in range(2, len(parallelisms) + 1):
+        for combo in itertools.combinations(parallelisms, count):
+            if frozenset(combo) not in covered:
+                names.append("+".join(combo))
+    return names
+
+
+def recommend(
+    compile_trainer: Callable[[str], tuple[Any, Any]],
+    device_memory: int,
+    strategies: list[str] | None = None,
+) -> dict[str, Any]:
+    """Rank ``strategies`` (default :func:`candidates`) for one model and device memory.
+
+    :param compile_trainer: ``name -> (trainer, batch)`` for the user's model; a strategy
+        whose trainer cannot be built here (a mesh that does not fit the devices, say) is
+        listed with its error.
+    :return: ``{"strategies": [row per strategy], "recommended": name or None, "reason"}``.
+    """
+    rows = []
+    for name in strategies or candidates():
+        try:
+            trainer, batch = compile_trainer(name)
+            report = explain(trainer, batch, device_memory=device_memory)
+        except ShardplugError as exc:  # a strategy that cannot run this model here
+            rows.append({"strategy": name, "fits": False, "error": str(exc)})
+            continue
+        peak = report.per_device["peak_bytes"]
+        rows.append({
+            "strategy": name,
+            "mesh": {str(k): int(v) for k, v in trainer.mesh.shape.items()},
+            "fits": peak is not None and peak <= device_memory,
+            "peak_bytes": peak,
+            "params_bytes": report.per_device["params_bytes"],
+            "opt_state_bytes": report.per_device["opt_state_bytes"],
+            "sent_bytes": report.wire_bytes(),
+            "activation_bytes": max(0, report.wire_bytes() - report.textbook_wire_bytes()),
+            "collectives": sum(c["count"] for c in report.collectives),
+        })  # fmt: skip
+
+    def rank(row: dict[str, Any]) -> tuple:
+        moves_activations = row["activation_bytes"] > 0.05 * row["sent_bytes"]
+        return (moves_activations, row["sent_bytes"], row["peak_bytes"])
+
+    fitting = sorted((r for r in rows if r["fits"]), key=rank)
+    if not fitting:
+        reason = "no installed strategy fits: add devices, or shrink the batch or model"
+        return {"strategies": rows, "recommended": None, "reason": reason}
+    best = fitting[0]
+    others = [r["strategy"] for r in rows if "error" not in r and not r["fits"]]
+    what = (
+        "moves parameters and gradients only, and the least of them"
+        if rank(best)[0] is False
+        else "moves activations too (every strategy that fits does), and sends the least"
+    )
+    reason = (
+        f"of the {len(fitting)} that fit, it {what}: {size(best['sent_bytes'])} per device "
+        f"per step in {best['collectives']} collective(s), at a peak of "
+        f"{size(best['peak_bytes'])} of {size(device_memory)}"
+    )
+    if others:
+        reason += f"; {', '.join(others)} do not fit"
+    return {"strategies": rows, "recommended": best["strategy"], "reason": reason}
+
+
+__all__ = ["candidates", "recommend"]

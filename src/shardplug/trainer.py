@@ -1,0 +1,460 @@
+"""The trainer: a small facade over a validated configuration, the traced step and the loop."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardplug.core.context import activation_rules
+from shardplug.core.devices import select_devices
+from shardplug.core.mesh import parse_mesh
+from shardplug.core.registry import Strategy, get_strategy
+from shardplug.core.sharding import optimizer_shardings
+from shardplug.core.step import (
+    LossFn,
+    Precision,
+    TrainState,
+    _finite,
+    make_eval_step,
+    make_step,
+    step_key,
+)
+from shardplug.errors import (
+    CheckpointError,
+    ConfigError,
+    NonFiniteError,
+    PluginError,
+)
+from shardplug.loop import batches as host
+from shardplug.loop.run import run
+from shardplug.models.adapter import Adapter
+from shardplug.settings import OnNonFinite, Settings
+
+
+class _Program(NamedTuple):
+    """A compiled step and the batches it was compiled for."""
+
+    compiled: Any
+    batch_shardings: Any
+    signature: Any
+
+
+class Trainer:
+    """Trains a model on many devices with a strategy chosen by name.
+
+    :param adapter: the model, from :func:`shardplug.from_nnx` (or another adapter).
+    :param loss_fn: ``loss_fn(model, batch)`` returning the loss, or ``(loss, metrics)``;
+        ``model`` is in its framework's own form (the NNX module holding the current
+        parameters, the Linen module bound to the current variables, the Equinox module) and
+        ``batch`` is the global batch. It may also take, by name, ``rng`` (this step's key,
+        ``jax.random.fold_in(jax.random.key(seed), step)``: the same on every device and
+        strategy), ``train`` (False in :meth:`evaluate`) and ``state`` (the model state, for
+        Equinox's ``eqx.nn.State``, in which case it returns ``(loss, metrics, new_state)``).
+    :param optimizer: any optax transformation; its state is sharded like the parameters.
+    :param strategy: a strategy name (``"dp"``, ``"fsdp"``, ``"2d"``, ``"pmap"`` or an
+        installed plugin's) or a :class:`Strategy` from :func:`shardplug.get_strategy`.
+    :param devices: how many of the default backend's devices to use (all for None), or the
+        devices themselves.
+    :param mesh: the mesh's axis sizes, as ``"data=2,model=4"`` or a dict; the strategy's
+        default for None (a composition sizes the axes left out).
+    :param axis_names: renames a composition's mesh axes to the names the model uses, e.g.
+        ``{"model": "tp"}`` for a model whose partition specs say ``"tp"``.
+    :param seed: seeds the parameter initialisation of a model the adapter builds.
+    :param log_every: the loop waits for the devices only every ``log_every`` steps (and at
+        the end), to read the metrics; ``step_time`` is the mean over that window.
+    :param checkpoint_dir: where to keep checkpoints (created if missing; must be writable).
+        :meth:`fit` then saves every ``checkpoint_every`` steps and when it ends, in the
+        background, each device writing its own shards; SIGINT and SIGTERM finish the
+        current step, save it and raise :class:`shardplug.errors.TrainingInterrupted`.
+        Continue a run with :meth:`restore`.
+    :param checkpoint_every: steps between checkpoints (None: only when ``fit`` ends).
+    :param keep: how many checkpoints to keep.
+    :param config: JSON-serialisable settings to store in each checkpoint (the command line
+        stores its arguments), read back as ``trainer.restored_meta["config"]``.
+    :param on_nonfinite: ``"stop"``: a NaN or infinite loss raises
+        :class:`shardplug.errors.NonFiniteError` naming the step and the last good
+        checkpoint (nothing more is saved; parameters that are not finite are never saved);
+        ``"skip"``: a step whose loss or gradient norm is not finite leaves the model and
+        optimizer as they were, and is counted in ``trainer.skipped_steps``.
+    :param grad_accum: microbatches per step: the step computes the gradient of the batch
+        in ``grad_accum`` parts, one after another, inside the compiled step, and makes one
+        update, equal to that of the whole batch (batch statistics, being per microbatch,
+        excepted). Activation memory falls to that of one microbatch.
+    :param precision: ``"float32"``, or ``"bfloat16"`` (``"bf16"``): forward and backward
+        in bfloat16 on bfloat16 copies of the parameters and of the batch's float32 leaves;
+        parameters, gradients and optimizer state stay float32.
+    :param profile_dir: write a profiler trace (TensorBoard, Perfetto) of the steps
+        ``profile_steps`` (a ``range`` of step numbers, default 3 to 5, after compilation)
+        into this directory (``process_<i>/`` in it for each process of a multi-process run).
+    """
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        *,
+        loss_fn: LossFn,
+        optimizer: optax.GradientTransformation,
+        strategy: str | Strategy = "dp",
+        devices: int | Sequence[Any] | None = None,
+        mesh: str | Mapping[str, int] | None = None,
+        axis_names: Mapping[str, str] | None = None,
+        seed: int = 0,
+        log_every: int = 10,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int | None = None,
+        keep: int = 3,
+        config: Mapping[str, Any] | None = None,
+        on_nonfinite: OnNonFinite = "stop",
+        grad_accum: int = 1,
+        precision: Precision = "float32",
+        profile_dir: str | os.PathLike | None = None,
+        profile_steps: range = range(3, 6),
+    ):
+        if not isinstance(adapter, Adapter):
+            raise ConfigError(
+                f"Trainer needs a model adapter (shardplug.from_nnx(model)), got "
+                f"{type(adapter).__name__}"
+            )
+        if not callable(loss_fn):
+            raise ConfigError("loss_fn must be a function loss_fn(model, batch)")
+        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+            raise ConfigError("optimizer must be an optax GradientTransformation")
+        settings = Settings(
+            seed=seed, log_every=log_every, checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every, keep=keep, config=config or {},
+            on_nonfinite=on_nonfinite, grad_accum=grad_accum, precision=precision,
+            profile_dir=profile_dir, profile_steps=profile_steps,
+        )  # fmt: skip
+        self.settings = settings
+        self.grad_accum, self.precision = settings.grad_accum, settings.precision
+        self.profile_dir, self.profile_steps = settings.profile_dir, settings.profile_steps
+        self.config, self.on_nonfinite = settings.config, settings.on_nonfinite
+        self.checkpoint_every, self.log_every = settings.checkpoint_every, settings.log_every
+        self.checkpoints = None
+        if settings.checkpoint_dir is not None:
+            from shardplug.checkpoint import Checkpoints
+
+            self.checkpoints = Checkpoints(settings.checkpoint_dir, keep=settings.keep)
+        self.restored_meta: dict[str, Any] | None = None
+        self.skipped_steps = 0
+        self._step = 0  # the host's count of steps taken: the data position
+        self._saved_step: int | None = None
+        self.adapter = adapter
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        if isinstance(strategy, str):
+            strategy = get_strategy(strategy, axis_names=axis_names)
+        elif axis_names:
+            raise ConfigError(
+                "axis_names goes with a strategy name; for a Strategy object pass it to "
+                "get_strategy(name, axis_names=...)"
+            )
+        self.strategy = strategy
+        self.history: list[dict[str, float]] = []
+        self.compile_seconds: float | None = None
+
+        if devices is None or isinstance(devices, int):
+            devices = select_devices(devices)
+        mesh_shape = parse_mesh(mesh) if isinstance(mesh, str) else mesh
+        self.mesh = self.strategy.make_mesh(
+            list(devices), None if mesh_shape is None else dict(mesh_shape)
+        )
+
+        rng = jax.random.key(seed)
+        abstract_params, abstract_model_state = adapter.abstract(rng)
+        self.annotations = adapter.annotations(abstract_params)
+        replicated = NamedSharding(self.mesh, P())
+        param_shardings = self.strategy.shard_params(abstract_params, self.mesh, self.annotations)
+        self.state_shardings = TrainState(
+            step=replicated,
+            params=param_shardings,
+            opt_state=optimizer_shardings(optimizer, abstract_params, param_shardings, replicated),
+            model_state=self.strategy.shard_model_state(abstract_model_state, self.mesh),
+            rng=replicated,
+        )
+        # Created outside the mesh context: a Flax model's partition metadata names logical
+        # axes that only the strategy maps onto the mesh.
+        self.state = self._create_state(rng)
+        self._train: _Program | None = None
+        self._eval: _Program | None = None
+
+    def _tracing(self) -> Any:
+        """Where every program of this run is traced: under its mesh (so PartitionSpecs in a
+        model's forward pass resolve) and its activation rules (``shardplug.constrain``)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(activation_rules(self.strategy.activation_rules()))
+        return stack
+
+    @property
+    def param_shardings(self) -> Any:
+        """The ``NamedSharding`` of every parameter, as the strategy chose it."""
+        return self.state_shardings.params
+
+    @property
+    def compiled(self) -> Any:
+        """The compiled step (``jax.stages.Compiled``: ``.as_text()``, ``.memory_analysis()``),
+        or None before the first batch."""
+        return None if self._train is None else self._train.compiled
+
+    @property
+    def batch_shardings(self) -> Any:
+        """The ``NamedSharding`` of every batch leaf, or None before the first batch."""
+        return None if self._train is None else self._train.batch_shardings
+
+    @property
+    def model(self) -> Any:
+        """The model with the current parameters, in its framework's own form, in
+        evaluation mode (dropout off, batch statistics read from the running averages)."""
+        return self.adapter.bind(
+            self.state.params, self.state.model_state, rng=step_key(self.state), train=False
+        )
+
+    def _create_state(self, rng: jax.Array) -> TrainState:
+        shardings = self.state_shardings
+        if self.adapter.variables is None:
+            # Build every array inside one jit whose outputs are the strategy's shardings:
+            # no device ever holds a full copy of a sharded parameter.
+            def create(rng):
+                params, model_state = self.adapter.init(rng)
+                return TrainState(
+                    jnp.zeros((), jnp.int32), params, self.optimizer.init(params), model_state, rng
+                )
+
+            return jax.jit(create, out_shardings=shardings)(rng)
+        # A model that already exists is copied once into the shardings; never aliased,
+        # since the step donates its state and the caller's model must stay valid.
+        params, model_state = jax.device_put(
+            self.adapter.variables, (shardings.params, shardings.model_state), may_alias=False
+        )
+        opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
+        step, rng = jax.device_put((jnp.zeros((), jnp.int32), rng), (shardings.step, shardings.rng))
+        return TrainState(step, params, opt_state, model_state, rng)
+
+    def compile(self, batch: Any) -> None:
+        """Choose the batch shardings and compile the step for batches shaped like ``batch``.
+
+        ``fit`` does this on its first batch; call it earlier to check a batch against the
+        strategy (a batch that does not split raises :class:`BatchError`) or to time the
+        compilation apart from training. Later batches must look alike.
+        """
+        if self._train is not None:
+            host.check(batch, 0, self._train.signature)
+            return
+        start = time.perf_counter()
+        self._train = self._build(self._step_for, batch, self.grad_accum)
+        self.compile_seconds = time.perf_counter() - start
+
+    def lower(self, batch: Any) -> Any:
+        """The training step for batches shaped like ``batch``, lowered but not compiled.
+
+        A ``jax.stages.Lowered``: ``.as_text()`` is the program before partitioning,
+        ``.compile()`` the program the devices would run (``.as_text()``, ``.memory_analysis()``).
+        """
+        return self._lower(self._step_for, batch, self.grad_accum)[0]
+
+    def _step_for(self, batch_shardings: Any) -> Callable:
+        return make_step(
+            self.adapter,
+            self.loss_fn,
+            self.optimizer,
+            self.strategy,
+            self.mesh,
+            param_shardings=self.param_shardings,
+            batch_shardings=batch_shardings,
+            skip_nonfinite=self.on_nonfinite == "skip",
+            grad_accum=self.grad_accum,
+            precision=self.precision,
+        )
+
+    def _lower(
+        self, step_for: Callable[[Any], Callable], batch: Any, microbatches: int = 1
+    ) -> tuple[Any, Any]:
+        """Shard ``batch`` as the strategy says and lower ``step_for(its shardings)``; the
+        batch must cut into ``microbatches`` that each split like it."""
+        abstract = jax.tree.map(host.global_struct, batch)
+        batch_shardings = self.strategy.shard_batch(abstract, self.mesh)
+        if jax.process_count() > 1:
+            jax.tree.map(host.check_process_rows, abstract, batch_shardings)
+        if microbatches > 1:
+            check = functools.partial(host.check_microbatches, microbatches)
+            jax.tree.map(check, abstract, batch_shardings)
+        program = self.strategy.compile_step(
+            step_for(batch_shardings), self.mesh, self.state_shardings, batch_shardings
+        )
+        if not hasattr(program, "lower"):
+            raise PluginError(
+                f"strategy {self.strategy.name!r}: compile_step must return a jax.jit "
+                f"object (something with .lower), got {type(program).__name__}"
+            )
+
+        def with_sharding(x, s):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+        with self._tracing():
+            lowered = program.lower(
+                jax.tree.map(with_sharding, self.state, self.state_shardings),
+                jax.tree.map(with_sharding, abstract, batch_shardings),
+            )
+        return lowered, batch_shardings
+
+    def _build(
+        self, step_for: Callable[[Any], Callable], batch: Any, microbatches: int = 1
+    ) -> _Program:
+        lowered, batch_shardings = self._lower(step_for, batch, microbatches)
+        return _Program(lowered.compile(), batch_shardings, host.signature(batch))
+
+    def _place(self, batch: Any, index: int) -> Any:
+        """Check a training batch against the compiled step's and put it on the devices."""
+        host.check(batch, index, self._train.signature)
+        return host.put(batch, self._train.batch_shardings)
+
+    def evaluate(self, batches: Iterable[Any], steps: int | None = None) -> dict[str, float]:
+        """The mean loss and metrics over ``batches``, the model in evaluation mode.
+
+        Nothing is updated: no optimizer step, and batch statistics are read, not written
+        (dropout off, BatchNorm on its running averages). ``steps`` bounds how many batches
+        are read (needed for an endless iterator). Evaluation batches may differ in shape
+        from training batches; they are compiled for once, on the first.
+        """
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise ConfigError(f"steps must be a positive integer or None, got {steps!r}")
+        totals: dict[str, jax.Array] | None = None
+        count = 0
+        for batch in batches if steps is None else itertools.islice(batches, steps):
+            if self._eval is None:
+                step_fn = make_eval_step(self.adapter, self.loss_fn, self.strategy, self.mesh)
+                self._eval = self._build(lambda _, fn=step_fn: fn, batch)
+            host.check(batch, count, self._eval.signature)
+            self.state, metrics = self._eval.compiled(
+                self.state, host.put(batch, self._eval.batch_shardings)
+            )
+            totals = metrics if totals is None else jax.tree.map(jnp.add, totals, metrics)
+            count += 1
+        if totals is None:
+            raise ConfigError("evaluate got no batches")
+        return {name: float(value) / count for name, value in jax.device_get(totals).items()}
+
+    @property
+    def step(self) -> int:
+        """Steps taken so far, counting those of a restored checkpoint: the data position."""
+        return self._step
+
+    def fit(
+        self,
+        batches: Iterable[Any],
+        steps: int,
+        *,
+        callback: Callable[[list[dict[str, float]]], None] | None = None,
+    ) -> list[dict[str, float]]:
+        """Train for ``steps`` steps on ``batches``, continuing from any earlier ``fit``.
+
+        :param batches: an iterable of batches (pytrees of arrays); ``steps`` of them are
+            consumed. In a multi-process run each process passes its own block of rows
+            (:func:`shardplug.distributed.process_rows`), and the global batch is assembled
+            from the processes' blocks. Training stops early, with a warning, if it runs out. After
+            :meth:`restore`, pass the batches from :attr:`step` on.
+        :param callback: called with the new history rows each time the loop reads metrics.
+        :return: this call's history rows: ``step`` (counted across calls and restores, from
+            0), ``loss``, the loss function's metrics, ``step_time`` (seconds) and
+            ``samples_per_sec`` (and ``skipped``, with ``on_nonfinite="skip"``).
+            ``trainer.history`` holds the rows of every call.
+        """
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ConfigError(f"steps must be a positive integer, got {steps!r}")
+        if self.checkpoints is not None and self._saved_step is None:
+            existing = self.checkpoints.steps()
+            if existing:
+                raise CheckpointError(
+                    f"{self.checkpoints.directory} already holds checkpoints (newest: step "
+                    f"{existing[-1]}): call restore() to continue that run, or choose an "
+                    f"empty directory"
+                )
+        iterator = iter(batches)
+        if self._train is None:  # compile on the first batch, in this thread
+            first = next(iterator, None)
+            if first is None:
+                warnings.warn(f"batches ran out after 0 of {steps} steps", stacklevel=2)
+                return []
+            self.compile(first)
+            iterator = itertools.chain([first], iterator)
+        return run(self, iterator, steps, callback)
+
+    def save(self) -> str:
+        """Checkpoint the current state now (in the background); returns its path."""
+        if self.checkpoints is None:
+            raise ConfigError("this Trainer has no checkpoint_dir to save into")
+        if not bool(_finite(self.state.params)):  # never save a broken model
+            raise self._nonfinite(self._step - 1, what="the parameters are")
+        from shardplug import __version__
+
+        meta = {
+            "data_position": self._step,
+            "skipped_steps": self.skipped_steps,
+            "strategy": self.strategy.name,
+            "addons": list(self.strategy.addons),
+            "mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
+            "devices": int(self.mesh.size),
+            "shardplug": __version__,
+            "config": self.config,
+        }
+        path = self.checkpoints.save(self._step, self.state, meta)
+        self._saved_step = self._step
+        return str(path)
+
+    def restore(self, step: int | None = None) -> int:
+        """Continue from the newest good checkpoint in ``checkpoint_dir`` (or from ``step``).
+
+        The arrays are read straight into this trainer's shardings: the strategy, device count
+        and mesh may differ from the run that saved them. A damaged checkpoint is reported
+        (a :class:`ShardplugWarning` with its path), moved aside to ``<step>.damaged``, and
+        the one before it is used. :class:`shardplug.errors.CheckpointError` when there is
+        none, or when it is of another model or optimizer (naming the arrays that differ).
+
+        :return: the step restored, which is also :attr:`step`, the data position.
+        """
+        if self.checkpoints is None:
+            raise ConfigError("this Trainer has no checkpoint_dir to restore from")
+        self.checkpoints.wait()
+        state, meta = self.checkpoints.restore(
+            self.state, self.state_shardings, step=step, quarantine=True
+        )
+        self.state = state
+        self._step = int(meta["data_position"])
+        self._saved_step = int(meta["step"])
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
+        self.restored_meta = meta
+        return self._step
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        """The path of the newest checkpoint saved or restored by this trainer, if any."""
+        if self.checkpoints is None or self._saved_step is None:
+            return None
+        return str(self.checkpoints.path(self._saved_step))
+
+    def _nonfinite(self, step: int, what: str = "the loss is") -> NonFiniteError:
+        path = self.last_checkpoint
+        last = f"last good checkpoint: {path}" if path else "no checkpoint saved"
+        return NonFiniteError(
+            f"{what} not finite (NaN or inf) at step {step}; {last}. "
+            f"Lower the learning rate, or skip such steps with on_nonfinite='skip' "
+            f"(--on-nonfinite skip)",
+            step=step,
+            checkpoint=path,
+        )
+
+
+__all__ = ["TrainState", "Trainer", "make_step"]
