@@ -5,7 +5,7 @@ Run ``python benchmarks/performance.py`` (8 simulated CPU devices, a few minutes
 cores). It writes ``benchmarks/results.md`` (quoted by the README) and
 ``benchmarks/results.json``; ``--out DIR`` writes them elsewhere.
 
-1. ``explain`` of dp, fsdp, 2d and pmap on the transformer: bytes per device from the
+1. ``explain`` of dp, fsdp, 2d, pmap and the compositions on the transformer: bytes per device from the
    compiled step, and the collectives against the textbook.
 2. ``bench``: interleaved rounds of every strategy, its hand-written twin, Flax's nnx.jit
    loop and one device; the overhead ratio is the median of the rounds' paired ratios.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from shardplug.core.devices import simulate_cpu_devices
 
-STRATEGIES = ("dp", "fsdp", "2d", "pmap")
+STRATEGIES = ("dp", "fsdp", "2d", "pmap", "dp+fsdp", "fsdp+tp", "dp+fsdp+tp")
 
 
 def main() -> None:
@@ -85,17 +85,23 @@ def main() -> None:
             f"{size(d['temp_bytes'])} | {size(d['peak_bytes'])} | {size(report.wire_bytes())} "
             f"| {size(report.textbook_wire_bytes())} | {ratio:.3f} |"
         )
-    dp, fsdp = explained["dp"]["per_device"], explained["fsdp"]["per_device"]
-    memory = {
-        key: fsdp[key] / (dp[key] / args.devices) for key in ("params_bytes", "opt_state_bytes")
-    }
+    dp = explained["dp"]["per_device"]
+
+    def over_dp_share(strategy):
+        held = explained[strategy]["per_device"]
+        return {k: held[k] / (dp[k] / args.devices) for k in ("params_bytes", "opt_state_bytes")}
+
+    memory, both = over_dp_share("fsdp"), over_dp_share("fsdp+tp")
     results["explain"] = explained
     results["fsdp_over_dp_eighth"] = memory
+    results["fsdp_tp_over_dp_eighth"] = both
     lines += [
         "",
         f"fsdp holds {memory['params_bytes']:.3f}x dp's parameter bytes / {args.devices} and "
         f"{memory['opt_state_bytes']:.3f}x its optimizer-state bytes / {args.devices}: the "
-        "norms' scales and biases (64 elements each) stay whole on every device.",
+        "norms' scales and biases (64 elements each) stay whole on every device. fsdp+tp "
+        f"(fsdp=4, model=2) holds {both['params_bytes']:.3f}x and "
+        f"{both['opt_state_bytes']:.3f}x: what tp leaves whole, fsdp stores over `model` too.",
         "",
         "Sent bytes are per device per step with ring algorithms. dp's compiled program is "
         "the textbook's one all-reduce of the gradients (plus the 4-byte loss). fsdp's "

@@ -23,6 +23,9 @@ def test_strategies_json_lists_the_builtins(capsys):
         "min_size": "1024",
         "prefer": "('embed', 'mlp', 'heads', 'vocab')",
     }
+    assert (rows["fsdp"]["kind"], rows["fsdp"]["composes"]) == ("parallelism", True)
+    assert (rows["pmap"]["kind"], rows["pmap"]["composes"]) == ("strategy", False)
+    assert (rows["2d"]["kind"], rows["2d"]["parts"]) == ("composition", "dp+tp")
 
 
 def test_strategies_table(capsys):

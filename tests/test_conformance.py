@@ -1,4 +1,4 @@
-"""shardplug's own four strategies pass the conformance suite it ships.
+"""shardplug's own strategies, parallelisms and compositions pass the conformance suite it ships.
 
 With ``test_strategies.py`` (one device equals each framework's own plain loop) this is the
 matrix: every strategy x every adapter x every reference model trains like one device.
@@ -22,3 +22,23 @@ class Test2D(StrategyConformance):
 
 class TestPmap(StrategyConformance):
     strategy = "pmap"
+
+
+class TestTP(StrategyConformance):
+    strategy = "tp"
+
+
+# Compositions run the same suite as strategies.
+
+
+class TestDPFSDP(StrategyConformance):
+    strategy = "dp+fsdp"
+
+
+class TestFSDPTP(StrategyConformance):
+    strategy = "fsdp+tp"
+
+
+class TestDPFSDPTP(StrategyConformance):
+    strategy = "dp+fsdp+tp"
+    mesh = "data=2,fsdp=2,model=2"

@@ -4,8 +4,8 @@ import jax
 import pytest
 
 from shardplug import DeviceError, MeshError, get_strategy, parse_mesh, select_devices
-from shardplug.core.mesh import build_mesh, describe
 from shardplug.core.compose import default_sizes
+from shardplug.core.mesh import build_mesh, describe
 
 
 def test_parse_mesh():

@@ -13,7 +13,11 @@ GUIDE = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
 
 def test_the_guide_builds_a_working_strategy(tmp_path):
     files = re.findall(r"```\w+ file=(\S+)\n(.*?)```", GUIDE.read_text(), re.S)
-    assert [name for name, _ in files] == ["pyproject.toml", "shardplug_megatron.py", "test_megatron.py"]
+    assert [name for name, _ in files] == [
+        "pyproject.toml",
+        "shardplug_megatron.py",
+        "test_megatron.py",
+    ]
     project, site = tmp_path / "project", tmp_path / "site"
     project.mkdir()
     for name, text in files:
@@ -76,6 +80,12 @@ def test_the_guide_builds_a_working_strategy(tmp_path):
     assert (
         "[megatron-mlp]"
         in run(
-            "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", "test_megatron.py", cwd=project
+            "pytest",
+            "-q",
+            "--collect-only",
+            "-p",
+            "no:cacheprovider",
+            "test_megatron.py",
+            cwd=project,
         ).stdout
     )

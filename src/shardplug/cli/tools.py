@@ -18,7 +18,9 @@ def cmd_strategies(args: argparse.Namespace) -> int:
         rows = [
             {
                 "name": i.name,
-                "kind": kind,
+                "kind": kind if kind == "add-on" else i.kind,
+                "composes": i.kind != "strategy" and kind != "add-on",
+                "parts": i.parts,
                 "description": i.description,
                 "source": i.source,
                 "package": i.package,
@@ -37,12 +39,20 @@ def cmd_strategies(args: argparse.Namespace) -> int:
     if args.all:
         table = Table("name", "kind", "source", "hooks", "error")
         for kind, i in kinds:
-            table.add_row(i.name, kind, i.source, ", ".join(i.hooks), i.error or "")
+            shown = kind if kind == "add-on" else i.kind
+            table.add_row(i.name, shown, i.source, ", ".join(i.hooks), i.error or "")
     else:
-        table = Table("strategy", "description", "source", "options")
+        table = Table("strategy", "kind", "description", "source", "options")
         for _, i in kinds:
-            table.add_row(i.name, i.description, i.source, ", ".join(o.name for o in i.options))
+            kind = f"composition of {i.parts}" if i.kind == "composition" else i.kind
+            options = ", ".join(o.name for o in i.options)
+            table.add_row(i.name, kind, i.description, i.source, options)
     Console().print(table)
+    if not args.all:
+        print(
+            "Parallelisms compose on one mesh with '+' (--strategy dp+fsdp+tp); a strategy "
+            "runs alone."
+        )
     return 0
 
 

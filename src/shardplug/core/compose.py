@@ -61,6 +61,9 @@ class Axis:
         parallelism picks a number between them.
     :param batch: whether the batch's leading dimension splits over this axis.
     :param logical: logical activation names this axis splits (``shardplug.constrain``).
+    :param lends: whether a parameter this parallelism leaves whole may be stored split over
+        its axis by another (``fsdp`` stores what ``tp`` leaves whole over ``model`` too, and
+        gathers it at use); replicas (``data``) keep whole copies and do not lend.
     """
 
     DATA: ClassVar[int] = 10
@@ -72,6 +75,7 @@ class Axis:
     rank: int
     batch: bool = False
     logical: tuple[str, ...] = ()
+    lends: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,14 +260,22 @@ class Composition:
 
     def _spec(self, path: str, shape: tuple[int, ...], logical: P, mesh: Any) -> P:
         owner: dict[int, Part] = {}
-        for part in reversed(self.parts):  # claims innermost first: model, stage, fsdp, data
+        axes: dict[int, tuple[str, ...]] = {}
+        inner = list(reversed(self.parts))  # claims innermost first: model, stage, fsdp, data
+        for i, part in enumerate(inner):
             axis = part.axis.name
-            dim = part.call(
+            spare = {
+                p.axis.name: mesh.shape[p.axis.name]
+                for p in reversed(inner[:i])
+                if p.axis.lends and p not in owner.values()
+            }
+            got = part.call(
                 "split_param", shape=tuple(shape), logical=logical, axis=axis,
-                size=mesh.shape[axis], taken=frozenset(owner),
+                size=mesh.shape[axis], taken=frozenset(owner), spare=spare,
             )  # fmt: skip
-            if dim is None:
+            if got is None:
                 continue
+            dim, borrowed = got if isinstance(got, tuple) else (got, ())
             if not isinstance(dim, int) or not 0 <= dim < len(shape):
                 raise PluginError(
                     f"parallelism {part.name!r}: split_param chose dimension {dim!r} of {path} "
@@ -275,13 +287,22 @@ class Composition:
                     f"{path} (shape {tuple(shape)}): a dimension splits over one parallelism's "
                     f"axis; change the rules of one of them"
                 )
-            if shape[dim] % mesh.shape[axis]:
+            if not set(borrowed) <= set(spare):
+                raise PluginError(
+                    f"parallelism {part.name!r}: split_param borrowed axes {borrowed} for "
+                    f"{path}; only {tuple(spare)} were spare"
+                )
+            parts = math.prod(mesh.shape[a] for a in (axis, *borrowed))
+            if shape[dim] % parts:
                 raise PluginError(
                     f"parallelism {part.name!r}: split_param split dimension {dim} of {path} "
-                    f"({shape[dim]}) over {axis}={mesh.shape[axis]}, which does not divide it"
+                    f"({shape[dim]}) over {parts} devices, which do not divide it"
                 )
-            owner[dim] = part
-        out = [owner[d].axis.name if d in owner else None for d in range(len(shape))]
+            owner[dim], axes[dim] = part, (axis, *borrowed)
+        out = [
+            None if d not in axes else axes[d][0] if len(axes[d]) == 1 else axes[d]
+            for d in range(len(shape))
+        ]
         while out and out[-1] is None:
             out.pop()
         return P(*out)

@@ -310,8 +310,13 @@ def parallel_axis() -> Axis:
 
 @hookspec(firstresult=True)
 def split_param(
-    shape: tuple[int, ...], logical: Any, axis: str, size: int, taken: frozenset[int]
-) -> int | None:
+    shape: tuple[int, ...],
+    logical: Any,
+    axis: str,
+    size: int,
+    taken: frozenset[int],
+    spare: dict[str, int],
+) -> int | tuple[int, tuple[str, ...]] | None:
     """Which dimension of one parameter this parallelism splits over its axis, if any.
 
     Called once per parameter at set-up, parallelisms in the composition's order: those
@@ -325,7 +330,11 @@ def split_param(
     :param axis: this parallelism's mesh axis, as the run names it.
     :param size: that axis's size; the chosen dimension must be divisible by it.
     :param taken: dimensions other parallelisms already split.
-    :return: a dimension index, or None to leave the parameter whole along this axis.
+    :param spare: the axes (and sizes) of parallelisms that split nothing of this parameter
+        and lend their axis for storage (``Axis.lends``: ``tp``'s ``model``); a parallelism
+        that gathers the parameter at use may store it split over them too.
+    :return: a dimension index, or ``(dimension, borrowed spare axes)`` to split it over
+        this axis and those, or None to leave the parameter whole along this axis.
 
     Core's fallback splits nothing (``dp``). Example, the first free dimension that divides::
 
@@ -348,10 +357,11 @@ def gather_param(spec: Any, axis: str) -> Any:
     :param axis: this parallelism's mesh axis, as the run names it.
     :return: a ``PartitionSpec``.
 
-    Core's fallback keeps the spec. Example, ZeRO-3 (``fsdp``): gather over its own axis only,
-    so the other parallelisms' splits stay::
+    Core's fallback keeps the spec. Example, ZeRO-3 (``fsdp``): gather the dimension it split
+    (over its axis and any it borrowed), so the other parallelisms' splits stay::
 
         @hookimpl
         def gather_param(self, spec, axis):
-            return P(*(None if entry == axis else entry for entry in spec))
+            mine = lambda e: e == axis or (isinstance(e, tuple) and axis in e)
+            return P(*(None if mine(entry) else entry for entry in spec))
     """

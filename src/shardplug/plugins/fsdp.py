@@ -45,9 +45,20 @@ class FullyShardedDataParallel:
         return Axis("fsdp", rank=Axis.FSDP, batch=True)
 
     @hookimpl
-    def split_param(self, shape, logical, axis, size, taken):
+    def split_param(self, shape, logical, axis, size, taken, spare):
         if math.prod(shape) < max(self.min_size, 1):
             return None
+        dim = self._dim(shape, logical, axis, size, taken)
+        if dim is None:
+            return None
+        # What tensor parallelism leaves whole is stored over its axis too: gathered at use
+        # either way, it then takes 1/N of every device's memory, not 1/fsdp.
+        lent = math.prod(spare.values())
+        if spare and shape[dim] % (size * lent) == 0:
+            return dim, tuple(spare)
+        return dim
+
+    def _dim(self, shape, logical, axis, size, taken):
         names = list(logical)
         for wanted in (axis, *self.prefer):
             if wanted in names:
@@ -64,4 +75,7 @@ class FullyShardedDataParallel:
         # keep weights split and move activations (all-to-alls, activation all-reduces),
         # which is tensor parallelism by accident, not ZeRO-3. The gradient flows back
         # through the same constraint and is reduced onto each device's shard.
-        return P(*(None if entry == axis else entry for entry in spec))
+        def mine(entry):
+            return entry == axis or (isinstance(entry, tuple) and axis in entry)
+
+        return P(*(None if mine(entry) else entry for entry in spec))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from shardplug.core.hookspecs import hookimpl
+from shardplug.plugin import hookimpl
 
 
 def _to_bf16(g: jax.Array) -> jax.Array:

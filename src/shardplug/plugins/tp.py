@@ -52,7 +52,7 @@ class TensorParallel:
 
     @hookimpl
     def parallel_axis(self):
-        return Axis("model", rank=Axis.MODEL, logical=self.rules)
+        return Axis("model", rank=Axis.MODEL, logical=self.rules, lends=True)
 
     @hookimpl
     def split_param(self, shape, logical, axis, size, taken):

@@ -1,0 +1,34 @@
+"""The layers stay as docs/architecture.md draws them, and no module grows past reading."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "shardplug"
+MAX_LINES = 500
+
+
+def test_imports_point_down_the_layers():
+    lint = shutil.which("lint-imports")
+    if lint is None:
+        pytest.fail("lint-imports (import-linter) is missing: pip install -e '.[test]'")
+    done = subprocess.run(
+        [lint, "--config", str(SRC.parent.parent / "pyproject.toml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=SRC.parent.parent,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "BROKEN" not in done.stdout and "KEPT" in done.stdout
+
+
+def test_no_module_is_over_500_lines():
+    long = {
+        str(path.relative_to(SRC)): n
+        for path in SRC.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these modules: {long}"
