@@ -5,8 +5,8 @@ Run ``python benchmarks/performance.py`` (8 simulated CPU devices, a few minutes
 cores). It writes ``benchmarks/results.md`` (quoted by the README) and
 ``benchmarks/results.json``; ``--out DIR`` writes them elsewhere.
 
-1. ``explain`` of dp, fsdp, 2d, pmap and the compositions on the transformer: bytes per device from the
-   compiled step, and the collectives against the textbook.
+1. ``explain`` of dp, fsdp, 2d, pmap and the compositions on the transformer: bytes per
+   device from the compiled step, and the collectives against the textbook.
 2. ``bench``: interleaved rounds of every strategy, its hand-written twin, Flax's nnx.jit
    loop and one device; the overhead ratio is the median of the rounds' paired ratios.
 3. Gradient accumulation: 4 microbatches against the 4x batch, every strategy.
