@@ -1,11 +1,16 @@
 """Tokens per second and model FLOPs utilisation of a GPT-style transformer on one GPU.
 
-``python benchmarks/gpu_mfu.py --size 125m`` (or ``350m``) trains a decoder-only transformer
-in bfloat16 (float32 master weights and Adam state) with shardplug's ``dp`` on one device and
-prints tokens/s and MFU: model FLOPs per token (6 x parameters, plus attention's
-12 x layers x width x sequence, as in PaLM's appendix B) x tokens/s, over the chip's dense
+``python benchmarks/gpu_mfu.py --size 125m`` (or ``350m``, ``1b``) trains a decoder-only
+transformer in bfloat16 (float32 master weights and Adam state) with shardplug's ``dp`` on one
+device and prints tokens/s, model and hardware TFLOP/s, and MFU over the chip's dense
 bfloat16 peak (989 TFLOP/s for H100 SXM and H200; ``--peak-tflops`` for others).
-``--size smoke`` runs a tiny model on any backend, to check the script works.
+
+Model FLOPs are counted as MaxText counts them (:mod:`shardplug.flops`): 6 x the matrix
+weights of the blocks and the unembedding per token (the input embedding is a gather, not
+counted), plus causal attention at half of 12 x layers x sequence x width. Hardware FLOPs
+are the compiled step's own count (XLA's cost analysis), rematerialisation included.
+``--remat none|dots|full`` chooses the blocks' rematerialisation. ``--size smoke`` runs a
+tiny model on any backend, to check the script works.
 """
 
 from __future__ import annotations
@@ -19,12 +24,16 @@ from typing import Any
 SIZES = {  # layers, width, heads, sequence, batch, vocabulary
     "125m": (12, 768, 12, 1024, 32, 50304),
     "350m": (24, 1024, 16, 1024, 16, 50304),
+    "1b": (16, 2048, 16, 1024, 16, 50304),
     "smoke": (2, 64, 4, 64, 8, 512),
 }
 PEAKS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
 
-def gpt(layers: int, width: int, heads: int, seq: int, vocab: int) -> Any:
+REMAT = ("none", "dots", "full")
+
+
+def gpt(layers: int, width: int, heads: int, seq: int, vocab: int, remat: str = "none") -> Any:
     """A pre-norm GPT (learned positions, tied-free unembedding), in Flax NNX."""
     import jax
     import jax.numpy as jnp
@@ -60,10 +69,23 @@ def gpt(layers: int, width: int, heads: int, seq: int, vocab: int) -> Any:
         def __call__(self, tokens):
             x = self.embed(tokens) + self.position[...][None, : tokens.shape[1]]
             for block in self.blocks:
-                x = block(x)
+                x = _remat(block, remat)(x)
             return self.unembed(self.norm(x))
 
     return GPT
+
+
+def _remat(block: Any, policy: str) -> Any:
+    """The block, its activations kept (``none``), all recomputed in the backward pass
+    (``full``), or all but the matrix products' outputs recomputed (``dots``)."""
+    import jax
+    from flax import nnx
+
+    if policy == "none":
+        return block
+    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    run = nnx.remat(lambda b, x: b(x), policy=saveable if policy == "dots" else None)
+    return lambda x: run(block, x)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -74,6 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--remat", choices=REMAT, default="none")
     args = parser.parse_args(argv)
 
     import jax
@@ -84,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     layers, width, heads, seq, batch, vocab = SIZES[args.size]
     batch = args.batch or batch
-    model = shardplug.from_nnx(gpt(layers, width, heads, seq, vocab))
+    model = shardplug.from_nnx(gpt(layers, width, heads, seq, vocab, args.remat))
 
     def loss_fn(model, batch):
         logits = model(batch["tokens"]).astype("float32")
@@ -117,9 +140,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         times.append((time.perf_counter() - start) / args.steps)
     step = statistics.median(times)
 
+    from shardplug.flops import TransformerShape
+
     params = sum(x.size for x in jax.tree.leaves(trainer.state.params))
-    flops_per_token = 6 * params + 12 * layers * width * seq
+    counted = TransformerShape(layers, width, seq, vocab).flops_per_token()
+    flops_per_token = counted["total"]
     tokens_per_second = batch * seq / step
+    cost = trainer.compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    hardware_per_step = float(cost.get("flops", 0.0)) if cost else 0.0
     device = jax.devices()[0]
     kind = getattr(device, "device_kind", device.platform)
     peak = (args.peak_tflops * 1e12) if args.peak_tflops else next(
@@ -134,7 +163,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "precision": args.precision,
         "step_seconds": step,
         "tokens_per_second": tokens_per_second,
+        "remat": args.remat,
+        "model_flops_per_token": flops_per_token,
+        "model_flops_per_token_parts": counted,
         "model_tflops_per_second": flops_per_token * tokens_per_second / 1e12,
+        "hardware_tflops_per_second": hardware_per_step / step / 1e12,
         "mfu": None if peak is None else flops_per_token * tokens_per_second / peak,
         "loss": trainer.history[-1]["loss"],
     }

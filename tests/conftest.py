@@ -20,3 +20,14 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+import pytest  # noqa: E402
+from helpers import reference_trainer  # noqa: E402
+
+
+@pytest.fixture
+def make_trainer():
+    """``make_trainer(model, strategy, adapter=, optimizer=, addons=, **trainer_kwargs)`` ->
+    ``(model, trainer)``: the one trainer factory of the suite."""
+    return reference_trainer

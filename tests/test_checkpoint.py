@@ -10,8 +10,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import optax
 import pytest
+from helpers import reference_trainer
 
 import shardplug
 from shardplug.checkpoint import Checkpoints
@@ -25,16 +25,7 @@ SUBPROCESS_ENV = {
 
 
 def trainer_for(model_name="cnn", adapter="nnx", strategy="dp", devices=8, **kwargs):
-    model = shardplug.get_model(model_name)
-    trainer = shardplug.Trainer(
-        model.adapter(adapter),
-        loss_fn=model.loss_fn,
-        optimizer=optax.adam(model.learning_rate),
-        strategy=strategy,
-        devices=devices,
-        **kwargs,
-    )
-    return model, trainer
+    return reference_trainer(model_name, strategy, adapter=adapter, devices=devices, **kwargs)
 
 
 def losses(rows):

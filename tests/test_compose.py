@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import reference_trainer
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -18,14 +19,7 @@ from shardplug.errors import CompositionError, MeshError, UnknownStrategyError
 
 
 def trainer(strategy, model_name="transformer", **kwargs):
-    model = shardplug.get_model(model_name)
-    return model, shardplug.Trainer(
-        model.adapter("nnx"),
-        loss_fn=model.loss_fn,
-        optimizer=optax.adam(model.learning_rate),
-        strategy=strategy,
-        **kwargs,
-    )
+    return reference_trainer(model_name, strategy, **kwargs)
 
 
 def test_the_order_splits_tensor_dimensions_first_and_fsdp_what_remains():

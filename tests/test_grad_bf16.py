@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import reference_trainer
 
 import shardplug
 from shardplug.core.hlo import collectives, partitioned_hlo
@@ -22,14 +23,11 @@ STEPS = 5
 
 
 def trainer_for(strategy, model_name, optimizer=None, addons=("grad-bf16",), adapter="nnx"):
-    model = shardplug.get_model(model_name)
-    trainer = shardplug.Trainer(
-        model.adapter(adapter),
-        loss_fn=model.loss_fn,
-        optimizer=optimizer or optax.adam(model.learning_rate),
-        strategy=shardplug.get_strategy(strategy, addons=list(addons)),
-    )
-    return model, trainer
+    addons = list(addons)
+    return reference_trainer(
+        model_name, shardplug.get_strategy(strategy, addons=addons), adapter=adapter,
+        optimizer=optimizer,
+    )  # fmt: skip
 
 
 def keep_gradients() -> optax.GradientTransformation:

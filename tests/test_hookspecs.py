@@ -2,8 +2,8 @@
 placing the model state (per-device programs over many manual axes: test_compose.py)."""
 
 import numpy as np
-import optax
 import pytest
+from helpers import reference_trainer
 
 import shardplug
 from shardplug.core import registry
@@ -62,15 +62,7 @@ def plugins(tmp_path, monkeypatch):
 
 
 def losses(strategy, mesh=None, model_name="mlp", **kwargs):
-    model = shardplug.get_model(model_name)
-    trainer = shardplug.Trainer(
-        model.adapter("nnx"),
-        loss_fn=model.loss_fn,
-        optimizer=optax.adam(model.learning_rate),
-        strategy=strategy,
-        mesh=mesh,
-        **kwargs,
-    )
+    model, trainer = reference_trainer(model_name, strategy, mesh=mesh, **kwargs)
     rows = trainer.fit(model.batches(model.batch_size, 0), steps=4)
     return trainer, [r["loss"] for r in rows]
 

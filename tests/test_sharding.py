@@ -6,6 +6,7 @@ import jax
 import optax
 import pytest
 from flax import nnx
+from helpers import reference_trainer
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -14,14 +15,7 @@ from shardplug.core.sharding import leaf_paths
 
 
 def make_trainer(strategy, model_name="transformer", **kwargs):
-    model = shardplug.get_model(model_name)
-    trainer = shardplug.Trainer(
-        model.adapter("nnx"),
-        loss_fn=model.loss_fn,
-        optimizer=optax.adam(1e-3),
-        strategy=strategy,
-        **kwargs,
-    )
+    model, trainer = reference_trainer(model_name, strategy, **kwargs)
     trainer.compile(next(model.batches(model.batch_size, 0)))
     return trainer
 

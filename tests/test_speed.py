@@ -1,11 +1,11 @@
-"""Gradient accumulation, bfloat16 compute, profiler traces and the prefetching loop."""
+"""Gradient accumulation, bfloat16 compute, profiler traces and the loop that reads ahead."""
 
 from pathlib import Path
 
 import jax
 import numpy as np
-import optax
 import pytest
+from helpers import reference_trainer
 
 import shardplug
 from shardplug.cli import main
@@ -13,13 +13,7 @@ from shardplug.errors import BatchError, ConfigError
 
 
 def trainer(model, adapter="nnx", strategy="dp", addons=(), **kwargs):
-    return shardplug.Trainer(
-        model.adapter(adapter),
-        loss_fn=model.loss_fn,
-        optimizer=optax.adam(model.learning_rate),
-        strategy=shardplug.get_strategy(strategy, addons=addons),
-        **kwargs,
-    )
+    return reference_trainer(model, strategy, adapter=adapter, addons=addons, **kwargs)[1]
 
 
 @pytest.mark.parametrize(
@@ -102,7 +96,7 @@ def failing_batches(model, after):
 
 
 def test_prefetched_batches_fail_in_order():
-    """The loop reads ahead in a thread; an error still surfaces at its own step."""
+    """The loop reads a batch ahead; an error still surfaces at its own step."""
     model = shardplug.get_model("mlp")
     t = trainer(model, devices=2, log_every=1)
     seen = []

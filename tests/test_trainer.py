@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import reference_trainer
 
 import shardplug
 from shardplug.models.nnx_models import regressor
@@ -14,10 +15,7 @@ MLP = shardplug.get_model("mlp")
 
 
 def trainer_for(model=MLP, strategy="fsdp", **kwargs):
-    kwargs.setdefault("loss_fn", model.loss_fn)
-    return shardplug.Trainer(
-        model.adapter("nnx"), optimizer=optax.adam(3e-3), strategy=strategy, **kwargs
-    )
+    return reference_trainer(model, strategy, optimizer=optax.adam(3e-3), **kwargs)[1]
 
 
 def test_fit_again_continues_where_it_stopped():
@@ -152,3 +150,43 @@ def test_a_later_fit_still_reports_throughput():
     later = trainer.fit(batches, steps=4)
     assert all(r["samples_per_sec"] > 0 for r in later)
     assert later[0]["samples_per_sec"] == pytest.approx(64 / later[0]["step_time"])
+
+
+# What the user owns stays theirs: a model or variables passed in are copied into the
+# strategy's shardings, never aliased, so the donating step cannot delete or change them.
+def _owned(framework):
+    import equinox as eqx
+    import flax.linen as nn
+
+    x = np.ones((16, 4), np.float32)
+    if framework == "nnx":
+        module = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+        return (
+            shardplug.from_nnx(module),
+            nnx.state(module, nnx.Param),
+            lambda m, b: jnp.mean(m(b["x"]) ** 2),
+        )
+    if framework == "linen":
+        dense = nn.Dense(2)
+        variables = dense.init(jax.random.key(0), x)
+        numpy_variables = jax.tree.map(np.asarray, variables)  # numpy arrays, too
+        adapter = shardplug.from_linen(dense, variables=variables)
+        return adapter, (variables, numpy_variables), lambda m, b: jnp.mean(m(b["x"]) ** 2)
+    model = eqx.nn.Linear(4, 2, key=jax.random.key(0))
+    return shardplug.from_equinox(model), model, lambda m, b: jnp.mean(jax.vmap(m)(b["x"]) ** 2)
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen", "equinox"])
+@pytest.mark.parametrize("strategy", ["dp", "fsdp", "2d", "pmap", "fsdp+tp"])
+def test_the_users_model_and_arrays_are_valid_and_unchanged_after_training(framework, strategy):
+    adapter, owned, loss_fn = _owned(framework)
+    leaves = [x for x in jax.tree.leaves(owned) if hasattr(x, "shape")]
+    before = [np.array(x) for x in leaves]
+    for _ in range(2):  # a second trainer from the same model, as the guide promises
+        trainer = shardplug.Trainer(
+            adapter, loss_fn=loss_fn, optimizer=optax.sgd(0.5), strategy=strategy
+        )
+        rows = trainer.fit([{"x": np.ones((16, 4), np.float32)}] * 2, steps=2)
+        assert rows[-1]["loss"] < rows[0]["loss"]  # it trained ...
+    for x, was in zip(leaves, before, strict=True):  # ... and the user's arrays are intact
+        np.testing.assert_array_equal(np.asarray(x), was)

@@ -44,11 +44,26 @@ from shardplug.settings import OnNonFinite, Settings
 
 
 class _Program(NamedTuple):
-    """A compiled step and the batches it was compiled for."""
+    """A compiled step and the batches it was compiled for. It takes and returns the state
+    as its flat list of arrays: the loop never rebuilds the state's pytree (NNX variables,
+    PRNG keys) on the host, which cost more than a small model's whole step."""
 
     compiled: Any
     batch_shardings: Any
     signature: Any
+
+
+def _key_impl(x: Any) -> Any:
+    """A PRNG key array's implementation, None for any other leaf."""
+    is_key = hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return jax.random.key_impl(x) if is_key else None
+
+
+def _wrap_keys(leaves: list[Any], impls: list[Any]) -> list[Any]:
+    return [
+        x if impl is None else jax.random.wrap_key_data(x, impl=impl)
+        for x, impl in zip(leaves, impls, strict=True)
+    ]
 
 
 class Trainer:
@@ -190,6 +205,20 @@ class Trainer:
         self._train: _Program | None = None
         self._eval: _Program | None = None
 
+    @property
+    def state(self) -> TrainState:
+        """The training state, global arrays in their shardings (rebuilt from the flat list
+        of arrays the compiled step reads and writes; PRNG keys held as their key data)."""
+        return jax.tree.unflatten(self._treedef, _wrap_keys(self._leaves, self._key_impls))
+
+    @state.setter
+    def state(self, state: TrainState) -> None:
+        leaves, self._treedef = jax.tree.flatten(state)
+        self._key_impls = [_key_impl(x) for x in leaves]
+        self._leaves = [
+            jax.random.key_data(x) if k else x for x, k in zip(leaves, self._key_impls, strict=True)
+        ]
+
     def _tracing(self) -> Any:
         """Where every program of this run is traced: under its mesh (so PartitionSpecs in a
         model's forward pass resolve) and its activation rules (``shardplug.constrain``)."""
@@ -235,9 +264,12 @@ class Trainer:
 
             return jax.jit(create, out_shardings=shardings)(rng)
         # A model that already exists is copied once into the shardings; never aliased,
-        # since the step donates its state and the caller's model must stay valid.
-        params, model_state = jax.device_put(
-            self.adapter.variables, (shardings.params, shardings.model_state), may_alias=False
+        # since the step donates its state and the caller's model must stay valid. A jit's
+        # outputs are new buffers; device_put alone, even with may_alias=False, hands device
+        # 0 the caller's own buffer when it replicates a one-device array (jax 0.10).
+        placed = (shardings.params, shardings.model_state)
+        params, model_state = jax.jit(lambda v: jax.tree.map(jnp.copy, v), out_shardings=placed)(
+            jax.device_put(self.adapter.variables, placed)
         )
         opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
         step, rng = jax.device_put((jnp.zeros((), jnp.int32), rng), (shardings.step, shardings.rng))
@@ -303,9 +335,26 @@ class Trainer:
         def with_sharding(x, s):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
 
+        treedef, impls = self._treedef, self._key_impls
+        flat_shardings = jax.tree.leaves(self.state_shardings)
+
+        def flat(leaves, batch):
+            state = jax.tree.unflatten(treedef, _wrap_keys(leaves, impls))
+            state, metrics = program(state, batch)
+            return [
+                jax.random.key_data(x) if k else x
+                for x, k in zip(jax.tree.leaves(state), impls, strict=True)
+            ], metrics
+
+        flat = jax.jit(
+            flat,
+            in_shardings=(flat_shardings, batch_shardings),
+            out_shardings=(flat_shardings, None),
+            donate_argnums=0,
+        )
         with self._tracing():
-            lowered = program.lower(
-                jax.tree.map(with_sharding, self.state, self.state_shardings),
+            lowered = flat.lower(
+                list(map(with_sharding, self._leaves, flat_shardings)),
                 jax.tree.map(with_sharding, abstract, batch_shardings),
             )
         return lowered, batch_shardings
@@ -317,8 +366,13 @@ class Trainer:
         return _Program(lowered.compile(), batch_shardings, host.signature(batch))
 
     def _place(self, batch: Any, index: int) -> Any:
-        """Check a training batch against the compiled step's and put it on the devices."""
+        """Check a training batch against the compiled step's; in many processes, assemble
+        the global batch from this process's rows. One process hands its host arrays to the
+        compiled step, whose C++ dispatch copies them into the batch shardings (jax.device_put
+        in Python cost several times a small model's step)."""
         host.check(batch, index, self._train.signature)
+        if jax.process_count() == 1:
+            return batch
         return host.put(batch, self._train.batch_shardings)
 
     def evaluate(self, batches: Iterable[Any], steps: int | None = None) -> dict[str, float]:
@@ -338,8 +392,8 @@ class Trainer:
                 step_fn = make_eval_step(self.adapter, self.loss_fn, self.strategy, self.mesh)
                 self._eval = self._build(lambda _, fn=step_fn: fn, batch)
             host.check(batch, count, self._eval.signature)
-            self.state, metrics = self._eval.compiled(
-                self.state, host.put(batch, self._eval.batch_shardings)
+            self._leaves, metrics = self._eval.compiled(
+                self._leaves, host.put(batch, self._eval.batch_shardings)
             )
             totals = metrics if totals is None else jax.tree.map(jnp.add, totals, metrics)
             count += 1

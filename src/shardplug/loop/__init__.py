@@ -1,1 +1,1 @@
-"""The host-side loop: prefetch, signals, profiling, batch placement."""
+"""The host-side loop: dispatch and read-ahead, signals, profiling, batch placement."""

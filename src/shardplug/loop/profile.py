@@ -16,6 +16,10 @@ class Trace:
     def __init__(self, directory: str | None, steps: range):
         self.directory, self.steps, self.active = directory, steps, False
 
+    def wants(self, number: int) -> bool:
+        """Whether step ``number`` is traced (the loop skips :meth:`step` otherwise)."""
+        return self.directory is not None and (self.active or number == self.steps.start)
+
     @contextlib.contextmanager
     def step(self, number: int, state: Callable[[], Any]) -> Any:
         if self.directory is not None and number == self.steps.start:

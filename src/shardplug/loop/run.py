@@ -8,14 +8,13 @@ import signal
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
 from shardplug.core.step import NONFINITE
 from shardplug.errors import TrainingInterrupted
 from shardplug.loop import batches as host
-from shardplug.loop.prefetch import Prefetch
 from shardplug.loop.profile import Trace
 from shardplug.loop.signals import StopSignals
 
@@ -23,6 +22,11 @@ from shardplug.loop.signals import StopSignals
 # only holds more batches in memory, and on the CPU backend a deep queue of programs with
 # collectives can starve its thread pool until a rendezvous times out (seen at ~100).
 MAX_IN_FLIGHT = 4
+_END = object()
+
+
+class _Failed(NamedTuple):
+    error: Exception
 
 
 def run(
@@ -35,7 +39,10 @@ def run(
 
     The loop waits on the devices only to read metrics (every ``log_every`` steps), keeps at
     most :data:`MAX_IN_FLIGHT` steps dispatched, checkpoints on schedule, and turns SIGINT
-    and SIGTERM into a saved stop.
+    and SIGTERM into a saved stop. The next batch is read and put on the devices right
+    after a step is dispatched, while the devices run it: they never wait for the host's
+    next batch unless making one takes longer than a step. (A background thread did this
+    before; handing each batch across threads cost more host time than a small step.)
     """
     rows: list[dict[str, float]] = []
     pending: list[dict[str, jax.Array]] = []
@@ -65,26 +72,44 @@ def run(
 
     program = trainer._train
     first_step = trainer._step
-    feed = Prefetch(iterator, steps, lambda batch, i: trainer._place(batch, first_step + i))
     trace = Trace(trainer.profile_dir, trainer.profile_steps)
     in_flight: collections.deque = collections.deque()
+
+    def fetch(i: int) -> Any:
+        """Batch ``i`` read, checked and on its way to the devices; None when none is left.
+        Called right after step i-1 is dispatched, so it is made while the devices compute."""
+        if i == steps:
+            return None
+        try:
+            batch = next(iterator, _END)
+            return None if batch is _END else trainer._place(batch, first_step + i)
+        except Exception as exc:  # raised at its own step, after the steps before it
+            return _Failed(exc)
+
     with StopSignals(enabled=trainer.checkpoints is not None) as stop:
         try:
+            ahead = fetch(0)
             for i in range(steps):
                 if stop.requested:
                     break
-                try:
-                    global_batch = next(feed)
-                except StopIteration:
+                if ahead is None:
                     warnings.warn(f"batches ran out after {i} of {steps} steps", stacklevel=2)
                     break
+                if isinstance(ahead, _Failed):
+                    raise ahead.error
                 if len(in_flight) == MAX_IN_FLIGHT:  # a step long done: no stall
-                    jax.block_until_ready(in_flight.popleft())
-                with trace.step(trainer._step, lambda: trainer.state):
-                    trainer.state, metrics = program.compiled(trainer.state, global_batch)
+                    oldest = in_flight.popleft()
+                    if not oldest.is_ready():
+                        oldest.block_until_ready()
+                if trace.wants(trainer._step):
+                    with trace.step(trainer._step, lambda: trainer._leaves):
+                        trainer._leaves, metrics = program.compiled(trainer._leaves, ahead)
+                else:
+                    trainer._leaves, metrics = program.compiled(trainer._leaves, ahead)
                 trainer._step += 1
                 pending.append(metrics)
                 in_flight.append(metrics["loss"])
+                ahead = fetch(i + 1)
                 due = trainer.checkpoint_every is not None and (
                     trainer._step % trainer.checkpoint_every == 0
                 )
@@ -100,8 +125,7 @@ def run(
             if trainer.checkpoints is not None and trainer._saved_step != trainer._step:
                 trainer.save()
         finally:
-            feed.close()
-            trace.close(trainer.state)
+            trace.close(trainer._leaves)
             if trainer.checkpoints is not None:
                 trainer.checkpoints.wait()
     if stop.requested:

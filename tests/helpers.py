@@ -1,0 +1,23 @@
+"""The one trainer factory the tests share (also the ``make_trainer`` fixture)."""
+
+import optax
+
+import shardplug
+
+
+def reference_trainer(
+    model="mlp", strategy="dp", *, adapter="nnx", optimizer=None, addons=(), **kwargs
+):
+    """A reference model (a name or a ``ReferenceModel``) and a trainer of it: Adam at the
+    model's learning rate unless ``optimizer`` is given; ``addons`` wrap the strategy."""
+    model = shardplug.get_model(model) if isinstance(model, str) else model
+    if addons:
+        strategy = shardplug.get_strategy(strategy, addons=list(addons))
+    kwargs.setdefault("loss_fn", model.loss_fn)
+    trainer = shardplug.Trainer(
+        model.adapter(adapter),
+        optimizer=optimizer or optax.adam(model.learning_rate),
+        strategy=strategy,
+        **kwargs,
+    )
+    return model, trainer
