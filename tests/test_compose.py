@@ -1,6 +1,8 @@
 """Compositions: parallelisms on one mesh, by name, in the documented order, and refused
 where they cannot compose."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,7 +59,7 @@ def test_constrain_maps_logical_names_by_the_runs_rules():
     )
     batch = {"x": np.ones((8, 8), np.float32)}
     hlo = t.lower(batch).as_text()
-    assert 'sharding_constraint %3 <@mesh, [{"fsdp"}, {"model"}]>' in hlo  # as the rules map it
+    assert re.search(r'sharding_constraint %\d+ <@mesh, \[\{"fsdp"\}, \{"model"\}\]>', hlo)
     assert registry.get_strategy("fsdp+tp").activation_rules() == {
         "batch": ("fsdp",),
         "mlp": ("model",),

@@ -184,7 +184,7 @@ def test_the_users_model_and_arrays_are_valid_and_unchanged_after_training(frame
     before = [np.array(x) for x in leaves]
     for _ in range(2):  # a second trainer from the same model, as the guide promises
         trainer = shardplug.Trainer(
-            adapter, loss_fn=loss_fn, optimizer=optax.sgd(0.5), strategy=strategy
+            adapter, loss_fn=loss_fn, optimizer=optax.sgd(0.05), strategy=strategy
         )
         rows = trainer.fit([{"x": np.ones((16, 4), np.float32)}] * 2, steps=2)
         assert rows[-1]["loss"] < rows[0]["loss"]  # it trained ...

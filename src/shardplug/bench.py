@@ -186,6 +186,12 @@ class _HandWritten(_Contender):
         return elapsed / steps
 
 
+def hand_written(trainer: Trainer, model: Any, batch: Any) -> Any:
+    """The compiled program of ``trainer``'s step written by hand in plain JAX: its twin,
+    from the same model, optimizer, mesh and shardings (``jax.stages.Compiled``)."""
+    return _HandWritten("twin", "hand-written", trainer, model, batch, 1, None).compiled
+
+
 class _NnxJit(_Contender):
     """The training loop as Flax's own documentation writes it: ``nnx.Optimizer`` and
     ``@nnx.jit``, the model replicated and the batch split over a ``data`` mesh."""

@@ -27,9 +27,12 @@ from shardplug.core.step import (
     Precision,
     TrainState,
     _finite,
+    key_impl,
     make_eval_step,
     make_step,
     step_key,
+    unwrap_keys,
+    wrap_keys,
 )
 from shardplug.errors import (
     CheckpointError,
@@ -51,19 +54,6 @@ class _Program(NamedTuple):
     compiled: Any
     batch_shardings: Any
     signature: Any
-
-
-def _key_impl(x: Any) -> Any:
-    """A PRNG key array's implementation, None for any other leaf."""
-    is_key = hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-    return jax.random.key_impl(x) if is_key else None
-
-
-def _wrap_keys(leaves: list[Any], impls: list[Any]) -> list[Any]:
-    return [
-        x if impl is None else jax.random.wrap_key_data(x, impl=impl)
-        for x, impl in zip(leaves, impls, strict=True)
-    ]
 
 
 class Trainer:
@@ -209,15 +199,13 @@ class Trainer:
     def state(self) -> TrainState:
         """The training state, global arrays in their shardings (rebuilt from the flat list
         of arrays the compiled step reads and writes; PRNG keys held as their key data)."""
-        return jax.tree.unflatten(self._treedef, _wrap_keys(self._leaves, self._key_impls))
+        return jax.tree.unflatten(self._treedef, wrap_keys(self._leaves, self._key_impls))
 
     @state.setter
     def state(self, state: TrainState) -> None:
         leaves, self._treedef = jax.tree.flatten(state)
-        self._key_impls = [_key_impl(x) for x in leaves]
-        self._leaves = [
-            jax.random.key_data(x) if k else x for x, k in zip(leaves, self._key_impls, strict=True)
-        ]
+        self._key_impls = [key_impl(x) for x in leaves]
+        self._leaves = unwrap_keys(leaves, self._key_impls)
 
     def _tracing(self) -> Any:
         """Where every program of this run is traced: under its mesh (so PartitionSpecs in a
@@ -339,12 +327,8 @@ class Trainer:
         flat_shardings = jax.tree.leaves(self.state_shardings)
 
         def flat(leaves, batch):
-            state = jax.tree.unflatten(treedef, _wrap_keys(leaves, impls))
-            state, metrics = program(state, batch)
-            return [
-                jax.random.key_data(x) if k else x
-                for x, k in zip(jax.tree.leaves(state), impls, strict=True)
-            ], metrics
+            state, metrics = program(jax.tree.unflatten(treedef, wrap_keys(leaves, impls)), batch)
+            return unwrap_keys(jax.tree.leaves(state), impls), metrics
 
         flat = jax.jit(
             flat,

@@ -361,3 +361,24 @@ def make_eval_step(
 @jax.jit
 def _finite(tree: Any) -> jax.Array:
     return jnp.isfinite(optax.tree.norm(tree))
+
+
+def key_impl(x: Any) -> Any:
+    """A PRNG key array's implementation, None for any other leaf."""
+    is_key = hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return jax.random.key_impl(x) if is_key else None
+
+
+def wrap_keys(leaves: list[Any], impls: list[Any]) -> list[Any]:
+    """Leaves with each PRNG key's data (``impls[i]`` not None) wrapped back into a key."""
+    return [
+        x if impl is None else jax.random.wrap_key_data(x, impl=impl)
+        for x, impl in zip(leaves, impls, strict=True)
+    ]
+
+
+def unwrap_keys(leaves: list[Any], impls: list[Any]) -> list[Any]:
+    """Leaves with each PRNG key as its key data: a plain array the host passes cheaply."""
+    return [
+        x if impl is None else jax.random.key_data(x) for x, impl in zip(leaves, impls, strict=True)
+    ]
