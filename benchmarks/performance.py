@@ -11,6 +11,7 @@ cores). It writes ``benchmarks/results.md`` (quoted by the README) and
    loop and one device; the overhead ratio is the median of the rounds' paired ratios.
 3. Gradient accumulation: 4 microbatches against the 4x batch, every strategy.
 4. bfloat16 against float32 after 200 steps.
+5. The host cost per step (``benchmarks/host_cost.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import datetime
 import json
 import platform
 from pathlib import Path
+
+import host_cost
 
 from shardplug.core.devices import simulate_cpu_devices
 
@@ -173,6 +176,12 @@ def main() -> None:
         "",
         f"After 200 steps (dp, mean loss of the last 10): float32 {final['float32']:.4f}, "
         f"bf16 {final['bf16']:.4f}: {gap:.2%} apart.",
+        "",
+    ]
+    print("host cost", flush=True)
+    results["host_cost"] = host_cost.measure()
+    lines += [
+        *host_cost.section(results["host_cost"]),
         "",
         "## GPU",
         "",

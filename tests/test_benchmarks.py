@@ -21,3 +21,15 @@ def test_gpu_mfu_script_runs_its_smoke_size(capsys):
     assert np.isfinite(result["loss"]) and result["precision"] == "bf16"
     assert result["mfu"] is None  # no dense bf16 peak is known for a CPU
     assert '"tokens_per_second"' in capsys.readouterr().out
+    from shardplug.flops import TransformerShape
+
+    assert (
+        result["model_flops_per_token"]
+        == TransformerShape(2, 64, 64, 512).flops_per_token()["total"]
+    )
+    assert result["hardware_tflops_per_second"] > 0  # the compiled step's own count
+
+
+def test_host_cost_script_times_both_loops():
+    times = load("host_cost")._loops(steps=30, log_every=10, rounds=1)
+    assert all(times[k] > 0 for k in ("by hand", "by hand, flat", "shardplug"))

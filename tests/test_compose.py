@@ -203,7 +203,7 @@ class Rows:
 '''
 
 
-def test_a_third_party_parallelism_composes_and_conflicts_are_named(tmp_path, monkeypatch):
+def test_a_third_party_parallelism_composes_and_conflicts_are_named(tmp_path, monkeypatch, capsys):
     from tests.test_registry import install
 
     entry = {"replicas": "sameaxis:Replicas", "rows": "sameaxis:Rows"}
@@ -213,6 +213,9 @@ def test_a_third_party_parallelism_composes_and_conflicts_are_named(tmp_path, mo
         assert (info["replicas"].kind, info["rows"].kind) == ("parallelism", "parallelism")
         with pytest.raises(CompositionError, match="'dp' and 'replicas' both claim the mesh axis"):
             shardplug.get_strategy("dp+replicas")
+        assert main(["train", "--model", "mlp", "--quiet", "--strategy", "dp+replicas"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "both claim the mesh axis 'data'" in err[0]
         # rows claims dimension 0 after tp: the transformer's (vocab, embed) table is tp's
         with pytest.raises(CompositionError, match="'tp' and 'rows' both split dimension 0"):
             trainer("rows+tp", mesh="rows=4,model=2")

@@ -40,6 +40,18 @@ class PythonMicrobatches:
         return (mean[0], (mean[1], model_state)), mean[2]
 
 
+class BadGrads:
+    """Returns the gradients alone from compute_grads."""
+
+    @hookimpl
+    def parallel_axis(self):
+        return Axis("grads", rank=15)
+
+    @hookimpl
+    def compute_grads(self, loss_and_grad, params, model_state, batch, rng):
+        return loss_and_grad(params, model_state, batch, rng)[1]
+
+
 class BadState:
     """Answers shard_model_state with one spec for a whole tree."""
 
@@ -55,7 +67,11 @@ class BadState:
 
 @pytest.fixture
 def plugins(tmp_path, monkeypatch):
-    entry = {"loop": "hookplugs:PythonMicrobatches", "badstate": "hookplugs:BadState"}
+    entry = {
+        "loop": "hookplugs:PythonMicrobatches",
+        "badstate": "hookplugs:BadState",
+        "badgrads": "hookplugs:BadGrads",
+    }
     install(tmp_path, monkeypatch, "hookplugs", "0.1", entry, {"hookplugs": PLUGINS})
     yield
     registry._discover.cache_clear()
@@ -72,6 +88,8 @@ def test_a_parallelism_that_owns_the_gradients_trains_like_core_accumulation(plu
     assert mine.strategy.parts["loop"].calls == 1  # traced once, in the one compiled step
     _, expected = losses("dp", grad_accum=2)
     np.testing.assert_allclose(got, expected, rtol=1e-6)
+    with pytest.raises(shardplug.PluginError, match=r"compute_grads must return \(\(loss"):
+        losses(shardplug.get_strategy("dp+badgrads"), mesh="data=8,grads=1")
 
 
 def test_model_state_shardings_come_from_the_hook_and_are_checked(plugins):

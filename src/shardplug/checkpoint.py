@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import sys
 import tempfile
@@ -326,6 +327,24 @@ class Checkpoints:
             if "key" not in meta["arrays"][n]
         }
         return step, found, meta
+
+
+def complete_steps(directory: Path) -> list[int]:
+    """Orbax commits a checkpoint by renaming its temporary directory to the step number."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def saved_config(directory: Path, step: int) -> dict[str, Any]:
+    """The configuration in the newest checkpoint's JSON (best effort: a damaged one is
+    reported by the restore, which falls back to an older checkpoint)."""
+    try:
+        with open(directory / str(step) / "meta" / "metadata") as f:
+            config = json.load(f).get("config", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 class _Damaged(Exception):

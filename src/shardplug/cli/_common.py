@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -87,24 +86,9 @@ def _step_range(text: str) -> range:
     return range(start, stop)
 
 
-def _convert(option: Any, text: str) -> Any:
-    kind = option.type
-    try:
-        if kind == "bool":
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(text)
-            return text.lower() in ("true", "1")
-        if kind in ("int", "float", "str"):
-            return {"int": int, "float": float, "str": str}[kind](text)
-        if kind.startswith("Sequence") or kind.startswith("tuple"):
-            return tuple(part.strip() for part in text.split(",") if part.strip())
-        return json.loads(text)
-    except ValueError:
-        raise StrategyOptionError(f"option {option.name}={text!r} is not a valid {kind}") from None
-
-
 def parse_options(strategy: str, pairs: Sequence[str]) -> dict[str, Any]:
-    """``["min_size=0"]`` into ``{"min_size": 0}``, typed by the strategy's own signature."""
+    """``["min_size=0"]`` into ``{"min_size": 0}``, typed by the strategy's own signature
+    (:meth:`shardplug.StrategyOption.parse`)."""
     from shardplug.core.registry import get_strategy
 
     known = {o.name: o for o in get_strategy(strategy).info.options}
@@ -118,7 +102,7 @@ def parse_options(strategy: str, pairs: Sequence[str]) -> dict[str, Any]:
             raise StrategyOptionError(
                 f"strategy {strategy!r} has no option {key!r}; its options: {takes}"
             )
-        options[key] = _convert(known[key], text)
+        options[key] = known[key].parse(text)
     return options
 
 

@@ -19,6 +19,8 @@ RESUMED = ("model", "adapter", "seed", "batch_size", "lr")  # taken from the che
 
 def _checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Check the checkpoint options before JAX starts; the saved run's settings on --resume."""
+    from shardplug.checkpoint import complete_steps, saved_config
+
     directory = args.checkpoint_dir
     if directory is None:
         for flag, value in (
@@ -31,7 +33,7 @@ def _checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"--checkpoint-dir {directory} is a file: name a directory")
-    complete = _complete_checkpoints(directory)
+    complete = complete_steps(directory)
     if args.resume:
         if not directory.exists():
             raise CheckpointError(f"--resume: checkpoint directory {directory} does not exist")
@@ -40,31 +42,13 @@ def _checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
                 f"--resume: {directory} holds no complete checkpoint (it is empty, or every "
                 f"save was cut short); train without --resume to start"
             )
-        return _saved_config(directory, complete[-1])
+        return saved_config(directory, complete[-1])
     if complete:
         raise ConfigError(
             f"--checkpoint-dir {directory} already holds checkpoints (newest: step "
             f"{complete[-1]}); pass --resume to continue that run, or choose an empty directory"
         )
     return {}
-
-
-def _complete_checkpoints(directory: Path) -> list[int]:
-    """Orbax commits a checkpoint by renaming its temporary directory to the step number."""
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
-
-
-def _saved_config(directory: Path, step: int) -> dict[str, Any]:
-    """The configuration in the newest checkpoint's JSON (best effort: a damaged one is
-    reported by the restore, which falls back to an older checkpoint)."""
-    try:
-        with open(directory / str(step) / "meta" / "metadata") as f:
-            config = json.load(f).get("config", {})
-    except (OSError, ValueError, AttributeError):
-        return {}
-    return config if isinstance(config, dict) else {}
 
 
 def cmd_train(args: argparse.Namespace) -> int:

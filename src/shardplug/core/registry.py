@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import inspect
+import json
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +48,24 @@ class StrategyOption:
     name: str
     type: str
     default: Any
+
+    def parse(self, text: str) -> Any:
+        """The option's value from text (``-o KEY=VALUE``), typed by its annotation."""
+        kind = self.type
+        try:
+            if kind == "bool":
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(text)
+                return text.lower() in ("true", "1")
+            if kind in ("int", "float", "str"):
+                return {"int": int, "float": float, "str": str}[kind](text)
+            if kind.startswith(("Sequence", "tuple")):
+                return tuple(part.strip() for part in text.split(",") if part.strip())
+            return json.loads(text)
+        except ValueError:
+            raise StrategyOptionError(
+                f"option {self.name}={text!r} is not a valid {kind}"
+            ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,8 +468,28 @@ class Strategy:
         return to_named(specs, mesh, plugin=self.name, hook="shard_model_state", like=model_state)
 
     def compute_grads(self, **kwargs: Any) -> Any:
-        """A plugin's own gradient computation, or None for core's."""
-        return self._call("compute_grads", **kwargs)
+        """A plugin's own gradient computation, checked, or None for core's."""
+        owned = self._call("compute_grads", **kwargs)
+        if owned is None:
+            return None
+        try:
+            (loss, (metrics, _)), grads = owned
+            fits = jnp.shape(loss) == () and isinstance(metrics, Mapping)
+            params = kwargs["params"]
+            fits = fits and jax.tree.structure(grads) == jax.tree.structure(params)
+            fits = fits and all(
+                jnp.shape(g) == jnp.shape(p)
+                for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=True)
+            )
+        except (TypeError, ValueError):
+            fits = False
+        if not fits:
+            raise PluginError(
+                f"strategy {self.name!r}: compute_grads must return ((loss, (metrics, "
+                f"model_state)), grads): a scalar loss, a dict of metrics, and gradients "
+                f"shaped like the parameters"
+            )
+        return owned
 
     def gather_params(self, params: Any, mesh: Any) -> Any:
         return self._call("gather_params", params=params, mesh=mesh)
