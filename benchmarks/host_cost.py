@@ -68,19 +68,26 @@ def _loops(steps: int, log_every: int, rounds: int) -> dict:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    def by_hand() -> float:
-        p = jax.tree.map(jnp.copy, params)
-        s = tx.init(p)
+    def timed(step, state) -> float:
+        """Seconds per step of ``state, loss = step(state, batch)``, losses read as fit does."""
         start = time.perf_counter()
         losses = []
         for i, batch in enumerate(batches):
-            p, s, loss = by_hand_step(p, s, batch)
+            state, loss = step(state, batch)
             losses.append(loss)
             if (i + 1) % log_every == 0:
                 jax.device_get(losses)
                 losses.clear()
         jax.device_get(losses)
         return (time.perf_counter() - start) / steps
+
+    def by_hand() -> float:
+        def step(state, batch):
+            p, s, loss = by_hand_step(*state, batch)
+            return (p, s), loss
+
+        p = jax.tree.map(jnp.copy, params)
+        return timed(step, (p, tx.init(p)))
 
     leaves, treedef = jax.tree.flatten((params, tx.init(params)))
 
@@ -90,17 +97,7 @@ def _loops(steps: int, log_every: int, rounds: int) -> dict:
         return jax.tree.leaves((p, s)), loss
 
     def by_hand_flat() -> float:
-        state = [jnp.copy(x) for x in leaves]
-        start = time.perf_counter()
-        losses = []
-        for i, batch in enumerate(batches):
-            state, loss = flat_step(state, batch)
-            losses.append(loss)
-            if (i + 1) % log_every == 0:
-                jax.device_get(losses)
-                losses.clear()
-        jax.device_get(losses)
-        return (time.perf_counter() - start) / steps
+        return timed(flat_step, [jnp.copy(x) for x in leaves])
 
     def with_shardplug() -> float:
         trainer = make_trainer()

@@ -379,6 +379,17 @@ def _instantiate(info: StrategyInfo, plugin: Any, options: Mapping[str, Any]) ->
         raise StrategyOptionError(f"strategy {info.name!r}: bad option: {exc}") from None
 
 
+def _same_shapes(tree: Any, like: Any) -> bool:
+    """Whether ``tree`` has ``like``'s structure and shapes (dtypes may differ)."""
+    try:
+        return jax.tree.structure(tree) == jax.tree.structure(like) and all(
+            jnp.shape(a) == jnp.shape(b)
+            for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(like), strict=True)
+        )
+    except (TypeError, ValueError):
+        return False
+
+
 class Strategy:
     """One run's strategy: a pluggy manager holding core's fallbacks and the named plugin.
 
@@ -475,15 +486,9 @@ class Strategy:
         try:
             (loss, (metrics, _)), grads = owned
             fits = jnp.shape(loss) == () and isinstance(metrics, Mapping)
-            params = kwargs["params"]
-            fits = fits and jax.tree.structure(grads) == jax.tree.structure(params)
-            fits = fits and all(
-                jnp.shape(g) == jnp.shape(p)
-                for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=True)
-            )
         except (TypeError, ValueError):
             fits = False
-        if not fits:
+        if not (fits and _same_shapes(grads, kwargs["params"])):
             raise PluginError(
                 f"strategy {self.name!r}: compute_grads must return ((loss, (metrics, "
                 f"model_state)), grads): a scalar loss, a dict of metrics, and gradients "
@@ -506,14 +511,7 @@ class Strategy:
 
     def encode_grads(self, grads: Any, mesh: Any) -> Any:
         encoded = self._call("encode_grads", grads=grads, mesh=mesh)
-        try:
-            same = jax.tree.structure(encoded) == jax.tree.structure(grads) and all(
-                jnp.shape(e) == jnp.shape(g)
-                for e, g in zip(jax.tree.leaves(encoded), jax.tree.leaves(grads), strict=True)
-            )
-        except (TypeError, ValueError):
-            same = False
-        if not same:
+        if not _same_shapes(encoded, grads):
             raise PluginError(
                 f"strategy {self.name!r}: encode_grads must return the gradients' structure "
                 f"and shapes (only the dtypes may change)"
