@@ -1,0 +1,171 @@
+"""One run's strategy: a pluggy manager holding core's fallbacks and the plugin (or a
+composition of parallelisms), whose answers it checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import pluggy
+
+from shardplug.core import compose, fallbacks, hookspecs
+from shardplug.core.sharding import check_batch, to_named
+from shardplug.errors import PluginError, ShardplugError
+
+if TYPE_CHECKING:
+    from shardplug.core.registry import StrategyInfo
+
+FALLBACKS = "shardplug.core.fallbacks"
+
+
+def _same_shapes(tree: Any, like: Any) -> bool:
+    """Whether ``tree`` has ``like``'s structure and shapes (dtypes may differ)."""
+    try:
+        return jax.tree.structure(tree) == jax.tree.structure(like) and all(
+            jnp.shape(a) == jnp.shape(b)
+            for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(like), strict=True)
+        )
+    except (TypeError, ValueError):
+        return False
+
+
+class Strategy:
+    """One run's strategy: a pluggy manager holding core's fallbacks and the named plugin.
+
+    Its methods call the hooks with keyword arguments, check what comes back, and name the
+    strategy and the hook in every error.
+    """
+
+    def __init__(
+        self,
+        info: StrategyInfo,
+        plugin: Any,
+        addons: Sequence[tuple[StrategyInfo, Any]] = (),
+        parts: Sequence[tuple[str, Any]] = (),
+    ):
+        self.info = info
+        self.plugin = plugin
+        #: the configured plugin object of each parallelism (or of the whole strategy), by name
+        self.parts: dict[str, Any] = dict(parts) if parts else {info.name: plugin}
+        self.addons = tuple(addon_info.name for addon_info, _ in addons)
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.pm.register(fallbacks, name=FALLBACKS)
+        # A composition's parallelisms answer the step hooks they implement; add-ons register
+        # last, so their wrappers wrap whichever implementation answers.
+        own = f"{info.name} (composition)" if parts else info.name
+        named = [*parts, (own, plugin), *((i.name, a) for i, a in addons)]
+        for name, obj in named:
+            try:
+                self.pm.register(obj, name=name)
+                self.pm.check_pending()
+            except pluggy.PluginValidationError as exc:
+                raise PluginError(f"{name!r} does not fit the hook specs: {exc}") from None
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def composition(self) -> compose.Composition | None:
+        """The parallelisms and their axes, when this strategy composes them."""
+        return self.plugin if isinstance(self.plugin, compose.Composition) else None
+
+    def activation_rules(self) -> dict[str, tuple[str, ...]]:
+        """Logical activation names -> mesh axes (empty for a whole strategy)."""
+        return {} if self.composition is None else self.composition.activation_rules()
+
+    def __repr__(self) -> str:
+        addons = f", addons={list(self.addons)}" if self.addons else ""
+        return f"Strategy({self.name!r}, {self.info.source}{addons})"
+
+    def _call(self, hook: str, **kwargs: Any) -> Any:
+        caller: Callable[..., Any] = getattr(self.pm.hook, hook)
+        try:
+            return caller(**kwargs)
+        except ShardplugError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"strategy {self.name!r}: hook {hook} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def make_mesh(self, devices: list[Any], mesh_shape: dict[str, int] | None) -> Any:
+        from jax.sharding import Mesh
+
+        mesh = self._call("make_mesh", devices=devices, mesh_shape=mesh_shape)
+        if not isinstance(mesh, Mesh):
+            raise PluginError(f"strategy {self.name!r}: make_mesh returned {mesh!r}, not a Mesh")
+        if sorted(d.id for d in mesh.devices.flat) != sorted(d.id for d in devices):
+            raise PluginError(
+                f"strategy {self.name!r}: make_mesh built a mesh over other devices "
+                f"than the {len(devices)} it was given"
+            )
+        return mesh
+
+    def shard_params(self, params: Any, mesh: Any, annotations: Any | None) -> Any:
+        specs = self._call("shard_params", params=params, mesh=mesh, annotations=annotations)
+        return to_named(specs, mesh, plugin=self.name, hook="shard_params", like=params)
+
+    def shard_batch(self, batch: Any, mesh: Any) -> Any:
+        specs = self._call("shard_batch", batch=batch, mesh=mesh)
+        shardings = to_named(specs, mesh, plugin=self.name, hook="shard_batch", like=batch)
+        check_batch(batch, shardings)
+        return shardings
+
+    def shard_model_state(self, model_state: Any, mesh: Any) -> Any:
+        specs = self._call("shard_model_state", model_state=model_state, mesh=mesh)
+        return to_named(specs, mesh, plugin=self.name, hook="shard_model_state", like=model_state)
+
+    def compute_grads(self, **kwargs: Any) -> Any:
+        """A plugin's own gradient computation, checked, or None for core's."""
+        owned = self._call("compute_grads", **kwargs)
+        if owned is None:
+            return None
+        try:
+            (loss, (metrics, _)), grads = owned
+            fits = jnp.shape(loss) == () and isinstance(metrics, Mapping)
+        except (TypeError, ValueError):
+            fits = False
+        if not (fits and _same_shapes(grads, kwargs["params"])):
+            raise PluginError(
+                f"strategy {self.name!r}: compute_grads must return ((loss, (metrics, "
+                f"model_state)), grads): a scalar loss, a dict of metrics, and gradients "
+                f"shaped like the parameters"
+            )
+        return owned
+
+    def gather_params(self, params: Any, mesh: Any) -> Any:
+        return self._call("gather_params", params=params, mesh=mesh)
+
+    def reduce_grads(self, grads: Any, mesh: Any) -> Any:
+        return self._call("reduce_grads", grads=grads, mesh=mesh)
+
+    @property
+    def encodes_grads(self) -> bool:
+        """Whether a plugin (the strategy or an add-on) implements ``encode_grads``."""
+        return any(
+            impl.plugin_name != FALLBACKS for impl in self.pm.hook.encode_grads.get_hookimpls()
+        )
+
+    def encode_grads(self, grads: Any, mesh: Any) -> Any:
+        encoded = self._call("encode_grads", grads=grads, mesh=mesh)
+        if not _same_shapes(encoded, grads):
+            raise PluginError(
+                f"strategy {self.name!r}: encode_grads must return the gradients' structure "
+                f"and shapes (only the dtypes may change)"
+            )
+        return encoded
+
+    def compile_step(
+        self, step_fn: Callable, mesh: Any, state_shardings: Any, batch_shardings: Any
+    ) -> Callable:
+        return self._call(
+            "compile_step",
+            step_fn=step_fn,
+            mesh=mesh,
+            state_shardings=state_shardings,
+            batch_shardings=batch_shardings,
+        )
