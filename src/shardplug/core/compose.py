@@ -37,9 +37,6 @@ from shardplug.core.mesh import build_mesh
 from shardplug.core.sharding import leaf_paths
 from shardplug.errors import CompositionError, MeshError, PluginError
 
-#: the hooks a whole strategy answers itself; a plugin that implements any of them (and not
-#: parallel_axis) runs alone and does not compose.
-WHOLE_HOOKS = ("make_mesh", "shard_params", "shard_batch", "gather_params")
 #: hooks of the step a parallelism may also implement; one per composition.
 STEP_HOOKS = (
     "compute_grads",
@@ -48,7 +45,6 @@ STEP_HOOKS = (
     "compile_step",
     "shard_model_state",
 )
-PART_HOOKS = ("parallel_axis", "split_param", "gather_param")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,10 +233,8 @@ class Composition:
                 f"sizes multiply to {len(devices)}, or change --devices"
             )
         shape.update(zip(rest, default_sizes(len(devices) // given, len(rest)), strict=True))
-        return build_mesh(devices, {a: shape[a] for a in self.axes}, default=self.axes_default())
-
-    def axes_default(self) -> dict[str, int]:
-        return {a: 1 for a in self.axes}
+        sizes = {a: shape[a] for a in self.axes}
+        return build_mesh(devices, sizes, default=dict.fromkeys(self.axes, 1))
 
     @hookimpl
     def shard_params(self, params, mesh, annotations):
