@@ -35,7 +35,7 @@ from shardplug.core import hookspecs
 from shardplug.core.hookspecs import hookimpl
 from shardplug.core.mesh import build_mesh
 from shardplug.core.sharding import leaf_paths
-from shardplug.errors import CompositionError, MeshError, PluginError
+from shardplug.errors import CompositionError, MeshError, PluginError, ShardplugError
 
 #: hooks of the step a parallelism may also implement; one per composition.
 STEP_HOOKS = (
@@ -107,7 +107,7 @@ class Part:
     def call(self, hook: str, **kwargs: Any) -> Any:
         try:
             return getattr(self.pm.hook, hook)(**kwargs)
-        except (CompositionError, MeshError):
+        except ShardplugError:
             raise
         except Exception as exc:
             raise PluginError(
