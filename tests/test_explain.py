@@ -160,3 +160,13 @@ def test_bench_needs_a_hand_written_twin(monkeypatch):
     monkeypatch.delattr(PerDeviceProgram, "baseline")  # a whole strategy that names none
     with pytest.raises(ConfigError, match="pmap has no hand-written twin"):
         bench(["dp", "pmap"], "mlp", steps=1, rounds=1)
+
+
+def test_explain_groups_parameters_that_share_a_layout_unless_all(capsys):
+    assert main(["explain", "--model", "transformer", "--strategy", "fsdp"]) == 0
+    grouped = capsys.readouterr().out
+    assert "parameters (25 in 15 groups; --all for each)" in grouped
+    assert "blocks/*/wq" in grouped and "blocks/0/wq" not in grouped
+    assert main(["explain", "--model", "transformer", "--strategy", "fsdp", "--all"]) == 0
+    every = capsys.readouterr().out
+    assert "blocks/0/wq" in every and "blocks/1/wq" in every and "groups" not in every

@@ -192,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--strategy", default="dp", help="strategy name (default: dp)")
     explain.add_argument("--param", default=None, help="parameter to picture (default: largest)")
     explain.add_argument(
+        "--all", action="store_true",
+        help="a row for every parameter (default: one per layout and reason, layers as *)",
+    )  # fmt: skip
+    explain.add_argument(
         "--device-memory", type=_memory, default=None, metavar="SIZE",
         help="the device's memory, e.g. 80GB, to compare the peak against",
     )  # fmt: skip

@@ -12,14 +12,15 @@ from shardplug.errors import ConfigError
 def cmd_explain(args: argparse.Namespace) -> int:
     options = parse_options(args.strategy, args.option)
     _prepare(args)
-    from shardplug.explain import explain, plot, render
+    from shardplug.explain import explain
+    from shardplug.views import plot, render
 
     trainer, batch = _compiled_trainer(args, args.strategy, options)
     report = explain(trainer, batch, device_memory=args.device_memory, param=args.param)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
-        render(report, _console())
+        render(report, _console(), every_row=args.all)
     if args.plot is not None:
         plot(report, str(args.plot))
         if not args.json:

@@ -1,0 +1,188 @@
+"""What ``explain`` shows: the report as tables and text pictures, and as a PNG."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from shardplug.explain import ParamReport, Report, size
+
+
+def groups(params: list[ParamReport]) -> list[dict[str, Any]]:
+    """Parameters that share a layout and a reason, one row each: paths with their layer
+    indices as ``*`` (``blocks/*/wq``), the shapes and specs, how many, and the bytes."""
+    rows: dict[tuple, dict[str, Any]] = {}
+    for p in params:
+        pattern = re.sub(r"(?<=/)\d+(?=/|$)|^\d+(?=/)", "*", p.path)
+        shape = "x".join(map(str, p.shape))
+        key = (pattern, shape, p.spec, p.why)
+        row = rows.setdefault(
+            key, {"path": pattern, "shape": shape, "spec": p.spec, "why": p.why,
+                  "count": 0, "bytes_per_device": 0},
+        )  # fmt: skip
+        row["count"] += 1
+        row["bytes_per_device"] += p.bytes_per_device
+    return list(rows.values())
+
+
+def render(report: Report, console: Any, every_row: bool = False) -> None:
+    """Print the report as tables and pictures on a ``rich`` console; parameters that share
+    a layout and a reason are one row unless ``every_row``."""
+    from rich.table import Table
+
+    mesh = ",".join(f"{k}={v}" for k, v in report.mesh.items())
+    console.print(
+        f"[bold]{report.strategy}[/bold] on {report.devices} {report.platform} devices "
+        f"({mesh}); step compiled in {report.compile_seconds or 0:.1f} s"
+    )
+    rows = groups(report.params)
+    grouped = not every_row and len(rows) < len(report.params)
+    title = f"parameters ({len(report.params)} in {len(rows)} groups; --all for each)"
+    table = Table(title=title if grouped else "parameters", title_justify="left")
+    columns = ("path", "shape", "spec", "per device", "replicated because")
+    for column in columns[:1] + (("count",) if grouped else ()) + columns[1:]:
+        table.add_column(column, overflow="fold")
+    for p in rows if grouped else report.params:
+        if grouped:
+            table.add_row(
+                p["path"], str(p["count"]), p["shape"], p["spec"],
+                size(p["bytes_per_device"]), p["why"] or "",
+            )  # fmt: skip
+        else:
+            shape = "x".join(map(str, p.shape))
+            table.add_row(p.path, shape, p.spec, size(p.bytes_per_device), p.why or "")
+    console.print(table)
+
+    memory = Table(title="memory per device", title_justify="left")
+    memory.add_column("what")
+    memory.add_column("bytes", justify="right")
+    d = report.per_device
+    rows = [
+        ("parameters", d["params_bytes"]),
+        ("optimizer state", d["opt_state_bytes"]),
+        ("gradients (reduced)", d["grads_bytes"]),
+        ("model state", d["model_state_bytes"]),
+        ("batch", d["batch_bytes"]),
+        ("temporaries (activations, gradients in flight)", d["temp_bytes"]),
+        ("peak: arguments + outputs - donated + temporaries", d["peak_bytes"]),
+    ]
+    for what, n in rows:
+        memory.add_row(what, size(n))
+    if d["device_memory_bytes"]:
+        share = d["peak_bytes"] / d["device_memory_bytes"] if d["peak_bytes"] else 0
+        memory.add_row("device memory", f"{size(d['device_memory_bytes'])} ({share:.1%} used)")
+    console.print(memory)
+
+    comm = Table(title="communication per step (per device)", title_justify="left")
+    for column in ("", "collective", "dtype", "count", "result bytes", "sent (ring)"):
+        comm.add_column(column, justify="right" if "bytes" in column else "left")
+    for c in report.collectives:
+        comm.add_row(
+            "compiled", c["kind"], c["dtype"], str(c["count"]), size(c["bytes"]),
+            size(c["wire_bytes"]),
+        )  # fmt: skip
+    for t in report.textbook:
+        comm.add_row("textbook", t["kind"], "", "", size(t["bytes"]), size(t["wire_bytes"]))
+    if not report.collectives:
+        comm.add_row("compiled", "none", "", "", "", "")
+    console.print(comm)
+    if report.textbook:
+        ratio = report.wire_bytes() / max(report.textbook_wire_bytes(), 1)
+        console.print(
+            f"sent per step: {size(report.wire_bytes())} compiled, "
+            f"{size(report.textbook_wire_bytes())} textbook ({ratio:.3f}x)"
+        )
+    for note in report.notes:
+        console.print(f"note: {note}")
+    for picture in report.pictures:
+        console.print(_grid(picture, report.devices))
+
+
+def _grid(picture: dict[str, Any], devices: int) -> Any:
+    """A table whose cells are the blocks of an array and the devices that hold them."""
+    from rich.table import Table
+
+    dims = picture["dims"]
+    shape = picture["shape"]
+    label = [("-" if d is None else f"dim {d} ({shape[d]})") for d in dims]
+    table = Table(show_lines=True)
+    rows = sorted({tuple(b[0]) for b in picture["blocks"]})
+    cols = sorted({tuple(b[1]) for b in picture["blocks"]})
+    table.add_column("")
+    for c in cols:
+        table.add_column(f"{c[0]}:{c[1]}")
+    cells = {(tuple(r), tuple(c)): ids for r, c, ids in picture["blocks"]}
+    for r in rows:
+        table.add_row(f"{r[0]}:{r[1]}", *(_devices(cells.get((r, c), []), devices) for c in cols))
+    from rich.console import Group
+
+    title = (
+        f"[italic]{picture['name']}[/italic] {'x'.join(map(str, shape))} {picture['spec']}: "
+        f"rows {label[0]}, columns {label[1]}"
+    )
+    return Group(title, table)
+
+
+def _devices(ids: list[int], total: int) -> str:
+    if len(ids) == total and total > 1:
+        return f"all {total} devices"
+    return (
+        "device " + ",".join(map(str, ids))
+        if len(ids) == 1
+        else "devices " + ",".join(map(str, ids))
+    )
+
+
+def plot(report: Report, path: str) -> None:
+    """Draw the pictures of :func:`render` into a PNG: one panel per array, blocks to scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    pictures = report.pictures
+    fig, axes = plt.subplots(1, len(pictures), figsize=(6 * len(pictures), 5), squeeze=False)
+    colours = plt.get_cmap("tab10")
+    for ax, picture in zip(axes[0], pictures, strict=True):
+        shape, dims = picture["shape"], picture["dims"]
+        height = shape[dims[0]] if dims[0] is not None else 1
+        width = shape[dims[1]] if dims[1] is not None else 1
+        for k, (rows, cols, ids) in enumerate(picture["blocks"]):
+            ax.add_patch(
+                Rectangle(
+                    (cols[0] / width, 1 - rows[1] / height),
+                    (cols[1] - cols[0]) / width,
+                    (rows[1] - rows[0]) / height,
+                    facecolor=colours(k % 10),
+                    edgecolor="black",
+                    alpha=0.6,
+                )
+            )
+            ax.text(
+                (cols[0] + cols[1]) / 2 / width,
+                1 - (rows[0] + rows[1]) / 2 / height,
+                _devices(ids, report.devices).replace("devices ", "dev "),
+                ha="center",
+                va="center",
+                fontsize=9,
+                wrap=True,
+            )
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        names = [("-" if d is None else f"dim {d} ({shape[d]})") for d in dims]
+        ax.set_title(
+            f"{picture['name']} {'x'.join(map(str, shape))}\n{picture['spec']}", fontsize=10
+        )
+        ax.set_ylabel(names[0])
+        ax.set_xlabel(names[1])
+    mesh = ",".join(f"{k}={v}" for k, v in report.mesh.items())
+    fig.suptitle(f"{report.strategy} on {report.devices} devices ({mesh})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+__all__ = ["groups", "plot", "render"]
