@@ -18,8 +18,8 @@ _EXPORTS = {
     "shardplug.core.devices": ("select_devices", "simulate_cpu_devices"),
     "shardplug.core.hookspecs": ("hookimpl", "hookspec"),
     "shardplug.core.mesh": ("parse_mesh",),
+    "shardplug.core.strategy": ("Strategy",),
     "shardplug.core.registry": (
-        "Strategy",
         "StrategyInfo",
         "StrategyOption",
         "get_strategy",

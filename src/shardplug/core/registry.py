@@ -21,16 +21,7 @@ from typing import Any
 import pluggy
 
 from shardplug.core import compose, hookspecs
-from shardplug.core.strategy import Strategy
-
-__all__ = [
-    "Strategy",
-    "StrategyInfo",
-    "StrategyOption",
-    "get_strategy",
-    "list_addons",
-    "list_strategies",
-]
+from shardplug.core.strategy import Strategy as Strategy  # re-exported: the run's manager
 from shardplug.errors import (
     CompositionError,
     MeshError,
