@@ -189,7 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the collectives per step next to the textbook figures, and pictures of the layout.",
     )
     _model_arguments(explain)
-    explain.add_argument("--strategy", default="dp", help="strategy name (default: dp)")
+    explain.add_argument(
+        "--strategy", default="dp", help="a strategy or parallelisms joined by '+' (default: dp)"
+    )
     explain.add_argument("--param", default=None, help="parameter to picture (default: largest)")
     explain.add_argument(
         "--all", action="store_true",
@@ -205,9 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     recommend = sub.add_parser(
         "recommend",
         help="which installed strategies fit in the device's memory, and which to use",
-        description="Compile the step with every installed strategy, read its peak memory per "
-        "device and its communication per step, and recommend: of those that fit, data "
-        "parallel when it fits (one all-reduce per step), else the one that sends least.",
+        description="Compile the step with every installed strategy and composition, read its "
+        "peak memory per device and its communication per step, and recommend: of those that "
+        "fit, one that moves only parameters and gradients, then the fewest bytes sent.",
     )
     _model_arguments(recommend)
     recommend.add_argument(
@@ -227,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--strategies",
         default="dp,fsdp,2d,pmap",
-        help="comma-separated built-ins, which have hand-written twins (default: all four)",
+        help="comma-separated strategies or compositions with a hand-written twin "
+        "(default: dp,fsdp,2d,pmap)",
     )
     bench.add_argument("--steps", type=_positive(int), default=20, help="steps per round")
     bench.add_argument("--rounds", type=_positive(int), default=7, help="interleaved rounds")

@@ -125,17 +125,9 @@ def implemented(plugin: Any) -> set[str]:
     return found
 
 
-def is_parallelism(plugin: Any) -> bool:
-    return "parallel_axis" in implemented(plugin)
-
-
 def make_part(name: str, plugin: Any, renames: Mapping[str, str]) -> Part:
-    if not is_parallelism(plugin):
-        raise CompositionError(
-            f"{name!r} is a whole strategy (it lays out the mesh itself) and does not compose: "
-            f"run it alone, or compose parallelisms (dp, fsdp, tp, or a plugin that "
-            f"implements parallel_axis)"
-        )
+    """``plugin`` (a parallelism: the registry refuses whole strategies before) as a part,
+    its axis renamed as the run asks."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     pm.register(_PartFallbacks(), name="fallbacks")
