@@ -119,11 +119,16 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     failed: tuple[int, int] | None = None  # the first worker to fail, once the others stop
     try:
-        while len(exits) < len(workers):
+        while True:
+            # A failure is named before the loop may end: the others can exit within one tick
+            # of the first, and the message must not depend on that race.
+            done = len(exits) == len(workers)
             bad = [(r, c) for r, c in list(exits) if c != 0]
             if bad and failed is None and not signalled:
                 failed = bad[0]
                 _stop(workers, lock, f"process {failed[0]} {_how(failed[1])}: stopping the others")
+            if done:
+                break
             if signalled and time.monotonic() > signalled[0][1] + GRACE_S:
                 _kill(workers)  # they had their chance to save
             time.sleep(0.05)
