@@ -213,6 +213,8 @@ class Trainer:
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(self.mesh))
         stack.enter_context(activation_rules(self.strategy.activation_rules()))
+        for context in self.strategy.trace_contexts(self.mesh):
+            stack.enter_context(context)
         return stack
 
     @property

@@ -35,6 +35,7 @@ from shardplug.core import hookspecs
 from shardplug.core.hookspecs import hookimpl
 from shardplug.core.mesh import build_mesh
 from shardplug.core.sharding import leaf_paths
+from shardplug.core.pipeline import LAYERS
 from shardplug.errors import CompositionError, MeshError, PluginError, ShardplugError
 
 #: hooks of the step a parallelism may also implement; one per composition.
@@ -93,6 +94,14 @@ class _PartFallbacks:
     @hookimpl(trylast=True)
     def gather_param(self, spec):
         return spec
+
+    @hookimpl(trylast=True)
+    def check_layout(self):
+        return None
+
+    @hookimpl(trylast=True)
+    def trace_context(self):
+        return None
 
 
 @dataclasses.dataclass
@@ -177,6 +186,7 @@ class Composition:
                 )
         self.parts = sorted(parts, key=lambda p: p.axis.rank)  # mesh order, outer first
         self._stored: dict[Any, list[P]] = {}
+        self._stacked: dict[Any, list[bool]] = {}
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -241,8 +251,18 @@ class Composition:
             self._spec(path, leaf.shape, logical, mesh)
             for path, leaf, logical in zip(paths, leaves, logicals, strict=True)
         ]
+        for part in self.parts:
+            part.call("check_layout", paths=paths, specs=specs, axis=part.axis.name)
         self._stored[(treedef, id(mesh))] = specs
+        self._stacked[(treedef, id(mesh))] = [
+            len(logical) > 0 and logical[0] == LAYERS for logical in logicals
+        ]
         return jax.tree.unflatten(treedef, specs)
+
+    def trace_contexts(self, mesh: Any) -> list[Any]:
+        """The context managers the parallelisms enter around every traced program."""
+        found = [p.call("trace_context", axis=p.axis.name, mesh=mesh) for p in self.parts]
+        return [c for c in found if c is not None]
 
     def _spec(self, path: str, shape: tuple[int, ...], logical: P, mesh: Any) -> P:
         owner: dict[int, Part] = {}
@@ -307,17 +327,27 @@ class Composition:
 
     @hookimpl
     def gather_params(self, params, mesh):
+        return self.gather(params, mesh)[0]
+
+    def gather(self, params: Any, mesh: Any) -> tuple[Any, dict[int, P]]:
+        """The parameters as the step uses them, and the layer stacks' leaves to gather one
+        layer at a time (by id, for :func:`shardplug.core.pipeline.layer_specs`): gathering
+        a whole stack before its scan would hold every layer at once."""
         leaves, treedef = jax.tree.flatten(params)
         stored = self._stored.get((treedef, id(mesh)))
         if stored is None:
-            return params
-        out = []
-        for leaf, spec in zip(leaves, stored, strict=True):
+            return params, {}
+        stacked = self._stacked[(treedef, id(mesh))]
+        out, per_layer = [], {}
+        for leaf, spec, in_stack in zip(leaves, stored, stacked, strict=True):
             used = self.used_spec(spec)
             if tuple(used) != tuple(spec):
-                leaf = jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, used))
+                if in_stack:
+                    per_layer[id(leaf)] = used
+                else:
+                    leaf = jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, used))
             out.append(leaf)
-        return jax.tree.unflatten(treedef, out)
+        return jax.tree.unflatten(treedef, out), per_layer
 
 
 def parse(name: str) -> list[str]:

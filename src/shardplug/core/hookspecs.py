@@ -365,3 +365,34 @@ def gather_param(spec: Any, axis: str) -> Any:
             mine = lambda e: e == axis or (isinstance(e, tuple) and axis in e)
             return P(*(None if mine(entry) else entry for entry in spec))
     """
+
+
+@hookspec(firstresult=True)
+def check_layout(paths: list[str], specs: list[Any], axis: str) -> None:
+    """Refuse a model this parallelism cannot split, once every parameter's layout is known.
+
+    Called once at set-up, after :func:`split_param` has run for every parameter.
+
+    :param paths: every parameter's path (``blocks/wq``).
+    :param specs: every parameter's stored ``PartitionSpec``, in the same order.
+    :param axis: this parallelism's mesh axis, as the run names it.
+    :return: None; raise a :class:`shardplug.errors.ConfigError` saying what to change.
+
+    Example, pipeline stages need a layer stack::
+
+        @hookimpl
+        def check_layout(self, specs, axis):
+            if not any(axis in tuple(s) for s in specs):
+                raise ConfigError("pp needs a layer stack: build the blocks with shardplug.stack")
+    """
+
+
+@hookspec(firstresult=True)
+def trace_context(axis: str, mesh: Any) -> Any:
+    """A context manager entered around the tracing of every program of the run.
+
+    :param axis: this parallelism's mesh axis, as the run names it.
+    :param mesh: the run's mesh.
+    :return: a context manager, or None. ``pp`` returns one under which every layer stack
+        (:mod:`shardplug.stack`) runs its pipeline schedule instead of a plain scan.
+    """

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core.context import batch_axis_name, manual_axes, per_device_program
+from shardplug.core.pipeline import layer_specs
 from shardplug.core.registry import Strategy
 from shardplug.core.sharding import leading_axes
 from shardplug.errors import ConfigError
@@ -145,8 +146,9 @@ def make_step(
     def loss_of(params, model_state, batch, rng):
         if compute is not None:  # cast before gathering: fsdp's all-gathers move half the bytes
             params, batch = _cast_floats((params, batch), compute)
-        params = strategy.gather_params(params, mesh)
-        return _forward(adapter, loss_fn, extras, params, model_state, rng, batch, True)
+        params, per_layer = strategy.gather_for_step(params, mesh)
+        with layer_specs(per_layer):
+            return _forward(adapter, loss_fn, extras, params, model_state, rng, batch, True)
 
     value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
 
@@ -349,10 +351,11 @@ def make_eval_step(
     extras = loss_extras(loss_fn)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        params = strategy.gather_params(state.params, mesh)
-        loss, (metrics, _) = _forward(
-            adapter, loss_fn, extras, params, state.model_state, step_key(state), batch, False
-        )
+        params, per_layer = strategy.gather_for_step(state.params, mesh)
+        with layer_specs(per_layer):
+            loss, (metrics, _) = _forward(
+                adapter, loss_fn, extras, params, state.model_state, step_key(state), batch, False
+            )
         return state, {"loss": loss, **metrics}
 
     return step

@@ -140,6 +140,17 @@ class Strategy:
     def gather_params(self, params: Any, mesh: Any) -> Any:
         return self._call("gather_params", params=params, mesh=mesh)
 
+    def gather_for_step(self, params: Any, mesh: Any) -> tuple[Any, dict[int, Any]]:
+        """:meth:`gather_params`, and (for a composition) the layer stacks' leaves that are
+        gathered one layer at a time inside their scan instead."""
+        if self.composition is not None:
+            return self.composition.gather(params, mesh)
+        return self.gather_params(params, mesh), {}
+
+    def trace_contexts(self, mesh: Any) -> list[Any]:
+        """The context managers the run's parallelisms enter around every traced program."""
+        return [] if self.composition is None else self.composition.trace_contexts(mesh)
+
     def reduce_grads(self, grads: Any, mesh: Any) -> Any:
         return self._call("reduce_grads", grads=grads, mesh=mesh)
 

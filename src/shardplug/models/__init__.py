@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from shardplug.errors import UnknownModelError
+from shardplug.core.pipeline import REMAT_POLICIES
+from shardplug.errors import ConfigError, UnknownModelError
 from shardplug.models import data, equinox_models, linen_models, nnx_models
 from shardplug.models.adapter import Adapter, Rules, apply_rules
 from shardplug.models.equinox_adapter import from_equinox
@@ -62,11 +63,37 @@ class ReferenceModel:
     batches: Callable[..., Iterator[dict[str, Any]]]
     learning_rate: float
     batch_size: int = 64
+    #: the options its builders take (the transformer's ``layers`` and ``remat``)
+    options: tuple[str, ...] = ()
 
-    def adapter(self, framework: str = "nnx") -> Adapter:
-        """This model in ``framework`` (``nnx``, ``linen`` or ``equinox``), adapted."""
+    def adapter(self, framework: str = "nnx", **options: Any) -> Adapter:
+        """This model in ``framework`` (``nnx``, ``linen`` or ``equinox``), adapted.
+
+        The transformer takes ``layers`` (its depth, default 2) and ``remat`` (``none``,
+        ``dots`` or ``full``: what each block recomputes in the backward pass).
+        """
         check_adapter(framework)
-        return self.builders[framework]()
+        given = {k: v for k, v in options.items() if v is not None}
+        self.check_options(**given)
+        return self.builders[framework](**given)
+
+    def check_options(self, **options: Any) -> None:
+        """Raise :class:`ConfigError` for an option this model does not take or a bad value."""
+        for key, value in options.items():
+            if value is None:
+                continue
+            if key not in self.options:
+                takes = ", ".join(self.options) or "none"
+                raise ConfigError(
+                    f"model {self.name!r} takes no option {key!r} (it takes: {takes}); "
+                    f"the transformer has layers and remat"
+                )
+            if key == "layers" and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"layers must be a positive integer, got {value!r}")
+            if key == "remat" and value not in REMAT_POLICIES:
+                raise ConfigError(
+                    f"remat must be one of {', '.join(REMAT_POLICIES)}, got {value!r}"
+                )
 
     def loss_fn(
         self,
@@ -83,10 +110,18 @@ class ReferenceModel:
 
 
 def _reference(name, description, nnx_build, linen_module, eqx_build, eqx_rules, **kwargs):
+    """A reference model; builders given as functions of its options return the model."""
+    takes = kwargs.get("options", ())
+
+    def made(build, options):
+        return build(**options) if takes else build
+
     builders = {
-        "nnx": lambda: from_nnx(nnx_build),
-        "linen": lambda: from_linen(linen_module, linen_models.sample_input(name)),
-        "equinox": lambda: from_equinox(eqx_build, rules=eqx_rules),
+        "nnx": lambda **o: from_nnx(made(nnx_build, o)),
+        "linen": lambda **o: from_linen(
+            made(linen_module, o), linen_models.sample_input(name)
+        ),
+        "equinox": lambda **o: from_equinox(made(eqx_build, o), rules=eqx_rules),
     }
     return ReferenceModel(name, description, builders, **kwargs)
 
@@ -122,7 +157,7 @@ MODELS: dict[str, ReferenceModel] = {
             "transformer",
             "decoder-only transformer LM on a sparse Markov chain",
             nnx_models.transformer,
-            linen_models.MODULES["transformer"],
+            linen_models.TransformerLM,
             equinox_models.transformer,
             equinox_models.TRANSFORMER_RULES,
             inputs="tokens",
@@ -130,6 +165,7 @@ MODELS: dict[str, ReferenceModel] = {
             batches=data.markov,
             learning_rate=3e-3,
             batch_size=32,
+            options=("layers", "remat"),
         ),
         _reference(
             "cnn",

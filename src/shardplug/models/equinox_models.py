@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from shardplug import stack
 from shardplug.models import data
 from shardplug.models.layers import batch_moments, dropout
 from shardplug.models.nnx_models import (
@@ -88,23 +89,24 @@ class Block(eqx.Module):
 class TransformerLM(eqx.Module):
     embed: jax.Array
     position: jax.Array
-    blocks: list[Block]
+    blocks: Block  # stacked: every array has a leading layer dimension
     norm: tuple[jax.Array, jax.Array]
     unembed: jax.Array
+    remat: str = eqx.field(static=True, default="none")
 
-    def __init__(self, key: jax.Array):
-        keys = jax.random.split(key, LAYERS + 3)
+    def __init__(self, key: jax.Array, layers: int = LAYERS, remat: str = "none"):
+        keys = jax.random.split(key, 4)
         normal = jax.nn.initializers.normal(0.02)
         self.embed = normal(keys[0], (data.VOCAB, EMBED))
         self.position = normal(keys[1], (data.SEQ_LEN, EMBED))
-        self.blocks = [Block(k) for k in keys[2:-1]]
+        self.blocks = stack.equinox_layers(Block, layers, keys[2])
         self.norm = (jnp.ones(EMBED), jnp.zeros(EMBED))
-        self.unembed = normal(keys[-1], (EMBED, data.VOCAB))
+        self.unembed = normal(keys[3], (EMBED, data.VOCAB))
+        self.remat = remat
 
     def __call__(self, tokens, *, key=None, inference=False):
         x = self.embed[tokens] + self.position[None, : tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
+        x = stack.apply(self.blocks, x, remat=self.remat)
         return _layer_norm(x, *self.norm) @ self.unembed
 
 
@@ -112,11 +114,12 @@ TRANSFORMER_RULES = {
     r"embed": ("vocab", "embed"),
     r"position": (None, "embed"),
     r"unembed": ("embed", "vocab"),
-    r"blocks/\d+/w[qkv]": ("embed", "heads", "kv"),
-    r"blocks/\d+/wo": ("heads", "kv", "embed"),
-    r"blocks/\d+/wi": ("embed", "mlp"),
-    r"blocks/\d+/wf": ("mlp", "embed"),
-    r"(blocks/\d+/norm[12]|norm)/[01]": ("embed",),
+    r"blocks/w[qkv]": ("layers", "embed", "heads", "kv"),
+    r"blocks/wo": ("layers", "heads", "kv", "embed"),
+    r"blocks/wi": ("layers", "embed", "mlp"),
+    r"blocks/wf": ("layers", "mlp", "embed"),
+    r"blocks/norm[12]/[01]": ("layers", "embed"),
+    r"norm/[01]": ("embed",),
 }
 
 
@@ -191,8 +194,9 @@ def classifier(key):
     return MLP(data.CLASSIFICATION_INPUTS, 128, data.CLASSES, key)
 
 
-def transformer(key):
-    return TransformerLM(key)
+def transformer(layers: int = LAYERS, remat: str = "none"):
+    """A function ``key -> TransformerLM`` of this depth and remat policy."""
+    return lambda key: TransformerLM(key, layers, remat)
 
 
 def cnn(key):

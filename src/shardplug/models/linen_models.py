@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from shardplug import stack
 from shardplug.core.context import batch_axis_name
 from shardplug.models import data
 from shardplug.models.layers import dropout
@@ -71,13 +72,15 @@ class Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
+    layers: int = LAYERS
+    remat: str = "none"
+
     @nn.compact
     def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
         embed = _param(self, "embed", (data.VOCAB, EMBED), ("vocab", "embed"))
         position = _param(self, "position", (data.SEQ_LEN, EMBED), (None, "embed"))
         x = embed[tokens] + position[None, : tokens.shape[1]]
-        for _ in range(LAYERS):
-            x = Block()(x)
+        x = stack.LinenLayers(Block, self.layers, self.remat, name="blocks")(x)
         return _norm()(x) @ _param(self, "unembed", (EMBED, data.VOCAB), ("embed", "vocab"))
 
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardplug import stack
 from shardplug.core.context import batch_axis_name
 from shardplug.models import data
 from shardplug.models.layers import dropout
@@ -63,14 +64,15 @@ def _norm(rngs: nnx.Rngs) -> nnx.LayerNorm:
 
 
 def attention(x, wq, wk, wv, wo):
-    """Causal multi-head attention on ``x`` (batch, seq, embed); shared by all frameworks."""
+    """Causal multi-head attention on ``x`` (batch, seq, embed); shared by all frameworks.
+
+    ``jax.nn.dot_product_attention`` picks the backend's fused kernel where it has one
+    (cuDNN flash attention on a GPU) and XLA's otherwise.
+    """
     q = jnp.einsum("bse,ehd->bshd", x, wq)
     k = jnp.einsum("bse,ehd->bshd", x, wk)
     v = jnp.einsum("bse,ehd->bshd", x, wv)
-    scores = jnp.einsum("bshd,bthd->bhst", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
-    causal = jnp.tril(jnp.ones((1, 1, x.shape[1], x.shape[1]), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-    attended = jnp.einsum("bhst,bthd->bshd", jax.nn.softmax(scores, axis=-1), v)
+    attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     return jnp.einsum("bshd,hde->bse", attended, wo)
 
 
@@ -91,24 +93,25 @@ class Block(nnx.Module):
 
 
 class TransformerLM(nnx.Module):
-    """Token and position embeddings, blocks, a final norm and an unembedding."""
+    """Token and position embeddings, a stack of blocks, a final norm and an unembedding."""
 
-    def __init__(self, *, rngs: nnx.Rngs):
+    def __init__(self, *, rngs: nnx.Rngs, layers: int = LAYERS, remat: str = "none"):
         self.embed = _param(rngs, (data.VOCAB, EMBED), ("vocab", "embed"))
         self.position = _param(rngs, (data.SEQ_LEN, EMBED), (None, "embed"))
-        self.blocks = nnx.List([Block(rngs=rngs) for _ in range(LAYERS)])
+        self.blocks = stack.nnx_layers(lambda r: Block(rngs=r), layers, rngs)
         self.norm = _norm(rngs)
         self.unembed = _param(rngs, (EMBED, data.VOCAB), ("embed", "vocab"))
+        self.remat = remat
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed[...][tokens] + self.position[...][None, : tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
+        x = stack.apply(self.blocks, x, remat=self.remat)
         return self.norm(x) @ self.unembed[...]
 
 
-def transformer(rngs: nnx.Rngs) -> TransformerLM:
-    return TransformerLM(rngs=rngs)
+def transformer(layers: int = LAYERS, remat: str = "none"):
+    """A function ``rngs -> TransformerLM`` of this depth and remat policy."""
+    return lambda rngs: TransformerLM(rngs=rngs, layers=layers, remat=remat)
 
 
 # The CNN: convolutions with BatchNorm, then dropout and a linear head.

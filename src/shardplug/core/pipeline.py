@@ -1,0 +1,241 @@
+"""A layer stack applied by a scan, or by a pipeline schedule over the ``stage`` axis.
+
+:func:`run_stack` is what :mod:`shardplug.stack` calls: a ``lax.scan`` over the stack's
+leading (layer) dimension, each block rematerialised by the policy asked for. While a
+pipeline is active (the ``pp`` parallelism enters :func:`pipelined` around every traced
+program) it instead runs the schedule below inside ``jax.shard_map``, manual over the stage
+axis only, so the other axes (``data``, ``fsdp``, ``model``) stay the compiler's.
+
+**The schedule.** The batch is cut into M microbatches (rows ``m, m+M, ...``, so each stays
+spread over the batch axes). The L layers are R*S groups of G = L/(R*S) consecutive layers;
+stage ``s`` holds groups ``s, s+S, ..., s+(R-1)S`` (GPipe: R = 1, one group of L/S). Stage
+``s`` works on unit ``u = t - s`` at tick ``t`` (unit ``u`` is repeat ``u // M`` of
+microbatch ``u % M``), so a unit's input is what stage ``s-1`` sent at the tick before
+(``ppermute``, one per tick); stage 0 takes microbatch ``m`` in its first repeat and what
+the last stage sent back round the ring for ``m`` in the later ones. R*M + S - 1 ticks in
+all, (S-1) of them idle on each stage: the bubble is (S-1)/(R*M+S-1). The backward pass is
+autodiff through the schedule (the permutes reversed). Each tick's stage computation is
+rematerialised by default, so a stage keeps its inputs per tick, not every activation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from shardplug.errors import ConfigError
+
+REMAT_POLICIES = ("none", "dots", "full")
+#: the logical name of a layer stack's leading dimension
+LAYERS = "layers"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """A pipeline schedule: the stage axis, its size, microbatches, repeats, remat."""
+
+    axis: str
+    stages: int
+    microbatches: int
+    repeats: int = 1
+    remat: bool = True
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction of each stage's ticks: (S-1)/(R*M+S-1)."""
+        s, m, r = self.stages, self.microbatches, self.repeats
+        return (s - 1) / (r * m + s - 1)
+
+    def resolve(self, batch: int | None) -> Pipeline:
+        """This schedule with its microbatch count chosen for ``batch`` rows where it was
+        left to choose (0): 4 x stages, or the largest divisor of the batch below that (a
+        multiple of the stages for the circular schedule)."""
+        if self.microbatches or batch is None:
+            return self
+        step = self.stages if self.repeats > 1 else 1
+        fits = [m for m in range(step, 4 * self.stages + 1, step) if batch % m == 0]
+        return dataclasses.replace(self, microbatches=max(fits) if fits else self.stages)
+
+    @property
+    def ticks(self) -> int:
+        return self.repeats * self.microbatches + self.stages - 1
+
+    def check(self, layers: int, batch: int) -> None:
+        """Refuse, in one line each, a stack or batch this schedule cannot split."""
+        s, m, r = self.stages, self.microbatches, self.repeats
+        if layers % (s * r):
+            what = f"{s} stages" if r == 1 else f"{s} stages x {r} repeats"
+            raise ConfigError(
+                f"{what} do not divide the layer stack's {layers} layers: choose --layers as a "
+                f"multiple of {s * r}, or another stage count (--mesh stage=N) or repeats"
+            )
+        if batch % m:
+            raise ConfigError(
+                f"{m} microbatches do not divide the batch of {batch}: choose -o "
+                f"microbatches=M with M dividing {batch}"
+            )
+        if r > 1 and m % s:
+            raise ConfigError(
+                f"the circular schedule (repeats={r}) needs microbatches a multiple of the "
+                f"{s} stages, got {m}: use -o microbatches={s * max(1, m // s)}"
+            )
+
+
+_PIPELINE: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar(
+    "shardplug_pipeline", default=None
+)
+#: id(stacked parameter) -> its layout where one layer is used (set by gather_params)
+_LAYER_SPECS: contextvars.ContextVar[dict[int, P] | None] = contextvars.ContextVar(
+    "shardplug_layer_specs", default=None
+)
+
+
+def active() -> Pipeline | None:
+    """The pipeline the current program is traced under, if any."""
+    return _PIPELINE.get()
+
+
+@contextlib.contextmanager
+def pipelined(pipeline: Pipeline | None) -> Iterator[None]:
+    """Trace the code inside with every layer stack run by ``pipeline``'s schedule."""
+    token = _PIPELINE.set(pipeline)
+    try:
+        yield
+    finally:
+        _PIPELINE.reset(token)
+
+
+@contextlib.contextmanager
+def layer_specs(specs: dict[int, P]) -> Iterator[None]:
+    """Inside, the stacked parameters named by id are gathered one layer at a time."""
+    token = _LAYER_SPECS.set({**(_LAYER_SPECS.get() or {}), **specs})
+    try:
+        yield
+    finally:
+        _LAYER_SPECS.reset(token)
+
+
+def remat(fn: Callable, policy: str) -> Callable:
+    """``fn`` with its activations kept (``none``), all recomputed in the backward pass
+    (``full``), or all but the outputs of matrix products without batch dimensions
+    (the weight products) recomputed (``dots``)."""
+    if policy not in REMAT_POLICIES:
+        raise ConfigError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {policy!r}")
+    if policy == "none":
+        return fn
+    if policy == "full":
+        return jax.checkpoint(fn)
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+
+def _layer_gather(params: Any) -> Callable[[Any], Any]:
+    """A function constraining one layer's slice of ``params`` where the step uses it."""
+    specs = _LAYER_SPECS.get() or {}
+    leaves, treedef = jax.tree.flatten(params)
+    used = [specs.get(id(leaf)) for leaf in leaves]
+    if not any(s is not None for s in used):
+        return lambda layer: layer
+
+    def gather(layer):
+        out = [
+            leaf if spec is None else jax.lax.with_sharding_constraint(leaf, P(*spec[1:]))
+            for leaf, spec in zip(jax.tree.leaves(layer), used, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, out)
+
+    return gather
+
+
+def layers_of(params: Any) -> int:
+    sizes = {leaf.shape[0] for leaf in jax.tree.leaves(params)}
+    if len(sizes) != 1:
+        raise ConfigError(
+            f"a layer stack's parameters must share their leading (layer) dimension, got "
+            f"sizes {sorted(sizes)}"
+        )
+    return sizes.pop()
+
+
+def run_stack(fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array,
+              policy: str = "none") -> jax.Array:  # fmt: skip
+    """Apply ``fn(layer_params, x)`` for each layer of ``params`` in turn (see the module)."""
+    block = remat(fn, policy)
+    gather = _layer_gather(params)
+    layers = layers_of(params)
+    pipeline = active()
+    if pipeline is None:
+        return jax.lax.scan(lambda h, layer: (block(gather(layer), h), None), x, params)[0]
+    pipeline = pipeline.resolve(x.shape[0])
+    pipeline.check(layers, x.shape[0])
+    return _pipeline(lambda w, h: block(gather(w), h), params, x, pipeline, layers)
+
+
+def circular_order(layers: int, stages: int, repeats: int) -> jnp.ndarray:
+    """The layer indices in the order the stage axis stores them for the circular schedule:
+    stage ``s``'s contiguous share holds groups ``s, s+S, ...`` (identity when R = 1)."""
+    g = layers // (stages * repeats)
+    idx = jnp.arange(layers).reshape(repeats, stages, g)
+    return idx.transpose(1, 0, 2).reshape(-1)
+
+
+def _pipeline(block, params, x, pl: Pipeline, layers: int) -> jax.Array:
+    s_, m_, r_ = pl.stages, pl.microbatches, pl.repeats
+    g_ = layers // (s_ * r_)
+    if r_ > 1:  # each stage's share must hold its R non-adjacent groups: reorder the stack
+        order = circular_order(layers, s_, r_)
+        params = jax.tree.map(lambda w: jnp.take(w, order, axis=0), params)
+    batch = x.shape[0]
+    # microbatch m is rows m, m+M, ...: each stays spread over the batch's axes
+    xs = x.reshape(batch // m_, m_, *x.shape[1:]).swapaxes(0, 1)
+
+    def stage_program(local, xs):
+        stage = jax.lax.axis_index(pl.axis)
+        local = jax.tree.map(lambda w: w.reshape(r_, g_, *w.shape[1:]), local)
+
+        def group(ws, h):
+            return jax.lax.scan(lambda h, w: (block(w, h), None), h, ws)[0]
+
+        run = jax.checkpoint(group) if pl.remat else group
+        vary = lambda a: jax.lax.pcast(a, (pl.axis,), to="varying")  # noqa: E731
+        recv = vary(jnp.zeros_like(xs[0]))
+        outs = vary(jnp.zeros_like(xs))
+        ring = vary(jnp.zeros_like(xs)) if r_ > 1 else None
+        perm = [(i, (i + 1) % s_) for i in range(s_)]
+
+        def tick(carry, t):
+            recv, outs, ring = carry
+            u = t - stage
+            valid = (u >= 0) & (u < r_ * m_)
+            u = jnp.clip(u, 0, r_ * m_ - 1)
+            rep, m = u // m_, u % m_
+            first = xs[m] if ring is None else jnp.where(rep == 0, xs[m], ring[m])
+            h = jnp.where(stage == 0, first, recv)
+            ws = jax.tree.map(lambda w: w[rep], local)
+            y = run(ws, h)
+            last = valid & (stage == s_ - 1) & (rep == r_ - 1)
+            outs = jnp.where(last, outs.at[m].set(y), outs)
+            sent = jax.lax.ppermute(y, pl.axis, perm)
+            if ring is not None:  # stage 0 keeps what comes back round for later repeats
+                back = t - (s_ - 1)
+                keep = (stage == 0) & (back >= 0) & (back < (r_ - 1) * m_)
+                ring = jnp.where(keep, ring.at[jnp.clip(back, 0) % m_].set(sent), ring)
+            return (sent, outs, ring), None
+
+        (_, outs, _), _ = jax.lax.scan(tick, (recv, outs, ring), jnp.arange(pl.ticks))
+        # the last stage holds the outputs; every stage needs them for the layers after
+        return jax.lax.psum(jnp.where(stage == s_ - 1, outs, jnp.zeros_like(outs)), pl.axis)
+
+    out = jax.shard_map(
+        stage_program,
+        in_specs=(jax.tree.map(lambda _: P(pl.axis), params), P()),
+        out_specs=P(),
+        axis_names={pl.axis},
+    )(params, xs)
+    return out.swapaxes(0, 1).reshape(x.shape)

@@ -1,0 +1,80 @@
+"""Pipeline parallel over the `stage` axis: a layer stack's layers split into stages.
+
+A model's layer stack (:mod:`shardplug.stack`) has its leading layer dimension split over
+``stage``: stage ``s`` holds L/S consecutive layers (GPipe) or R non-adjacent groups of
+L/(R*S) (circular, ``repeats=R``). Every stack call in the step runs the schedule of
+:mod:`shardplug.core.pipeline`: the batch cut into M microbatches, activations passed to
+the next stage with ``ppermute``, the backward pass by autodiff through the schedule. The
+layers before and after the stack (embeddings, head) are replicated over ``stage`` and
+split by the other parallelisms of the composition (``pp+fsdp+tp``: 3D parallelism).
+
+Idle share of each stage (the bubble): (S-1)/(R*M+S-1). Four stages need 27 microbatches
+for 90% of their ticks busy (GPipe); the default is 4 x stages, or the largest divisor of
+the batch below that.
+"""
+
+from __future__ import annotations
+
+from shardplug.core.pipeline import LAYERS, Pipeline, pipelined
+from shardplug.errors import ConfigError
+from shardplug.plugin import Axis, StrategyOptionError, hookimpl
+
+
+class PipelineParallel:
+    """Pipeline parallel: a layer stack's layers split into stages over `stage`.
+
+    :param microbatches: microbatches per step (M); 0 chooses 4 x stages, or the largest
+        divisor of the batch below that (at least the stage count where the batch allows).
+    :param repeats: groups of layers per stage (R); above 1 the schedule is circular
+        (interleaved), bubble (S-1)/(R*M+S-1), and M must be a multiple of the stages.
+    :param remat: recompute each stage's activations in the backward pass (memory: the
+        stage inputs of every microbatch, not every activation); False keeps them.
+    """
+
+    def __init__(self, microbatches: int = 0, repeats: int = 1, remat: bool = True):
+        if not isinstance(microbatches, int) or microbatches < 0:
+            raise StrategyOptionError(
+                f"pp option microbatches must be a non-negative integer, got {microbatches!r}"
+            )
+        if not isinstance(repeats, int) or repeats < 1:
+            raise StrategyOptionError(
+                f"pp option repeats must be a positive integer, got {repeats!r}"
+            )
+        self.microbatches = microbatches
+        self.repeats = repeats
+        self.remat = bool(remat)
+
+    @hookimpl
+    def parallel_axis(self):
+        return Axis("stage", rank=Axis.STAGE)
+
+    @hookimpl
+    def split_param(self, shape, logical, axis, size, taken):
+        names = tuple(logical)
+        if not names or names[0] != LAYERS or 0 in taken:
+            return None
+        if shape[0] % (size * self.repeats):
+            what = f"{size} stages" if self.repeats == 1 else f"{size} stages x {self.repeats}"
+            raise ConfigError(
+                f"{what} do not divide the layer stack's {shape[0]} layers: choose a layer "
+                f"count that is a multiple of {size * self.repeats} (--layers), or another "
+                f"stage count (--mesh stage=N)"
+            )
+        return 0
+
+    @hookimpl
+    def check_layout(self, paths, specs, axis):
+        if not any(len(spec) and spec[0] == axis for spec in specs):
+            raise ConfigError(
+                f"pp splits a layer stack over {axis!r}, and this model has none: build its "
+                f"blocks with shardplug.stack (nnx_layers, LinenLayers or equinox_layers) so "
+                f"their parameters carry a leading 'layers' dimension"
+            )
+
+    @hookimpl
+    def trace_context(self, axis, mesh):
+        return pipelined(self.schedule(axis, mesh.shape[axis]))
+
+    def schedule(self, axis: str, stages: int, batch: int | None = None) -> Pipeline:
+        """The schedule for ``stages`` stages; with ``batch``, its microbatch count resolved."""
+        return Pipeline(axis, stages, self.microbatches, self.repeats, self.remat).resolve(batch)

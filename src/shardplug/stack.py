@@ -1,0 +1,136 @@
+"""Layer stacks: N identical blocks held as one stacked set of parameters, applied by a scan.
+
+A stack's parameters carry a leading layer dimension, named ``layers`` in their logical
+annotations. Under every strategy the stack is a ``lax.scan`` over that dimension (one
+block compiled once, whatever the depth); under ``pp`` the same call runs the pipeline
+schedule, the layer dimension split over the ``stage`` axis. Parameter paths do not depend
+on the strategy (``blocks/wq`` with shape ``(layers, ...)``), so a checkpoint written under
+``pp`` resumes under ``fsdp`` and back.
+
+A block must be a pure function of its parameters and its input, of the same shape as its
+output: no dropout keys, no batch statistics (keep those outside the stack).
+
+Flax NNX::
+
+    self.blocks = shardplug.stack.nnx_layers(lambda rngs: Block(rngs=rngs), layers, rngs)
+    ...
+    x = shardplug.stack.apply(self.blocks, x, remat="dots")
+
+Equinox::
+
+    self.blocks = shardplug.stack.equinox_layers(Block, layers, key)   # Block(key)
+    ...
+    x = shardplug.stack.apply(self.blocks, x)
+
+Flax Linen (``Block`` a module class, built with no arguments)::
+
+    x = shardplug.stack.LinenLayers(Block, layers, name="blocks")(x)
+
+Any framework, on a pytree of stacked arrays: ``shardplug.stack.scan(fn, params, x)`` with
+``fn(layer_params, x) -> x``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+from flax import nnx
+
+from shardplug.core.pipeline import LAYERS, REMAT_POLICIES, run_stack
+from shardplug.errors import ConfigError
+
+__all__ = ["LAYERS", "REMAT_POLICIES", "LinenLayers", "apply", "equinox_layers",
+           "nnx_layers", "scan"]  # fmt: skip
+
+
+def scan(
+    fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array, *, remat: str = "none"
+) -> jax.Array:
+    """``fn(params[i], x)`` for each layer ``i`` in turn, as a scan (or ``pp``'s schedule).
+
+    :param fn: one block: its parameters (one layer's slice of ``params``) and the input.
+    :param params: a pytree of arrays with one leading layer dimension.
+    :param remat: ``none`` keeps each block's activations for the backward pass, ``full``
+        recomputes them, ``dots`` keeps only the weight matrix products' outputs.
+    """
+    return run_stack(fn, params, x, remat)
+
+
+def _check_count(layers: int) -> None:
+    if not isinstance(layers, int) or layers < 1:
+        raise ConfigError(f"a layer stack needs a positive number of layers, got {layers!r}")
+
+
+def nnx_layers(make_block: Callable[[Any], Any], layers: int, rngs: Any) -> Any:
+    """``layers`` NNX blocks as one module whose every variable has a leading layer dimension
+    (its sharding names gain ``layers`` in front). ``make_block(rngs)`` builds one block."""
+    _check_count(layers)
+
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def build(rngs):
+        return make_block(rngs)
+
+    return build(rngs)
+
+
+def equinox_layers(make_block: Callable[[jax.Array], Any], layers: int, key: jax.Array) -> Any:
+    """``layers`` Equinox blocks as one module whose arrays have a leading layer dimension.
+    ``make_block(key)`` builds one block. Its sharding rules name the extra dimension:
+    ``r"blocks/wq": ("layers", "embed", "heads", "kv")``."""
+    _check_count(layers)
+    return eqx.filter_vmap(make_block)(jax.random.split(key, layers))
+
+
+def apply(stack: Any, x: jax.Array, *, remat: str = "none") -> jax.Array:
+    """Run an NNX or Equinox stack (from :func:`nnx_layers` / :func:`equinox_layers`) on ``x``."""
+    if isinstance(stack, nnx.Module):
+        graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
+        if jax.tree.leaves(rest):
+            raise ConfigError(
+                "a layer stack's blocks may hold only nnx.Param variables (found batch "
+                "statistics or random state): keep dropout and BatchNorm outside the stack"
+            )
+        return scan(lambda p, h: nnx.merge(graphdef, p, rest)(h), params, x, remat=remat)
+    if isinstance(stack, eqx.Module):
+        params, static = eqx.partition(stack, eqx.is_array)
+        return scan(lambda p, h: eqx.combine(p, static)(h), params, x, remat=remat)
+    raise ConfigError(
+        f"shardplug.stack.apply takes a stack from nnx_layers or equinox_layers, got "
+        f"{type(stack).__name__}; for Linen use shardplug.stack.LinenLayers"
+    )
+
+
+class LinenLayers(nn.Module):
+    """``layers`` copies of the Linen module ``block`` (a class or a no-argument factory),
+    their parameters stacked under this module's name with ``layers`` leading."""
+
+    block: Callable[..., nn.Module]
+    layers: int
+    remat: str = "none"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        _check_count(self.layers)
+        one = self.block(parent=None)
+        shapes = jax.eval_shape(lambda k: one.init(k, x[:1])["params"], jax.random.key(0))
+
+        def build(key, name):
+            keys = jax.random.split(key, self.layers)
+            return _prepend_layers(jax.vmap(lambda k: one.init(k, x[:1])["params"][name])(keys))
+
+        params = {name: self.param(name, build, name) for name in shapes}
+        return scan(lambda p, h: one.apply({"params": p}, h), params, x, remat=self.remat)
+
+
+def _prepend_layers(tree: Any) -> Any:
+    def add(leaf):
+        if isinstance(leaf, nn.Partitioned):
+            return leaf.replace(names=(LAYERS, *leaf.names))
+        return leaf
+
+    return jax.tree.map(add, tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
