@@ -65,12 +65,12 @@ def test_each_replicated_parameter_says_why(reports):
     assert why["2d"]["norm/scale"] == "the rule splits none of its logical axes ('embed',)"
     assert why["fsdp"]["embed"] is None  # split, so nothing to explain
     split = {p.path: p.spec for p in reports["2d"].params}
-    assert split["blocks/0/wi"] == "P(None, 'model')"
+    assert split["blocks/wi"] == "P(None, None, 'model')"
 
 
 def test_pictures_show_every_device_once_per_block(reports):
     batch, param = reports["fsdp"].pictures
-    assert batch["name"] == "targets" and param["name"] == "blocks/0/wf"
+    assert batch["name"] == "targets" and param["name"] == "blocks/wf"
     assert sorted(i for block in batch["blocks"] for i in block[2]) == list(range(8))
     two_d_param = reports["2d"].pictures[1]
     assert [ids for _, _, ids in two_d_param["blocks"]] == [[0, 2, 4, 6], [1, 3, 5, 7]]
@@ -163,10 +163,19 @@ def test_bench_needs_a_hand_written_twin(monkeypatch):
 
 
 def test_explain_groups_parameters_that_share_a_layout_unless_all(capsys):
-    assert main(["explain", "--model", "transformer", "--strategy", "fsdp"]) == 0
+    from shardplug.explain import ParamReport
+    from shardplug.views import groups
+
+    def report(path, spec="P('fsdp')"):
+        return ParamReport(path, (64, 64), "float32", spec, 2048, False, None)
+
+    rows = groups([report("blocks/0/wq"), report("blocks/1/wq"), report("blocks/1/wo", "P()")])
+    assert [(r["path"], r["count"], r["bytes_per_device"]) for r in rows] == [
+        ("blocks/*/wq", 2, 4096), ("blocks/*/wo", 1, 2048)
+    ]
+    assert main(["explain", "--model", "transformer", "--strategy", "fsdp", "--layers", "2"]) == 0
     grouped = capsys.readouterr().out
-    assert "parameters (25 in 15 groups; --all for each)" in grouped
-    assert "blocks/*/wq" in grouped and "blocks/0/wq" not in grouped
+    assert "parameters (15 in 14 groups; --all for each)" in grouped
     assert main(["explain", "--model", "transformer", "--strategy", "fsdp", "--all"]) == 0
     every = capsys.readouterr().out
-    assert "blocks/0/wq" in every and "blocks/1/wq" in every and "groups" not in every
+    assert "blocks/wq" in every and "groups" not in every

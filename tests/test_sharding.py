@@ -55,9 +55,9 @@ def test_fsdp_holds_one_eighth_of_every_large_parameter_and_its_adam_moments():
 
 def test_fsdp_follows_annotations_to_the_embed_dimension():
     specs = by_path(make_trainer("fsdp").param_shardings)
-    assert specs["blocks/0/wq"].spec == P("fsdp")  # ("embed", "heads", "kv")
-    assert specs["blocks/0/wo"].spec == P(None, None, "fsdp")  # ("heads", "kv", "embed")
-    assert specs["blocks/0/wf"].spec == P(None, "fsdp")  # ("mlp", "embed")
+    assert specs["blocks/wq"].spec == P(None, "fsdp")  # ("layers", "embed", "heads", "kv")
+    assert specs["blocks/wo"].spec == P(None, None, None, "fsdp")  # (.., "heads", "kv", "embed")
+    assert specs["blocks/wf"].spec == P(None, None, "fsdp")  # ("layers", "mlp", "embed")
     assert specs["embed"].spec == P(None, "fsdp")  # ("vocab", "embed")
     assert specs["norm/scale"].spec == P()  # 64 elements: below min_size
 
@@ -90,10 +90,10 @@ def test_2d_shards_annotated_dimensions_on_model_and_replicates_over_data():
     trainer = make_trainer("2d", mesh="data=2,model=4")
     params = by_path(trainer.state.params)
     expected = {
-        "blocks/0/wq": (P(None, "model"), (64, 1, 16)),  # heads 4 / 4
-        "blocks/0/wo": (P("model"), (1, 16, 64)),
-        "blocks/0/wi": (P(None, "model"), (64, 64)),  # mlp 256 / 4
-        "blocks/0/wf": (P("model"), (64, 64)),
+        "blocks/wq": (P(None, None, "model"), (2, 64, 1, 16)),  # heads 4 / 4
+        "blocks/wo": (P(None, "model"), (2, 1, 16, 64)),
+        "blocks/wi": (P(None, None, "model"), (2, 64, 64)),  # mlp 256 / 4
+        "blocks/wf": (P(None, "model"), (2, 64, 64)),
         "embed": (P("model"), (16, 64)),  # vocab 64 / 4
         "unembed": (P(None, "model"), (64, 16)),
         "norm/scale": (P(), (64,)),

@@ -54,6 +54,8 @@ class Report:
     pictures: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: where the compiled program and the textbook part ways, and why
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: a pipeline run's schedule, stack bytes and permute traffic (see :func:`_pipeline`)
+    pipeline: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -293,7 +295,53 @@ def explain(
         compile_seconds=trainer.compile_seconds,
         pictures=pictures,
         notes=notes,
+        pipeline=_pipeline(trainer, params, flat_shardings, found, batch_axes),
     )
+
+
+def _pipeline(trainer, params, shardings, found, batch_axes) -> dict[str, Any] | None:
+    """Stages, microbatches, repeats and bubble; the layer stack's bytes (whole and per
+    device); which layers each stage holds; and the collective-permute traffic, compiled
+    (one send forward and one back per tick, each tick of the scan running them once)
+    against the schedule's own figure (a microbatch's stage input per device, per send)."""
+    composition, mesh = trainer.strategy.composition, trainer.mesh
+    part = next(
+        (p for p in (composition.parts if composition else ()) if getattr(p.plugin, "last", None)),
+        None,
+    )
+    if part is None or not part.plugin.last.seen:
+        return None
+    layers, shape, dtype = part.plugin.last.seen[-1]
+    pl = part.plugin.last.resolve(shape[0])
+    s_, m_, r_ = pl.stages, pl.microbatches, pl.repeats
+    g_ = layers // (s_ * r_)
+    stacked = [
+        (p, sh) for p, sh in zip(params, shardings, strict=True)
+        if len(sh.spec) and sh.spec[0] == part.axis.name
+    ]  # fmt: skip
+    shards = math.prod(mesh.shape[a] for a in batch_axes) if batch_axes else 1
+    send = shape[0] // m_ // shards * math.prod(shape[1:]) * np.dtype(dtype).itemsize
+    permutes = [c for c in found if c["kind"] == "collective-permute"]
+    compiled = sum(c["bytes"] for c in permutes)
+    return {
+        "stages": s_,
+        "microbatches": m_,
+        "repeats": r_,
+        "bubble": pl.bubble,
+        "layers": layers,
+        "stage_layers": [
+            [r * s_ * g_ + s * g_ + g for r in range(r_) for g in range(g_)] for s in range(s_)
+        ],
+        "stack_bytes": sum(_bytes(p.shape, p.dtype) for p, _ in stacked),
+        "stack_bytes_per_device": sum(p.bytes_per_device for p, _ in stacked),
+        "ticks": pl.ticks,
+        "collective_permute": {
+            "compiled_ops": sum(c["count"] for c in permutes),
+            "compiled_bytes_per_step": compiled * pl.ticks,
+            "schedule_ops": 2,
+            "textbook_bytes_per_step": 2 * send * pl.ticks,
+        },
+    }
 
 
 def _picture(name: str, shape: tuple[int, ...], sharding: NamedSharding) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from shardplug.core.context import (
     per_device_program,
 )
 from shardplug.core.hookspecs import hookimpl, hookspec
+from shardplug.core.pipeline import LAYERS, Pipeline, pipelined
 from shardplug.core.mesh import build_mesh, describe, parse_mesh
 from shardplug.core.sharding import (
     largest_divisible_dim,
@@ -36,12 +37,15 @@ from shardplug.core.sharding import (
     per_parameter,
     shard_largest_dim,
 )
-from shardplug.errors import MeshError, PluginError, StrategyOptionError
+from shardplug.errors import ConfigError, MeshError, PluginError, StrategyOptionError
 
 __all__ = [
+    "LAYERS",
     "Axis",
     "Composed",
+    "ConfigError",
     "MeshError",
+    "Pipeline",
     "NamedSharding",
     "P",
     "PartitionSpec",
@@ -61,5 +65,6 @@ __all__ = [
     "parse_mesh",
     "per_device_program",
     "per_parameter",
+    "pipelined",
     "shard_largest_dim",
 ]

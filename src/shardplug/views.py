@@ -94,6 +94,20 @@ def render(report: Report, console: Any, every_row: bool = False) -> None:
         )
     for note in report.notes:
         console.print(f"note: {note}")
+    if report.pipeline:
+        pl = report.pipeline
+        console.print(
+            f"pipeline: {pl['stages']} stages, {pl['microbatches']} microbatches, repeats "
+            f"{pl['repeats']}: bubble {pl['bubble']:.1%}; the layer stack "
+            f"{size(pl['stack_bytes'])}, {size(pl['stack_bytes_per_device'])} per device"
+        )
+        cp = pl["collective_permute"]
+        console.print(
+            f"collective-permutes per step: {size(cp['compiled_bytes_per_step'])} compiled, "
+            f"{size(cp['textbook_bytes_per_step'])} by the schedule ({pl['ticks']} ticks)"
+        )
+        for stage, held in enumerate(pl["stage_layers"]):
+            console.print(f"  stage {stage}: layers {', '.join(map(str, held))}")
     for picture in report.pictures:
         console.print(_grid(picture, report.devices))
 

@@ -59,6 +59,7 @@ def _model_arguments(parser: argparse.ArgumentParser, trainer_options: bool = Tr
     ``trainer_options`` the strategy's options, add-ons, mesh, microbatches and precision."""
     parser.add_argument("--model", default="transformer", help="reference model (transformer)")
     parser.add_argument("--adapter", default="nnx", help="nnx, linen or equinox (default nnx)")
+    model_options_arguments(parser)
     parser.add_argument(
         "--devices", type=_positive(int), default=8, help="devices (simulated CPU ones: 8)"
     )
@@ -74,6 +75,20 @@ def _model_arguments(parser: argparse.ArgumentParser, trainer_options: bool = Tr
                             "e.g. model=tp (repeatable)")  # fmt: skip
         parser.add_argument("--grad-accum", type=_positive(int), default=1, metavar="K")
         parser.add_argument("--precision", choices=("float32", "bf16"), default="float32")
+
+
+def model_options_arguments(parser: Any) -> None:
+    """``--layers`` and ``--remat``: the reference transformer's depth and rematerialisation."""
+    parser.add_argument("--layers", type=_positive(int), default=None, metavar="N",
+                        help="the transformer's depth, as one layer stack (default 2)")
+    parser.add_argument("--remat", choices=("none", "dots", "full"), default=None,
+                        help="what each transformer block recomputes in the backward pass "
+                        "(default none)")  # fmt: skip
+
+
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The reference model's options the command line gave (``layers``, ``remat``)."""
+    return {k: getattr(args, k, None) for k in ("layers", "remat") if getattr(args, k, None)}
 
 
 def _step_range(text: str) -> range:
@@ -127,7 +142,7 @@ def _compiled_trainer(args: argparse.Namespace, strategy: str, options: dict[str
 
     model = get_model(args.model)
     trainer = Trainer(
-        model.adapter(args.adapter),
+        model.adapter(args.adapter, **model_options(args)),
         loss_fn=model.loss_fn,
         optimizer=optax.adam(model.learning_rate),
         strategy=get_strategy(
@@ -148,7 +163,7 @@ def _prepare(args: argparse.Namespace) -> None:
     from shardplug.core.devices import simulate_cpu_devices
     from shardplug.models import check_adapter, get_model
 
-    get_model(args.model)
+    get_model(args.model).check_options(**model_options(args))
     check_adapter(args.adapter)
     if getattr(args, "mesh", None):
         from shardplug.core.mesh import parse_mesh

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from shardplug.cli._common import _memory, _model_arguments, _Parser, _positive, _step_range
+from shardplug.cli._common import (
+    _memory,
+    _model_arguments,
+    _Parser,
+    _positive,
+    _step_range,
+    model_options_arguments,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="model framework: nnx, linen or equinox (default: nnx, or the checkpoint's)",
     )
+    model_options_arguments(train)
     train.add_argument(
         "--steps",
         type=_positive(int),

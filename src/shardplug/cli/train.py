@@ -8,13 +8,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardplug.cli._common import _quiet_orbax, axis_names, parse_options
+from shardplug.cli._common import _quiet_orbax, axis_names, model_options, parse_options
 from shardplug.errors import CheckpointError, ConfigError
 
 DEFAULTS = {"model": "transformer", "adapter": "nnx", "seed": 0}
 
 
-RESUMED = ("model", "adapter", "seed", "batch_size", "lr")  # taken from the checkpoint
+RESUMED = ("model", "adapter", "seed", "batch_size", "lr", "layers", "remat")  # taken from the checkpoint
 
 
 def _checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -62,6 +62,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if getattr(args, name) is None:
             setattr(args, name, saved.get(name, DEFAULTS.get(name)))
     model = get_model(args.model)
+    model.check_options(**model_options(args))
     check_adapter(args.adapter)
     options = parse_options(args.strategy, args.option)
     names = axis_names(args.axis_name)
@@ -80,7 +81,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     batch_size = args.batch_size or model.batch_size
     lr = args.lr or model.learning_rate
     trainer = Trainer(
-        model.adapter(args.adapter),
+        model.adapter(args.adapter, **model_options(args)),
         loss_fn=model.loss_fn,
         optimizer=optax.adam(lr),
         strategy=get_strategy(args.strategy, addons=args.addon, axis_names=names, **options),
@@ -97,6 +98,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "batch_size": batch_size,
             "lr": lr,
+            **model_options(args),
         },
         on_nonfinite=args.on_nonfinite,
         grad_accum=args.grad_accum,

@@ -46,6 +46,8 @@ class Pipeline:
     microbatches: int
     repeats: int = 1
     remat: bool = True
+    #: what each traced stack ran on: ``(layers, input shape, input dtype)``, for explain
+    seen: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
     def bubble(self) -> float:
@@ -172,6 +174,7 @@ def run_stack(fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Arr
     pipeline = active()
     if pipeline is None:
         return jax.lax.scan(lambda h, layer: (block(gather(layer), h), None), x, params)[0]
+    pipeline.seen.append((layers, tuple(x.shape), str(x.dtype)))
     pipeline = pipeline.resolve(x.shape[0])
     pipeline.check(layers, x.shape[0])
     return _pipeline(lambda w, h: block(gather(w), h), params, x, pipeline, layers)

@@ -15,9 +15,15 @@ the batch below that.
 
 from __future__ import annotations
 
-from shardplug.core.pipeline import LAYERS, Pipeline, pipelined
-from shardplug.errors import ConfigError
-from shardplug.plugin import Axis, StrategyOptionError, hookimpl
+from shardplug.plugin import (
+    LAYERS,
+    Axis,
+    ConfigError,
+    Pipeline,
+    StrategyOptionError,
+    hookimpl,
+    pipelined,
+)
 
 
 class PipelineParallel:
@@ -43,6 +49,7 @@ class PipelineParallel:
         self.microbatches = microbatches
         self.repeats = repeats
         self.remat = bool(remat)
+        self.last: Pipeline | None = None
 
     @hookimpl
     def parallel_axis(self):
@@ -73,7 +80,8 @@ class PipelineParallel:
 
     @hookimpl
     def trace_context(self, axis, mesh):
-        return pipelined(self.schedule(axis, mesh.shape[axis]))
+        self.last = self.schedule(axis, mesh.shape[axis])  # explain reads what it saw
+        return pipelined(self.last)
 
     def schedule(self, axis: str, stages: int, batch: int | None = None) -> Pipeline:
         """The schedule for ``stages`` stages; with ``batch``, its microbatch count resolved."""
