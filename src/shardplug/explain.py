@@ -301,9 +301,10 @@ def explain(
 
 def _pipeline(trainer, params, shardings, found, batch_axes) -> dict[str, Any] | None:
     """Stages, microbatches, repeats and bubble; the layer stack's bytes (whole and per
-    device); which layers each stage holds; and the collective-permute traffic, compiled
-    (one send forward and one back per tick, each tick of the scan running them once)
-    against the schedule's own figure (a microbatch's stage input per device, per send)."""
+    device); which layers each stage holds; and the collective-permute traffic per step as
+    compiled against the schedule's own figure: one send forward and one back per tick, each
+    a microbatch's stage input per device. The circular schedule also moves the stack's
+    shards into its order (and their gradients back): the difference."""
     composition, mesh = trainer.strategy.composition, trainer.mesh
     part = next(
         (p for p in (composition.parts if composition else ()) if getattr(p.plugin, "last", None)),
@@ -337,8 +338,8 @@ def _pipeline(trainer, params, shardings, found, batch_axes) -> dict[str, Any] |
         "ticks": pl.ticks,
         "collective_permute": {
             "compiled_ops": sum(c["count"] for c in permutes),
-            "compiled_bytes_per_step": compiled * pl.ticks,
-            "schedule_ops": 2,
+            "compiled_bytes_per_step": compiled,
+            "schedule_ops": 2 * pl.ticks,
             "textbook_bytes_per_step": 2 * send * pl.ticks,
         },
     }

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from shardplug.core import hookspecs
 from shardplug.core.hookspecs import hookimpl
 from shardplug.core.mesh import build_mesh
-from shardplug.core.sharding import leaf_paths
+from shardplug.core.sharding import leaf_paths, mesh_axes
 from shardplug.core.pipeline import LAYERS
 from shardplug.errors import CompositionError, MeshError, PluginError, ShardplugError
 
@@ -261,7 +261,13 @@ class Composition:
 
     def trace_contexts(self, mesh: Any) -> list[Any]:
         """The context managers the parallelisms enter around every traced program."""
-        found = [p.call("trace_context", axis=p.axis.name, mesh=mesh) for p in self.parts]
+        split = {a for key, specs in self._stored.items() if key[1] == id(mesh)
+                 for spec in specs for a in mesh_axes(spec)}  # fmt: skip
+        replicas = tuple(a for a in self.batch_axes if split and a not in split)
+        found = [
+            p.call("trace_context", axis=p.axis.name, mesh=mesh, replicas=replicas)
+            for p in self.parts
+        ]
         return [c for c in found if c is not None]
 
     def _spec(self, path: str, shape: tuple[int, ...], logical: P, mesh: Any) -> P:

@@ -68,8 +68,43 @@ def _group_size(line: str, everyone: int) -> int:
     return everyone  # replica_groups={} : every device
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLS = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)=\{?([^}\s]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _runs(lines: list[str]) -> dict[int, int]:
+    """For each line, how many times one step runs it: 1, times the known trip count of
+    every while loop around it (a layer stack's scan, microbatches, a pipeline's ticks)."""
+    owner, calls, entry, current = {}, collections.defaultdict(list), None, None
+    for i, line in enumerate(lines):
+        head = _COMPUTATION.match(line)
+        if head and not line.startswith(" "):
+            current = head.group(1)
+            entry = current if line.startswith("ENTRY") else entry
+            continue
+        owner[i] = current
+        trips = _TRIPS.search(line)
+        for role, names in _CALLS.findall(line):
+            times = int(trips.group(1)) if role == "body" and trips else 1
+            for name in names.split(","):
+                calls[name.strip().lstrip("%")].append((current, times))
+    memo: dict[str | None, int] = {entry: 1}
+
+    def runs(name: str | None, depth: int = 0) -> int:
+        if name not in memo:
+            callers = calls.get(name, [])
+            memo[name] = (
+                sum(runs(c, depth + 1) * t for c, t in callers) if callers and depth < 64 else 1
+            )
+        return memo[name]
+
+    return {i: runs(name) for i, name in owner.items()}
+
+
 def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective in an HLO module's text, grouped by kind and dtype.
+    """Every collective in an HLO module's text, grouped by kind and dtype, as one step
+    runs them: an op inside a while loop of known trip count counts once per iteration.
 
     ``bytes`` is the size of each op's result summed over the ops (for an all-reduce the
     reduced buffer, for an all-gather the gathered one), per device. An op over a tuple
@@ -80,10 +115,13 @@ def collectives(hlo_text: str) -> list[Collective]:
     wire: collections.Counter[tuple[str, str]] = collections.Counter()
     partitions = _PARTITIONS.search(hlo_text)
     everyone = int(partitions.group(1)) if partitions else 1
-    for line in hlo_text.splitlines():
+    lines = hlo_text.splitlines()
+    runs = _runs(lines)
+    for i, line in enumerate(lines):
         match = _OP.match(line)
         if match is None:
             continue
+        times = runs.get(i, 1)
         shape, kind, started = match.groups()
         arrays = _ARRAY.findall(re.sub(r"/\*.*?\*/", "", shape))
         if started and kind != "all-reduce" and len(arrays) % 2 == 0:
@@ -92,10 +130,10 @@ def collectives(hlo_text: str) -> list[Collective]:
         group = _group_size(line, everyone)
         for dtype, dims in arrays:
             nbytes = _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-            size[kind, dtype] += nbytes
-            wire[kind, dtype] += wire_bytes(kind, nbytes, group)
+            size[kind, dtype] += nbytes * times
+            wire[kind, dtype] += wire_bytes(kind, nbytes, group) * times
             if dtype not in seen:
-                count[kind, dtype] += 1
+                count[kind, dtype] += times
                 seen.add(dtype)
     return [Collective(k, d, count[k, d], size[k, d], round(wire[k, d])) for k, d in sorted(size)]
 

@@ -388,11 +388,13 @@ def check_layout(paths: list[str], specs: list[Any], axis: str) -> None:
 
 
 @hookspec(firstresult=True)
-def trace_context(axis: str, mesh: Any) -> Any:
+def trace_context(axis: str, mesh: Any, replicas: tuple[str, ...]) -> Any:
     """A context manager entered around the tracing of every program of the run.
 
     :param axis: this parallelism's mesh axis, as the run names it.
     :param mesh: the run's mesh.
+    :param replicas: the batch axes over which no parameter is split (``dp``'s ``data``):
+        a per-device program may take them as manual axes, each device's rows its own.
     :return: a context manager, or None. ``pp`` returns one under which every layer stack
         (:mod:`shardplug.stack`) runs its pipeline schedule instead of a plain scan.
     """

@@ -46,6 +46,11 @@ class Pipeline:
     microbatches: int
     repeats: int = 1
     remat: bool = True
+    #: batch axes no parameter is split over: manual in the schedule, each device's rows its
+    #: own, so the stack's gradient is summed over them once, not once per tick
+    replicas: tuple[str, ...] = ()
+    #: their devices, all together
+    replica_size: int = 1
     #: what each traced stack ran on: ``(layers, input shape, input dtype)``, for explain
     seen: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
@@ -62,7 +67,10 @@ class Pipeline:
         if self.microbatches or batch is None:
             return self
         step = self.stages if self.repeats > 1 else 1
-        fits = [m for m in range(step, 4 * self.stages + 1, step) if batch % m == 0]
+        fits = [
+            m for m in range(step, 4 * self.stages + 1, step)
+            if batch % m == 0 and (batch // m) % self.replica_size == 0
+        ]  # fmt: skip
         return dataclasses.replace(self, microbatches=max(fits) if fits else self.stages)
 
     @property
@@ -82,6 +90,12 @@ class Pipeline:
             raise ConfigError(
                 f"{m} microbatches do not divide the batch of {batch}: choose -o "
                 f"microbatches=M with M dividing {batch}"
+            )
+        if self.replicas and (batch // m) % self.replica_size:
+            raise ConfigError(
+                f"a microbatch of {batch // m} rows does not split over the "
+                f"{self.replica_size} devices of {', '.join(self.replicas)}: choose fewer "
+                f"microbatches (-o microbatches=M) or a larger batch"
             )
         if r > 1 and m % s:
             raise ConfigError(
@@ -192,24 +206,35 @@ def _pipeline(block, params, x, pl: Pipeline, layers: int) -> jax.Array:
     s_, m_, r_ = pl.stages, pl.microbatches, pl.repeats
     g_ = layers // (s_ * r_)
     if r_ > 1:  # each stage's share must hold its R non-adjacent groups: reorder the stack
-        order = circular_order(layers, s_, r_)
-        params = jax.tree.map(lambda w: jnp.take(w, order, axis=0), params)
+        def reorder(w):
+            w = w.reshape(r_, s_, g_, *w.shape[1:]).swapaxes(0, 1)
+            w = jax.lax.with_sharding_constraint(
+                w, P(pl.axis, *([P.UNCONSTRAINED] * (w.ndim - 1)))
+            )
+            return w.reshape(layers, *w.shape[3:])
+
+        params = jax.tree.map(reorder, params)
     batch = x.shape[0]
     # microbatch m is rows m, m+M, ...: each stays spread over the batch's axes
     xs = x.reshape(batch // m_, m_, *x.shape[1:]).swapaxes(0, 1)
+    rows = None if not pl.replicas else pl.replicas[0] if len(pl.replicas) == 1 else pl.replicas
 
     def stage_program(local, xs):
         stage = jax.lax.axis_index(pl.axis)
         local = jax.tree.map(lambda w: w.reshape(r_, g_, *w.shape[1:]), local)
+        # Cast what every stage (or every row) reads to varying here, once: the transpose of
+        # the cast is the sum of its gradient, which would otherwise run on every tick.
+        if pl.replicas:
+            local = jax.tree.map(lambda w: jax.lax.pcast(w, pl.replicas, to="varying"), local)
+        xs = jax.lax.pcast(xs, (pl.axis,), to="varying")
 
         def group(ws, h):
             return jax.lax.scan(lambda h, w: (block(w, h), None), h, ws)[0]
 
         run = jax.checkpoint(group) if pl.remat else group
-        vary = lambda a: jax.lax.pcast(a, (pl.axis,), to="varying")  # noqa: E731
-        recv = vary(jnp.zeros_like(xs[0]))
-        outs = vary(jnp.zeros_like(xs))
-        ring = vary(jnp.zeros_like(xs)) if r_ > 1 else None
+        recv = jnp.zeros_like(xs[0])
+        outs = jnp.zeros_like(xs)
+        ring = jnp.zeros_like(xs) if r_ > 1 else None
         perm = [(i, (i + 1) % s_) for i in range(s_)]
 
         def tick(carry, t):
@@ -237,8 +262,8 @@ def _pipeline(block, params, x, pl: Pipeline, layers: int) -> jax.Array:
 
     out = jax.shard_map(
         stage_program,
-        in_specs=(jax.tree.map(lambda _: P(pl.axis), params), P()),
-        out_specs=P(),
-        axis_names={pl.axis},
+        in_specs=(jax.tree.map(lambda _: P(pl.axis), params), P(None, rows)),
+        out_specs=P(None, rows),
+        axis_names={pl.axis, *pl.replicas},
     )(params, xs)
     return out.swapaxes(0, 1).reshape(x.shape)

@@ -15,6 +15,8 @@ the batch below that.
 
 from __future__ import annotations
 
+import math
+
 from shardplug.plugin import (
     LAYERS,
     Axis,
@@ -79,10 +81,11 @@ class PipelineParallel:
             )
 
     @hookimpl
-    def trace_context(self, axis, mesh):
-        self.last = self.schedule(axis, mesh.shape[axis])  # explain reads what it saw
+    def trace_context(self, axis, mesh, replicas):
+        # explain reads what the last trace saw
+        replicas = tuple(a for a in replicas if mesh.shape[a] > 1)
+        self.last = Pipeline(
+            axis, mesh.shape[axis], self.microbatches, self.repeats, self.remat,
+            replicas=replicas, replica_size=math.prod(mesh.shape[a] for a in replicas),
+        )  # fmt: skip
         return pipelined(self.last)
-
-    def schedule(self, axis: str, stages: int, batch: int | None = None) -> Pipeline:
-        """The schedule for ``stages`` stages; with ``batch``, its microbatch count resolved."""
-        return Pipeline(axis, stages, self.microbatches, self.repeats, self.remat).resolve(batch)

@@ -1,0 +1,267 @@
+"""Pipeline parallelism and layer stacks, measured: what ``pp`` costs and what the stack saves.
+
+Four measurements of the reference transformer on simulated CPU devices, each side by side
+in one run (interleaved rounds, medians; the spread of the rounds' ratios is printed as the
+noise):
+
+1. **Efficiency trend**: ``pp`` on ``stage=S`` (8 layers) with M = S and M = 4S
+   microbatches at the same global batch, against ``dp``: the bubble (S-1)/(M+S-1) falls.
+2. **Against hand-written GPipe**: ``pp`` against a GPipe schedule written here in plain
+   ``jax.shard_map`` with ``ppermute`` (the JAX shard_map notebook's form), the same model,
+   optimizer, shardings, microbatches and per-stage rematerialisation; ratio of step times
+   (target <= 1.05).
+3. **Compile time in depth**: the training step at 4, 16 and 48 layers, the blocks as one
+   stack (a scan) against the same blocks unrolled in a Python loop.
+4. **Rematerialisation**: ``--remat none|dots|full`` on ``dp``: the compiled step's peak
+   bytes per device and its step time, as ratios to ``none``.
+
+Run ``python benchmarks/pipeline.py`` (a few minutes on 2 cores); ``--json`` for the
+figures only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+
+def _timed(contenders: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+    """Each contender is ``run() -> seconds per step``; rounds interleaved, every other one
+    backwards."""
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    names = list(contenders)
+    for k in names:
+        contenders[k]()  # warm up
+    for r in range(rounds):
+        for k in names if r % 2 == 0 else names[::-1]:
+            times[k].append(contenders[k]())
+    return times
+
+
+def _ratio(times, a, b) -> dict[str, float]:
+    ratios = [x / y for x, y in zip(times[a], times[b], strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def _trainer(strategy, layers, devices, mesh=None, remat=None, **options):
+    import optax
+
+    import shardplug
+
+    model = shardplug.get_model("transformer")
+    return model, shardplug.Trainer(
+        model.adapter("nnx", layers=layers, remat=remat),
+        loss_fn=model.loss_fn,
+        optimizer=optax.adam(model.learning_rate),
+        strategy=shardplug.get_strategy(strategy, **options),
+        devices=devices,
+        mesh=mesh,
+        log_every=1000,
+    )
+
+
+def _fit_runner(trainer, batches, steps):
+    import itertools
+
+    trainer.compile(batches[0])
+
+    def run():
+        start = time.perf_counter()
+        trainer.fit(itertools.islice(itertools.cycle(batches), steps), steps)
+        return (time.perf_counter() - start) / steps
+
+    return run
+
+
+def hand_gpipe(trainer, model, batch, microbatches: int):
+    """The trainer's step as a plain GPipe: embeddings and head under ``jax.jit``, the
+    stack in ``jax.shard_map`` over ``stage`` (stage-local scan, ``ppermute`` each tick,
+    the last stage's outputs summed to all), ``jax.checkpoint`` per stage and tick."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh, optimizer = trainer.mesh, trainer.optimizer
+    shardings = trainer.state_shardings
+    stages = mesh.shape["stage"]
+    graphdef = trainer.adapter.graphdef
+    rest = trainer.state.model_state
+
+    def stack_forward(blocks, x):
+        gd, params = nnx.split(blocks)
+
+        def stage(local, xs):
+            i = jax.lax.axis_index("stage")
+
+            def layers(ws, h):
+                return jax.lax.scan(lambda h, w: (nnx.merge(gd, w)(h), None), h, ws)[0]
+
+            layers = jax.checkpoint(layers)
+            out = jax.lax.pcast(jnp.zeros_like(xs), ("stage",), to="varying")
+            state = jax.lax.pcast(jnp.zeros_like(xs[0]), ("stage",), to="varying")
+
+            def tick(carry, t):
+                state, out = carry
+                h = jnp.where(i == 0, xs[jnp.clip(t, 0, microbatches - 1)], state)
+                y = layers(local, h)
+                k = t - (stages - 1)
+                out = jnp.where((i == stages - 1) & (k >= 0), out.at[jnp.maximum(k, 0)].set(y),
+                                out)  # fmt: skip
+                perm = [(j, (j + 1) % stages) for j in range(stages)]
+                return (jax.lax.ppermute(y, "stage", perm), out), None
+
+            ticks = jnp.arange(microbatches + stages - 1)
+            (_, out), _ = jax.lax.scan(tick, (state, out), ticks)
+            return jax.lax.psum(jnp.where(i == stages - 1, out, 0.0), "stage")
+
+        b = x.shape[0]
+        xs = x.reshape(b // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)
+        specs = jax.tree.map(lambda _: P("stage"), params)
+        ys = jax.shard_map(stage, in_specs=(specs, P()), out_specs=P(),
+                           axis_names={"stage"})(params, xs)  # fmt: skip
+        return ys.swapaxes(0, 1).reshape(x.shape)
+
+    def loss(params, batch):
+        m = nnx.merge(graphdef, params, rest)
+        tokens = batch["tokens"]
+        x = m.embed[...][tokens] + m.position[...][None, : tokens.shape[1]]
+        logits = m.norm(stack_forward(m.blocks, x)) @ m.unembed[...]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    def step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    batch_sharding = jax.tree.map(lambda s: s, trainer.batch_shardings)
+    jitted = jax.jit(
+        step,
+        in_shardings=(shardings.params, shardings.opt_state, batch_sharding),
+        out_shardings=(shardings.params, shardings.opt_state, NamedSharding(mesh, P())),
+        donate_argnums=(0, 1),
+    )
+    with jax.set_mesh(mesh):
+        compiled = jitted.lower(trainer.state.params, trainer.state.opt_state, batch).compile()
+    state = {
+        "params": jax.tree.map(lambda x: x.copy(), trainer.state.params),
+        "opt": jax.tree.map(lambda x: x.copy(), trainer.state.opt_state),
+    }
+    return compiled, state, batch_sharding
+
+
+def efficiency(rounds: int, steps: int) -> dict[str, Any]:
+    import jax
+
+    model, dp = _trainer("dp", 8, 8)
+    batches = list(__import__("itertools").islice(model.batches(32, 0), 4))
+    runs = {"dp": _fit_runner(dp, batches, steps)}
+    pps = {}
+    for m in (8, 32):
+        _, pps[m] = _trainer("pp", 8, 8, microbatches=m)
+        runs[f"pp M={m}"] = _fit_runner(pps[m], batches, steps)
+    # hand-written GPipe with M = 32, same shardings as pp's
+    compiled, state, sharding = hand_gpipe(pps[32], model, batches[0], 32)
+
+    def hand():
+        start = time.perf_counter()
+        values = []
+        for i in range(steps):
+            b = jax.device_put(batches[i % len(batches)], sharding)
+            state["params"], state["opt"], v = compiled(state["params"], state["opt"], b)
+            values.append(v)
+        jax.block_until_ready(values)
+        return (time.perf_counter() - start) / steps
+
+    runs["hand GPipe M=32"] = hand
+    times = _timed(runs, rounds)
+    return {
+        "step_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+        "pp M=8 / dp": _ratio(times, "pp M=8", "dp"),
+        "pp M=32 / dp": _ratio(times, "pp M=32", "dp"),
+        "pp M=32 / hand GPipe": _ratio(times, "pp M=32", "hand GPipe M=32"),
+        "bubble": {"M=8": 7 / 15, "M=32": 7 / 39},
+    }
+
+
+def compile_depth(depths=(4, 16, 48)) -> dict[str, Any]:
+    import jax
+    import optax
+
+    import shardplug
+
+    model = shardplug.get_model("transformer")
+    batch = next(model.batches(8, 0))
+    out = {}
+    for layers in depths:
+        adapter = model.adapter("nnx", layers=layers)
+        params, rest = adapter.init(jax.random.key(0))
+        key = jax.random.key(0)
+
+        def stacked(p, adapter=adapter, rest=rest):
+            return model.loss_fn(adapter.bind(p, rest, rng=key, train=True), batch)[0]
+
+        def unrolled(p, adapter=adapter, rest=rest):
+            from flax import nnx
+
+            m = adapter.bind(p, rest, rng=key, train=True)
+            gd, blocks = nnx.split(m.blocks)
+            tokens = batch["tokens"]
+            x = m.embed[...][tokens] + m.position[...][None, : tokens.shape[1]]
+            for i in range(layers):
+                x = nnx.merge(gd, jax.tree.map(lambda w, i=i: w[i], blocks))(x)
+            logits = m.norm(x) @ m.unembed[...]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+        row = {}
+        for name, fn in (("stacked", stacked), ("unrolled", unrolled)):
+            start = time.perf_counter()
+            jax.jit(jax.value_and_grad(fn)).lower(params).compile()
+            row[name] = time.perf_counter() - start
+        out[layers] = row
+    return out
+
+
+def remat(rounds: int, steps: int) -> dict[str, Any]:
+    model, _ = _trainer("dp", 8, 8)
+    batches = list(__import__("itertools").islice(model.batches(32, 0), 4))
+    runs, peaks = {}, {}
+    for policy in ("none", "dots", "full"):
+        _, trainer = _trainer("dp", 8, 8, remat=policy)
+        runs[policy] = _fit_runner(trainer, batches, steps)
+        analysis = trainer.compiled.memory_analysis()
+        peaks[policy] = int(analysis.temp_size_in_bytes)
+    times = _timed(runs, rounds)
+    return {
+        "step_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+        "temp_bytes": peaks,
+        "time / none": {k: _ratio(times, k, "none") for k in ("dots", "full")},
+        "temp / none": {k: peaks[k] / peaks["none"] for k in ("dots", "full")},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    from shardplug.core.devices import simulate_cpu_devices
+
+    simulate_cpu_devices(8)
+    report = {
+        "efficiency": efficiency(args.rounds, args.steps),
+        "compile_seconds": compile_depth(),
+        "remat": remat(args.rounds, args.steps),
+    }
+    print(json.dumps(report, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()
