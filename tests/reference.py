@@ -20,13 +20,13 @@ from shardplug.models import equinox_models, linen_models, nnx_models
 NNX = {
     "mlp": nnx_models.regressor,
     "classifier": nnx_models.classifier,
-    "transformer": nnx_models.transformer,
+    "transformer": nnx_models.transformer(),
     "cnn": nnx_models.cnn,
 }
 EQX = {
     "mlp": equinox_models.regressor,
     "classifier": equinox_models.classifier,
-    "transformer": equinox_models.transformer,
+    "transformer": equinox_models.transformer(),
     "cnn": equinox_models.cnn,
 }
 

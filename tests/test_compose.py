@@ -27,13 +27,13 @@ def trainer(strategy, model_name="transformer", **kwargs):
 def test_the_order_splits_tensor_dimensions_first_and_fsdp_what_remains():
     _, t = trainer("dp+fsdp+tp", mesh="data=2,fsdp=2,model=2")
     assert t.mesh.axis_names == ("data", "fsdp", "model")  # outer to inner
-    block = t.param_shardings["blocks"][0]
-    assert block["wi"].spec == P("fsdp", "model")  # (embed, mlp): tp takes mlp, fsdp embed
-    assert block["wf"].spec == P("model", "fsdp")  # (mlp, embed)
+    block = t.param_shardings["blocks"]
+    assert block["wi"].spec == P(None, "fsdp", "model")  # (layers, embed, mlp): tp takes mlp
+    assert block["wf"].spec == P(None, "model", "fsdp")  # (layers, mlp, embed)
     assert t.param_shardings["embed"].spec == P("model", "fsdp")  # (vocab, embed)
     assert t.param_shardings["norm"]["scale"].spec == P()  # small: whole
-    shard = t.state.params["blocks"][0]["wi"].addressable_shards[0].data
-    assert shard.shape == (64 // 2, 256 // 2)
+    shard = t.state.params["blocks"]["wi"].addressable_shards[0].data
+    assert shard.shape == (2, 64 // 2, 256 // 2)
 
 
 def test_the_batch_splits_over_every_batch_axis_in_mesh_order():

@@ -44,13 +44,21 @@ def test_collectives_match_the_textbook(reports):
     # data parallel: one all-reduce of the gradients (+4 bytes: the loss)
     assert [c["kind"] for c in dp.collectives] == ["all-reduce"]
     assert dp.collective_bytes("all-reduce") == pytest.approx(dp.textbook_bytes(), rel=1e-3)
-    # fsdp: the compiler gathers once for forward and backward and all-reduces the
-    # gradient; on the wire that is what 2 all-gathers and a reduce-scatter send
+    # fsdp: the layer stack gathered layer by layer in the forward scan and again in the
+    # backward one, as the textbook says; the compiler gathers the embeddings and head once
+    # for both and all-reduces the gradients; on the wire that is what 2 all-gathers and a
+    # reduce-scatter send
+    stack = sum(
+        p.bytes_per_device * 8 for p in fsdp.params
+        if p.path.startswith("blocks/") and not p.replicated
+    )  # fmt: skip
     assert fsdp.collective_bytes("all-gather") == pytest.approx(
-        fsdp.textbook_bytes("all-gather") / 2, rel=0.01
+        fsdp.textbook_bytes("all-gather") / 2 + stack, rel=0.01
     )
-    for report in (dp, fsdp):
-        assert report.wire_bytes() == pytest.approx(report.textbook_wire_bytes(), rel=0.10)
+    assert dp.wire_bytes() == pytest.approx(dp.textbook_wire_bytes(), rel=0.10)
+    # the stack's gradients all-reduced where a reduce-scatter would do (XLA's CPU backend):
+    # twice a reduce-scatter's bytes for them, on top of the textbook
+    assert fsdp.textbook_wire_bytes() < fsdp.wire_bytes() < 1.5 * fsdp.textbook_wire_bytes()
     assert any("sends what 2 all-gathers" in note for note in fsdp.notes)
     # 2d: the activation all-reduces of tensor parallelism come on top, and are said to
     two_d = reports["2d"]
@@ -120,7 +128,9 @@ def test_recommend_follows_the_memory(capsys):
     roomy = json.loads(capsys.readouterr().out)
     assert roomy["recommended"] == "dp" and "parameters and gradients only" in roomy["reason"]
     assert {"dp+fsdp", "fsdp+tp", "dp+fsdp+tp"} <= {r["strategy"] for r in roomy["strategies"]}
-    peaks = {r["strategy"]: r["peak_bytes"] for r in roomy["strategies"]}
+    peaks = {r["strategy"]: r["peak_bytes"] for r in roomy["strategies"] if "error" not in r}
+    pipelined = {r["strategy"]: r["error"] for r in roomy["strategies"] if "pp" in r["strategy"]}
+    assert pipelined and all("this model has none" in e for e in pipelined.values())
     assert peaks["fsdp"] < peaks["dp"]
     between = (peaks["fsdp"] + min(peaks["dp"], peaks["2d"])) // 2
     assert main(["recommend", "--model", "mlp", "--device-memory", str(between), "--json"]) == 0
@@ -174,8 +184,8 @@ def test_explain_groups_parameters_that_share_a_layout_unless_all(capsys):
         ("blocks/*/wq", 2, 4096), ("blocks/*/wo", 1, 2048)
     ]
     assert main(["explain", "--model", "transformer", "--strategy", "fsdp", "--layers", "2"]) == 0
-    grouped = capsys.readouterr().out
-    assert "parameters (15 in 14 groups; --all for each)" in grouped
+    grouped = capsys.readouterr().out  # a layer stack: one row per stacked parameter already
+    assert "blocks/wq" in grouped and "groups" not in grouped
     assert main(["explain", "--model", "transformer", "--strategy", "fsdp", "--all"]) == 0
     every = capsys.readouterr().out
     assert "blocks/wq" in every and "groups" not in every

@@ -289,7 +289,7 @@ def test_shardplug_plugins_narrows_what_loads(tmp_path, monkeypatch, fresh_regis
         tmp_path, monkeypatch, "rowsplug", "1.2", {"rows": "rowsplug:Rows"}, {"rowsplug": PLUGIN}
     )
     monkeypatch.setenv("SHARDPLUG_PLUGINS", "")
-    assert {i.name for i in shardplug.list_strategies()} == {"dp", "fsdp", "tp", "2d", "pmap"}
+    assert {i.name for i in shardplug.list_strategies()} == {"dp", "fsdp", "tp", "pp", "2d", "pmap"}
     monkeypatch.setenv("SHARDPLUG_PLUGINS", "rows")
     assert "rows" in {i.name for i in shardplug.list_strategies()}
     monkeypatch.setenv("SHARDPLUG_PLUGINS", "something-else")

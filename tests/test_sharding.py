@@ -39,7 +39,7 @@ def test_fsdp_holds_one_eighth_of_every_large_parameter_and_its_adam_moments():
     for moments in (by_path(adam.mu), by_path(adam.nu)):
         assert moments.keys() == params.keys()
     large = [p for p, a in params.items() if a.size >= 1024]
-    assert len(large) >= 10
+    assert len(large) >= 9  # six stacked block matrices, the embeddings and the head
     for path in large:
         for array in (params[path], by_path(adam.mu)[path], by_path(adam.nu)[path]):
             assert "fsdp" in array.sharding.spec, path

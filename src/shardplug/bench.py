@@ -28,6 +28,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core.pipeline import LAYERS, layer_specs
 from shardplug.core.registry import get_strategy
 from shardplug.errors import ConfigError
 from shardplug.explain import peak_bytes
@@ -74,6 +75,8 @@ def hand_written_form(strategy: Any) -> str | None:
     ``pmap`` does), or has no hand-written twin (None).
     """
     if strategy.composition is not None:
+        if any(getattr(p.plugin, "last", False) is not False for p in strategy.composition.parts):
+            return None  # a pipeline: its twin is benchmarks/pipeline.py's hand-written GPipe
         return "jit"
     return getattr(strategy.plugin, "baseline", None)
 
@@ -125,17 +128,34 @@ class _HandWritten(_Contender):
         composition = template.strategy.composition
         whole = NamedSharding(mesh, P())
         key = jax.random.key(0)
-
-        def where_used(p, sharding):  # fsdp: each parameter whole where it is used (ZeRO-3)
-            used = composition.used_spec(sharding.spec) if composition else sharding.spec
-            if tuple(used) == tuple(sharding.spec):
-                return p
-            return jax.lax.with_sharding_constraint(p, NamedSharding(mesh, used))
+        logical = template.annotations
+        stacked = [
+            len(spec) > 0 and spec[0] == LAYERS
+            for spec in (
+                jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, P))
+                if logical is not None
+                else [P()] * len(jax.tree.leaves(template.state.params))
+            )
+        ]
 
         def loss(params, batch):
-            params = jax.tree.map(where_used, params, params_sharding)
-            bound = adapter.bind(params, model_state, rng=key, train=True)
-            return model.loss_fn(bound, batch)[0]
+            # fsdp: each parameter whole where it is used (ZeRO-3); a layer stack's, one
+            # layer at a time inside the model's scan, which reads the layouts from context
+            leaves, treedef = jax.tree.flatten(params)
+            out, per_layer = [], {}
+            for p, sharding, in_stack in zip(
+                leaves, jax.tree.leaves(params_sharding), stacked, strict=True
+            ):
+                used = composition.used_spec(sharding.spec) if composition else sharding.spec
+                if tuple(used) != tuple(sharding.spec):
+                    if in_stack:
+                        per_layer[id(p)] = used
+                    else:
+                        p = jax.lax.with_sharding_constraint(p, NamedSharding(mesh, used))
+                out.append(p)
+            with layer_specs(per_layer):
+                bound = adapter.bind(treedef.unflatten(out), model_state, rng=key, train=True)
+                return model.loss_fn(bound, batch)[0]
 
         def step(params, opt_state, batch):
             value, grads = jax.value_and_grad(loss)(params, batch)
@@ -160,9 +180,10 @@ class _HandWritten(_Contender):
             donate_argnums=(0, 1),
         )
         start = time.perf_counter()
-        self.compiled = jitted.lower(
-            template.state.params, template.state.opt_state, abstract
-        ).compile()
+        with jax.set_mesh(mesh):  # the model's constraints name mesh axes, as in the trainer
+            self.compiled = jitted.lower(
+                template.state.params, template.state.opt_state, abstract
+            ).compile()
         compile_seconds = time.perf_counter() - start
         # the trainer's initial parameters, copied: both start from the same point
         self.params = jax.tree.map(lambda x: x.copy(), template.state.params)
@@ -278,7 +299,8 @@ def bench(
         raise ConfigError(
             f"bench compares with hand-written JAX; {', '.join(unknown)} has no hand-written "
             f"twin (a whole strategy names one in its plugin's `baseline` attribute): bench "
-            f"parallelisms, their compositions, or pmap"
+            f"parallelisms, their compositions, or pmap; pp is measured against a hand-written "
+            f"GPipe by benchmarks/pipeline.py"
         )
     batch_size = batch_size or model.batch_size
     batches = list(itertools.islice(model.batches(batch_size, seed), 8))

@@ -278,9 +278,9 @@ def explain(
     if "reduce-scatter" in {t["kind"] for t in textbook} - kinds:
         notes.append(
             "the compiler reduces the gradients of split parameters with an all-reduce "
-            "(each device then keeps its shard) and gathers each parameter once for forward "
-            "and backward: 1 all-gather + 1 all-reduce sends what 2 all-gathers + 1 "
-            "reduce-scatter send"
+            "(each device then keeps its shard), and may gather a parameter outside a layer "
+            "stack once for forward and backward: 1 all-gather + 1 all-reduce sends what 2 "
+            "all-gathers + 1 reduce-scatter send"
         )
     return Report(
         strategy=trainer.strategy.name,

@@ -28,11 +28,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from shardplug.errors import ConfigError
 
 REMAT_POLICIES = ("none", "dots", "full")
+#: the name of a stacked parameter's layer where the step uses it (gathered by fsdp)
+GATHERED = "shardplug_gathered_layer"
 #: the logical name of a layer stack's leading dimension
 LAYERS = "layers"
 
@@ -138,17 +141,27 @@ def layer_specs(specs: dict[int, P]) -> Iterator[None]:
         _LAYER_SPECS.reset(token)
 
 
+def _saveable(policy: str) -> Callable[..., bool] | None:
+    """The ``jax.checkpoint`` policy of a remat name; None for ``none`` (no checkpoint)."""
+    if policy not in REMAT_POLICIES:
+        raise ConfigError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {policy!r}")
+    return {
+        "none": None,
+        "full": jax.checkpoint_policies.nothing_saveable,
+        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    }[policy]
+
+
 def remat(fn: Callable, policy: str) -> Callable:
     """``fn`` with its activations kept (``none``), all recomputed in the backward pass
     (``full``), or all but the outputs of matrix products without batch dimensions
     (the weight products) recomputed (``dots``)."""
-    if policy not in REMAT_POLICIES:
-        raise ConfigError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {policy!r}")
-    if policy == "none":
-        return fn
-    if policy == "full":
-        return jax.checkpoint(fn)
-    return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    saveable = _saveable(policy)
+    return fn if saveable is None else jax.checkpoint(fn, policy=saveable)
+
+
+def _whole(layer: Any) -> Any:
+    return layer
 
 
 def _layer_gather(params: Any) -> Callable[[Any], Any]:
@@ -157,16 +170,34 @@ def _layer_gather(params: Any) -> Callable[[Any], Any]:
     leaves, treedef = jax.tree.flatten(params)
     used = [specs.get(id(leaf)) for leaf in leaves]
     if not any(s is not None for s in used):
-        return lambda layer: layer
+        return _whole
 
     def gather(layer):
         out = [
-            leaf if spec is None else jax.lax.with_sharding_constraint(leaf, P(*spec[1:]))
+            leaf if spec is None else checkpoint_name(
+                jax.lax.with_sharding_constraint(leaf, P(*spec[1:])), GATHERED
+            )
             for leaf, spec in zip(jax.tree.leaves(layer), used, strict=True)
         ]
         return jax.tree.unflatten(treedef, out)
 
     return gather
+
+
+def _regathered(body: Callable, policy: str) -> Callable:
+    """``body`` (which gathers its layer) whose gathered layer is not kept for the backward
+    pass but gathered again there (ZeRO-3: one layer whole at a time, forward and backward);
+    other residuals are kept as the block's remat policy says."""
+    saveable = _saveable(policy) or jax.checkpoint_policies.everything_saveable
+
+    def keep(prim: Any, *avals: Any, **params: Any) -> bool:
+        if prim.name == "sharding_constraint":
+            return False
+        if prim.name == "name" and params.get("name") == GATHERED:
+            return False
+        return bool(saveable(prim, *avals, **params))
+
+    return jax.checkpoint(body, policy=keep)
 
 
 def layers_of(params: Any) -> int:
@@ -182,16 +213,19 @@ def layers_of(params: Any) -> int:
 def run_stack(fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array,
               policy: str = "none") -> jax.Array:  # fmt: skip
     """Apply ``fn(layer_params, x)`` for each layer of ``params`` in turn (see the module)."""
-    block = remat(fn, policy)
     gather = _layer_gather(params)
+    if gather is _whole:
+        block = remat(fn, policy)
+    else:  # one checkpoint: the gather and the block, the policy of both in one
+        block = _regathered(lambda w, h: fn(gather(w), h), policy)
     layers = layers_of(params)
     pipeline = active()
     if pipeline is None:
-        return jax.lax.scan(lambda h, layer: (block(gather(layer), h), None), x, params)[0]
+        return jax.lax.scan(lambda h, layer: (block(layer, h), None), x, params)[0]
     pipeline.seen.append((layers, tuple(x.shape), str(x.dtype)))
     pipeline = pipeline.resolve(x.shape[0])
     pipeline.check(layers, x.shape[0])
-    return _pipeline(lambda w, h: block(gather(w), h), params, x, pipeline, layers)
+    return _pipeline(block, params, x, pipeline, layers)
 
 
 def circular_order(layers: int, stages: int, repeats: int) -> jnp.ndarray:
