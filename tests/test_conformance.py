@@ -42,3 +42,8 @@ class TestFSDPTP(StrategyConformance):
 class TestDPFSDPTP(StrategyConformance):
     strategy = "dp+fsdp+tp"
     mesh = "data=2,fsdp=2,model=2"
+
+
+class TestPipeline(StrategyConformance):
+    strategy = "pp+dp"
+    mesh = "stage=2,data=4"

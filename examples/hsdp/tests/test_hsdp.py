@@ -22,9 +22,9 @@ def test_parameters_split_within_a_group_and_replicated_across_groups():
         model.adapter("nnx"), loss_fn=model.loss_fn, optimizer=optax.adam(1e-3), strategy="hsdp"
     )
     assert dict(trainer.mesh.shape) == {"replica": 2, "fsdp": 4}
-    wq = trainer.state.params["blocks"][0]["wq"]
-    assert wq.sharding.spec == jax.sharding.PartitionSpec("fsdp")
-    assert wq.addressable_shards[0].data.shape == (16, 4, 16)  # embed 64 / 4
+    wq = trainer.state.params["blocks"]["wq"]  # the layer stack: (layers 2, embed 64, ...)
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+    assert wq.addressable_shards[0].data.shape == (2, 16, 4, 16)  # embed 64 / 4
     distinct = {str(s.index) for s in wq.addressable_shards}
     assert len(distinct) == 4  # each quarter held by both replica groups
 

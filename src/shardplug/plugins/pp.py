@@ -16,6 +16,7 @@ the batch below that.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 from shardplug.plugin import (
     LAYERS,
@@ -38,6 +39,12 @@ class PipelineParallel:
     :param remat: recompute each stage's activations in the backward pass (memory: the
         stage inputs of every microbatch, not every activation); False keeps them.
     """
+
+    unsupported: ClassVar[dict[str, str]] = {
+        "without-layer-stack": "pipeline stages split a layer stack (shardplug.stack); a "
+        "model without one has nothing to split",
+        "uneven-shapes": "a model of two plain layers has no layer stack",
+    }
 
     def __init__(self, microbatches: int = 0, repeats: int = 1, remat: bool = True):
         if not isinstance(microbatches, int) or microbatches < 0:

@@ -33,19 +33,23 @@ RTOL = {"mlp": 1e-5, "classifier": 1e-5, "transformer": 1e-4, "cnn": 1e-4}
 
 
 @functools.cache
-def one_device_losses(adapter: str, model_name: str, steps: int, seed: int) -> tuple[float, ...]:
+def one_device_losses(
+    adapter: str, model_name: str, steps: int, seed: int, model_options: tuple = ()
+) -> tuple[float, ...]:
     """The reference trajectory: the same model and data on a single device."""
-    return tuple(_losses("dp", {}, adapter, model_name, steps, seed, devices=1, mesh=None))
+    return tuple(_losses("dp", {}, adapter, model_name, steps, seed, devices=1, mesh=None,
+                         model_options=dict(model_options)))  # fmt: skip
 
 
-def _trainer(strategy, options, adapter, model_name, seed, devices, mesh):
+def _trainer(strategy, options, adapter, model_name, seed, devices, mesh, model_options=None):
     import optax
 
     import shardplug
 
     model = shardplug.get_model(model_name)
+    taken = {k: v for k, v in (model_options or {}).items() if k in model.options}
     return model, shardplug.Trainer(
-        model.adapter(adapter),
+        model.adapter(adapter, **taken),
         loss_fn=model.loss_fn,
         optimizer=optax.adam(model.learning_rate),
         strategy=shardplug.get_strategy(strategy, **options),
@@ -55,8 +59,10 @@ def _trainer(strategy, options, adapter, model_name, seed, devices, mesh):
     )
 
 
-def _losses(strategy, options, adapter, model_name, steps, seed, devices, mesh):
-    model, trainer = _trainer(strategy, options, adapter, model_name, seed, devices, mesh)
+def _losses(strategy, options, adapter, model_name, steps, seed, devices, mesh, model_options):
+    model, trainer = _trainer(
+        strategy, options, adapter, model_name, seed, devices, mesh, model_options
+    )
     return [r["loss"] for r in trainer.fit(model.batches(model.batch_size, seed), steps=steps)]
 
 
@@ -64,7 +70,9 @@ class StrategyConformance:
     """Checks that a strategy trains exactly like one device and places arrays as it says.
 
     Set ``strategy`` (its entry-point name); optionally ``options`` (for ``get_strategy``),
-    ``devices`` and ``mesh``.
+    ``devices``, ``mesh`` and ``model_options`` (for the models that take them: the
+    transformer's ``layers``). A strategy that needs a layer stack (``pp``) declares
+    ``without-layer-stack`` unsupported, and the checks run on the transformer.
     """
 
     strategy: ClassVar[str]
@@ -73,6 +81,7 @@ class StrategyConformance:
     mesh: ClassVar[str | None] = None
     steps: ClassVar[int] = 5
     seed: ClassVar[int] = 0
+    model_options: ClassVar[dict[str, Any]] = {}
 
     def _strategy(self):
         import shardplug
@@ -84,10 +93,16 @@ class StrategyConformance:
         if capability in unsupported:
             pytest.skip(f"{self.strategy} does not support {capability}: {unsupported[capability]}")
 
-    def _trainer(self, adapter: str = "nnx", model: str = "mlp"):
+    def _needs_stack(self) -> bool:
+        unsupported = getattr(self._strategy().plugin, "unsupported", {}) or {}
+        return "without-layer-stack" in unsupported
+
+    def _trainer(self, adapter: str = "nnx", model: str | None = None):
+        model = model or ("transformer" if self._needs_stack() else "mlp")
         return _trainer(
-            self.strategy, self.options, adapter, model, self.seed, self.devices, self.mesh
-        )
+            self.strategy, self.options, adapter, model, self.seed, self.devices, self.mesh,
+            self.model_options,
+        )  # fmt: skip
 
     def test_trains_like_one_device(self, shardplug_adapter: str, shardplug_model: str) -> None:
         import numpy as np
@@ -95,6 +110,10 @@ class StrategyConformance:
         self._skip_unless(shardplug_adapter)
         if shardplug_model == "cnn":
             self._skip_unless("model-state")
+        import shardplug
+
+        if "layers" not in shardplug.get_model(shardplug_model).options:
+            self._skip_unless("without-layer-stack")
         losses = _losses(
             self.strategy,
             self.options,
@@ -104,8 +123,12 @@ class StrategyConformance:
             self.seed,
             self.devices,
             self.mesh,
+            self.model_options,
         )
-        expected = one_device_losses(shardplug_adapter, shardplug_model, self.steps, self.seed)
+        taken = tuple(sorted(self.model_options.items())) if shardplug_model == "transformer" else ()
+        expected = one_device_losses(
+            shardplug_adapter, shardplug_model, self.steps, self.seed, taken
+        )
         np.testing.assert_allclose(losses, expected, rtol=RTOL.get(shardplug_model, 1e-4))
 
     def test_declared_shardings_are_the_arrays_shardings(self) -> None:
@@ -181,11 +204,11 @@ class StrategyConformance:
         model, trainer = self._trainer()
         batch = next(model.batches(model.batch_size, self.seed))
         trainer.compile(batch)
-        sharding = trainer.batch_shardings["x"]
-        rows = sharding.shard_shape(batch["x"].shape)[0]
-        assert rows < batch["x"].shape[0], "every device holds the whole batch"
-        parts = batch["x"].shape[0] // rows
-        distinct = {idx[0].start for idx in sharding.devices_indices_map(batch["x"].shape).values()}
+        sharding, shape = trainer.batch_shardings[model.inputs], batch[model.inputs].shape
+        rows = sharding.shard_shape(shape)[0]
+        assert rows < shape[0], "every device holds the whole batch"
+        parts = shape[0] // rows
+        distinct = {idx[0].start for idx in sharding.devices_indices_map(shape).values()}
         assert len(distinct) == parts, "the batch rows are not spread over the devices"
 
     def test_unknown_options_are_refused(self) -> None:
