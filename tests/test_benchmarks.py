@@ -33,3 +33,25 @@ def test_gpu_mfu_script_runs_its_smoke_size(capsys):
 def test_host_cost_script_times_both_loops():
     times = load("host_cost")._loops(steps=30, log_every=10, rounds=1)
     assert all(times[k] > 0 for k in ("by hand", "by hand, flat", "shardplug"))
+
+
+def test_the_hand_written_gpipe_takes_pp_s_step():
+    """benchmarks/pipeline.py's baseline does the same work as pp: the same first loss."""
+    import optax
+
+    import shardplug
+
+    bench = load("pipeline")
+    model = shardplug.get_model("transformer")
+    trainer = shardplug.Trainer(
+        model.adapter("nnx", layers=4),
+        loss_fn=model.loss_fn,
+        optimizer=optax.adam(model.learning_rate),
+        strategy=shardplug.get_strategy("pp", microbatches=8),
+        devices=4,
+    )
+    batch = next(model.batches(32, 0))
+    trainer.compile(batch)
+    hand = bench.hand_gpipe_step(trainer, model, batch, 8)
+    ours = trainer.fit([batch], 1)[0]["loss"]
+    np.testing.assert_allclose(hand, ours, rtol=1e-5)

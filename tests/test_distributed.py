@@ -58,6 +58,18 @@ def test_two_processes_train_like_one(strategy, tmp_path):
     np.testing.assert_allclose([r["loss"] for r in written], want, rtol=1e-4)
 
 
+def test_a_pipeline_over_two_processes_trains_like_one(tmp_path):
+    """pp+dp with its stages inside each process and the data axis across the two."""
+    args = ["--strategy", "pp+dp", "--mesh", "stage=4,data=2", "--model", "transformer",
+            "--layers", "4", "--steps", str(STEPS), "--seed", "0"]  # fmt: skip
+    out, ref = tmp_path / "m.jsonl", tmp_path / "ref.jsonl"
+    done = launch(*args, "--metrics-out", str(out))
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert main(["train", "--quiet", *args, "--metrics-out", str(ref)]) == 0
+    got, want = rows(out), rows(ref)
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-4)
+
+
 def training_launch(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, list[int]]:
     """A launch of an endless run, once its first metrics are written; and its workers."""
     metrics = tmp_path / "m.jsonl"

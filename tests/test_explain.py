@@ -181,7 +181,8 @@ def test_explain_groups_parameters_that_share_a_layout_unless_all(capsys):
 
     rows = groups([report("blocks/0/wq"), report("blocks/1/wq"), report("blocks/1/wo", "P()")])
     assert [(r["path"], r["count"], r["bytes_per_device"]) for r in rows] == [
-        ("blocks/*/wq", 2, 4096), ("blocks/*/wo", 1, 2048)
+        ("blocks/*/wq", 2, 4096),
+        ("blocks/*/wo", 1, 2048),
     ]
     assert main(["explain", "--model", "transformer", "--strategy", "fsdp", "--layers", "2"]) == 0
     grouped = capsys.readouterr().out  # a layer stack: one row per stacked parameter already

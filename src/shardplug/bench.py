@@ -279,6 +279,7 @@ def bench(
     batch_size: int | None = None,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    model_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Time ``strategies`` against hand-written JAX, interleaved; see the module's docstring.
 
@@ -311,7 +312,7 @@ def bench(
 
     def trainer(strategy: str, count: int | None) -> Trainer:
         return Trainer(
-            model.adapter(adapter),
+            model.adapter(adapter, **(model_options or {})),
             loss_fn=model.loss_fn,
             optimizer=optax.adam(model.learning_rate),
             strategy=get_strategy(strategy),

@@ -27,8 +27,8 @@ from shardplug.core.context import (
     per_device_program,
 )
 from shardplug.core.hookspecs import hookimpl, hookspec
-from shardplug.core.pipeline import LAYERS, Pipeline, pipelined
 from shardplug.core.mesh import build_mesh, describe, parse_mesh
+from shardplug.core.pipeline import LAYERS, Pipeline, pipelined
 from shardplug.core.sharding import (
     largest_divisible_dim,
     leaf_paths,

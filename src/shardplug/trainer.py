@@ -17,7 +17,6 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core.context import activation_rules
 from shardplug.core.devices import select_devices
 from shardplug.core.mesh import parse_mesh
 from shardplug.core.registry import Strategy, get_strategy
@@ -169,6 +168,7 @@ class Trainer:
         self.strategy = strategy
         self.history: list[dict[str, float]] = []
         self.compile_seconds: float | None = None
+        self.flops_per_sample: float | None = None  # shardplug.flops: rows get model_tflops
 
         if devices is None or isinstance(devices, int):
             devices = select_devices(devices)
@@ -212,8 +212,7 @@ class Trainer:
         model's forward pass resolve) and its activation rules (``shardplug.constrain``)."""
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(activation_rules(self.strategy.activation_rules()))
-        for context in self.strategy.trace_contexts(self.mesh):
+        for context in self.strategy.trace_contexts(self.mesh):  # activation rules, pipelines
             stack.enter_context(context)
         return stack
 

@@ -79,8 +79,13 @@ def _model_arguments(parser: argparse.ArgumentParser, trainer_options: bool = Tr
 
 def model_options_arguments(parser: Any) -> None:
     """``--layers`` and ``--remat``: the reference transformer's depth and rematerialisation."""
-    parser.add_argument("--layers", type=_positive(int), default=None, metavar="N",
-                        help="the transformer's depth, as one layer stack (default 2)")
+    parser.add_argument(
+        "--layers",
+        type=_positive(int),
+        default=None,
+        metavar="N",
+        help="the transformer's depth, as one layer stack (default 2)",
+    )
     parser.add_argument("--remat", choices=("none", "dots", "full"), default=None,
                         help="what each transformer block recomputes in the backward pass "
                         "(default none)")  # fmt: skip

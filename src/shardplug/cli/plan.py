@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from shardplug.cli._common import _compiled_trainer, _console, _prepare, parse_options
+from shardplug.cli._common import (
+    _compiled_trainer,
+    _console,
+    _prepare,
+    model_options,
+    parse_options,
+)
 from shardplug.errors import ConfigError
 
 
@@ -80,6 +86,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = bench(
         strategies, args.model, args.adapter, args.devices, steps=args.steps,
         rounds=args.rounds, batch_size=args.batch_size, seed=args.seed,
+        model_options=model_options(args),
         progress=None if quiet else lambda text: console.print(f"[dim]{text}[/dim]"),
     )  # fmt: skip
     if args.json:

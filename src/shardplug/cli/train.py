@@ -14,7 +14,15 @@ from shardplug.errors import CheckpointError, ConfigError
 DEFAULTS = {"model": "transformer", "adapter": "nnx", "seed": 0}
 
 
-RESUMED = ("model", "adapter", "seed", "batch_size", "lr", "layers", "remat")  # taken from the checkpoint
+RESUMED = (
+    "model",
+    "adapter",
+    "seed",
+    "batch_size",
+    "lr",
+    "layers",
+    "remat",
+)  # taken from the checkpoint
 
 
 def _checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -106,6 +114,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         profile_dir=args.profile,
         profile_steps=args.profile_steps,
     )
+    trainer.flops_per_sample = model.flops_per_sample(**model_options(args))
     from shardplug.distributed import is_primary, process_rows
 
     primary = is_primary()  # process 0 alone writes metrics, progress and the summary
@@ -150,12 +159,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     extras = f" in {args.grad_accum} microbatches" if args.grad_accum > 1 else ""
     extras += ", bf16" if args.precision == "bf16" else ""
+    flops = sum(r.get("model_tflops", 0.0) for r in timed) / len(timed)
+    rate = f", {flops * 1e3:.2f} model GFLOP/s" if flops else ""
     print(
         f"shardplug: trained {args.model} ({args.adapter}) with {args.strategy} on "
         f"{trainer.mesh.size} {device} devices{processes} ({describe(trainer.mesh)}), "
         f"batch {batch_size}{extras}: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} "
         f"in {len(history)} steps{resumed}; compile {trainer.compile_seconds:.1f} s, "
-        f"{step_ms:.1f} ms/step, {batch_size / step_ms * 1000:.0f} samples/s{saved_to}"
+        f"{step_ms:.1f} ms/step, {batch_size / step_ms * 1000:.0f} samples/s{rate}{saved_to}"
     )
     return 0
 

@@ -34,8 +34,8 @@ from jax.sharding import PartitionSpec as P
 from shardplug.core import hookspecs
 from shardplug.core.hookspecs import hookimpl
 from shardplug.core.mesh import build_mesh
-from shardplug.core.sharding import leaf_paths, mesh_axes
 from shardplug.core.pipeline import LAYERS
+from shardplug.core.sharding import leaf_paths, mesh_axes
 from shardplug.errors import CompositionError, MeshError, PluginError, ShardplugError
 
 #: hooks of the step a parallelism may also implement; one per composition.

@@ -174,9 +174,9 @@ def _layer_gather(params: Any) -> Callable[[Any], Any]:
 
     def gather(layer):
         out = [
-            leaf if spec is None else checkpoint_name(
-                jax.lax.with_sharding_constraint(leaf, P(*spec[1:])), GATHERED
-            )
+            leaf
+            if spec is None
+            else checkpoint_name(jax.lax.with_sharding_constraint(leaf, P(*spec[1:])), GATHERED)
             for leaf, spec in zip(jax.tree.leaves(layer), used, strict=True)
         ]
         return jax.tree.unflatten(treedef, out)
@@ -240,11 +240,10 @@ def _pipeline(block, params, x, pl: Pipeline, layers: int) -> jax.Array:
     s_, m_, r_ = pl.stages, pl.microbatches, pl.repeats
     g_ = layers // (s_ * r_)
     if r_ > 1:  # each stage's share must hold its R non-adjacent groups: reorder the stack
+
         def reorder(w):
             w = w.reshape(r_, s_, g_, *w.shape[1:]).swapaxes(0, 1)
-            w = jax.lax.with_sharding_constraint(
-                w, P(pl.axis, *([P.UNCONSTRAINED] * (w.ndim - 1)))
-            )
+            w = jax.lax.with_sharding_constraint(w, P(pl.axis, *([P.UNCONSTRAINED] * (w.ndim - 1))))
             return w.reshape(layers, *w.shape[3:])
 
         params = jax.tree.map(reorder, params)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pluggy
 
 from shardplug.core import compose, fallbacks, hookspecs
+from shardplug.core.context import activation_rules
 from shardplug.core.sharding import check_batch, to_named
 from shardplug.errors import PluginError, ShardplugError
 
@@ -148,8 +149,10 @@ class Strategy:
         return self.gather_params(params, mesh), {}
 
     def trace_contexts(self, mesh: Any) -> list[Any]:
-        """The context managers the run's parallelisms enter around every traced program."""
-        return [] if self.composition is None else self.composition.trace_contexts(mesh)
+        """The context managers entered around every traced program: the activation rules
+        (:func:`shardplug.constrain`) and the parallelisms' own (``pp``'s schedule)."""
+        own = [] if self.composition is None else self.composition.trace_contexts(mesh)
+        return [activation_rules(self.activation_rules()), *own]
 
     def reduce_grads(self, grads: Any, mesh: Any) -> Any:
         return self._call("reduce_grads", grads=grads, mesh=mesh)

@@ -152,5 +152,7 @@ def _rows(
         row = {"step": first + k, **{name: float(v) for name, v in metrics.items()}}
         row["step_time"] = step_time
         row["samples_per_sec"] = samples / step_time if step_time > 0 else math.inf
+        if trainer.flops_per_sample:  # the whole run's model FLOP/s, MaxText's count
+            row["model_tflops"] = trainer.flops_per_sample * row["samples_per_sec"] / 1e12
         rows.append(row)
     return rows

@@ -19,6 +19,7 @@ from flax import nnx
 
 from shardplug.core.pipeline import REMAT_POLICIES
 from shardplug.errors import ConfigError, UnknownModelError
+from shardplug.flops import TransformerShape
 from shardplug.models import data, equinox_models, linen_models, nnx_models
 from shardplug.models.adapter import Adapter, Rules, apply_rules
 from shardplug.models.equinox_adapter import from_equinox
@@ -77,6 +78,17 @@ class ReferenceModel:
         self.check_options(**given)
         return self.builders[framework](**given)
 
+    def flops_per_sample(self, **options: Any) -> float | None:
+        """Training FLOPs of one sample as MFU counts them (:mod:`shardplug.flops`): the
+        transformer's; None for the models that are not transformers."""
+        if self.name != "transformer":
+            return None
+        shape = TransformerShape(
+            layers=options.get("layers") or nnx_models.LAYERS, width=nnx_models.EMBED,
+            sequence=data.SEQ_LEN, vocab=data.VOCAB, mlp=nnx_models.HIDDEN,
+        )  # fmt: skip
+        return shape.flops_per_token()["total"] * data.SEQ_LEN
+
     def check_options(self, **options: Any) -> None:
         """Raise :class:`ConfigError` for an option this model does not take or a bad value."""
         for key, value in options.items():
@@ -118,9 +130,7 @@ def _reference(name, description, nnx_build, linen_module, eqx_build, eqx_rules,
 
     builders = {
         "nnx": lambda **o: from_nnx(made(nnx_build, o)),
-        "linen": lambda **o: from_linen(
-            made(linen_module, o), linen_models.sample_input(name)
-        ),
+        "linen": lambda **o: from_linen(made(linen_module, o), linen_models.sample_input(name)),
         "equinox": lambda **o: from_equinox(made(eqx_build, o), rules=eqx_rules),
     }
     return ReferenceModel(name, description, builders, **kwargs)

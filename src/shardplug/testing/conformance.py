@@ -125,7 +125,9 @@ class StrategyConformance:
             self.mesh,
             self.model_options,
         )
-        taken = tuple(sorted(self.model_options.items())) if shardplug_model == "transformer" else ()
+        taken = (
+            tuple(sorted(self.model_options.items())) if shardplug_model == "transformer" else ()
+        )
         expected = one_device_losses(
             shardplug_adapter, shardplug_model, self.steps, self.seed, taken
         )
