@@ -61,6 +61,21 @@ def test_pipeline_trains_like_one_device(strategy, mesh, options, adapter, layer
     np.testing.assert_allclose(got, one_device(adapter, layers), rtol=1e-4)
 
 
+def test_pipeline_with_gradient_accumulation_trains_like_one_device():
+    # two accumulated microbatches, each run through the 4-stage pipeline in 4 of its own
+    model = shardplug.get_model("transformer")
+    trainer = shardplug.Trainer(
+        model.adapter("nnx", layers=4),
+        loss_fn=model.loss_fn,
+        optimizer=optax.adam(model.learning_rate),
+        strategy=shardplug.get_strategy("pp+dp", microbatches=4),
+        mesh="stage=4,data=2",
+        grad_accum=2,
+    )
+    got = losses(trainer.fit(model.batches(model.batch_size, 0), STEPS))
+    np.testing.assert_allclose(got, one_device("nnx", 4), rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def gpipe():
     """pp+dp on stage=4,data=2, 8 layers, 4 microbatches: explained."""
