@@ -108,10 +108,13 @@ def main() -> None:
         "",
         "Sent bytes are per device per step with ring algorithms. dp's compiled program is "
         "the textbook's one all-reduce of the gradients (plus the 4-byte loss). fsdp's "
-        "gathers each parameter once for forward and backward and all-reduces the gradients "
-        "(each device keeps its shard): on the wire exactly the textbook's 2 all-gathers + 1 "
-        "reduce-scatter. 2d's textbook counts only the gradient all-reduce over `data`; "
-        "tensor parallelism's activation all-reduces over `model` come on top.",
+        "gathers the layer stack one layer at a time in the forward scan and again in the "
+        "backward one (the textbook's 2 all-gathers), the embeddings and head once for both, "
+        "and all-reduces the gradients where the textbook reduce-scatters them (XLA's CPU "
+        "backend: each device then keeps its shard), which sends twice a reduce-scatter's "
+        "bytes: the excess over the textbook. 2d's textbook counts only the gradient "
+        "all-reduce over `data`; tensor parallelism's activation all-reduces over `model` "
+        "come on top.",
     ]
 
     print("bench", flush=True)
