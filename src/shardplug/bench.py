@@ -28,6 +28,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core.compose import implemented
 from shardplug.core.pipeline import LAYERS, layer_specs
 from shardplug.core.registry import get_strategy
 from shardplug.errors import ConfigError
@@ -75,8 +76,8 @@ def hand_written_form(strategy: Any) -> str | None:
     ``pmap`` does), or has no hand-written twin (None).
     """
     if strategy.composition is not None:
-        if any(getattr(p.plugin, "last", False) is not False for p in strategy.composition.parts):
-            return None  # a pipeline: its twin is benchmarks/pipeline.py's hand-written GPipe
+        if any("trace_context" in implemented(p.plugin) for p in strategy.composition.parts):
+            return None  # it reshapes the traced step (pp): benchmarks/pipeline.py has its twin
         return "jit"
     return getattr(strategy.plugin, "baseline", None)
 

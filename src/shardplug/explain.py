@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardplug.core.hlo import collectives, wire_bytes
+from shardplug.core.pipeline import circular_order
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.errors import ConfigError
 from shardplug.loop.batches import global_struct
@@ -315,7 +316,6 @@ def _pipeline(trainer, params, shardings, found, batch_axes) -> dict[str, Any] |
     layers, shape, dtype = part.plugin.last.seen[-1]
     pl = part.plugin.last.resolve(shape[0])
     s_, m_, r_ = pl.stages, pl.microbatches, pl.repeats
-    g_ = layers // (s_ * r_)
     stacked = [
         (p, sh) for p, sh in zip(params, shardings, strict=True)
         if len(sh.spec) and sh.spec[0] == part.axis.name
@@ -330,9 +330,7 @@ def _pipeline(trainer, params, shardings, found, batch_axes) -> dict[str, Any] |
         "repeats": r_,
         "bubble": pl.bubble,
         "layers": layers,
-        "stage_layers": [
-            [r * s_ * g_ + s * g_ + g for r in range(r_) for g in range(g_)] for s in range(s_)
-        ],
+        "stage_layers": circular_order(layers, s_, r_).reshape(s_, -1).tolist(),
         "stack_bytes": sum(_bytes(p.shape, p.dtype) for p, _ in stacked),
         "stack_bytes_per_device": sum(p.bytes_per_device for p, _ in stacked),
         "ticks": pl.ticks,

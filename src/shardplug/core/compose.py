@@ -95,14 +95,6 @@ class _PartFallbacks:
     def gather_param(self, spec):
         return spec
 
-    @hookimpl(trylast=True)
-    def check_layout(self):
-        return None
-
-    @hookimpl(trylast=True)
-    def trace_context(self):
-        return None
-
 
 @dataclasses.dataclass
 class Part:
