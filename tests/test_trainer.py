@@ -51,7 +51,8 @@ def test_history_rows_carry_metrics_and_timing():
     rows = trainer_for(shardplug.get_model("classifier")).fit(
         shardplug.get_model("classifier").batches(64, 0), steps=30
     )
-    assert set(rows[0]) == {"step", "loss", "accuracy", "step_time", "samples_per_sec"}
+    hardware = {"step_tflops", "model_tflops", "memory_in_use", "memory_peak", "comm_share"}
+    assert set(rows[0]) == {"step", "loss", "accuracy", "step_time", "samples_per_sec", *hardware}
     assert rows[-1]["accuracy"] > rows[0]["accuracy"]
     assert all(r["step_time"] > 0 and r["samples_per_sec"] > 0 for r in rows)
 

@@ -28,6 +28,8 @@ _EXPORTS = {
     ),
     "shardplug.core.step": ("TrainState",),
     "shardplug.trainer": ("Trainer",),
+    "shardplug.task": ("Task", "load_task"),
+    "shardplug.data": ("Batches",),
     "shardplug.export": ("export_checkpoint", "load_exported", "load_model"),
     "shardplug.errors": (
         "BatchError",
@@ -42,6 +44,7 @@ _EXPORTS = {
         "ShardplugError",
         "ShardplugWarning",
         "StrategyOptionError",
+        "TaskError",
         "TrainingInterrupted",
         "UnknownModelError",
         "UnknownStrategyError",

@@ -281,8 +281,12 @@ def bench(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     model_options: dict[str, Any] | None = None,
+    task: Any = None,
 ) -> dict[str, Any]:
     """Time ``strategies`` against hand-written JAX, interleaved; see the module's docstring.
+
+    The model is the reference ``model_name`` in ``adapter`` (with ``model_options``), or a
+    :class:`shardplug.Task`'s: its adapter, loss, optimizer and first eight batches.
 
     :return: ``{"results": [Result.to_dict()...], "ratios": {strategy: shardplug's step time
         / hand-written's, the median of the rounds' ratios}, "nnx_jit_ratio": the same for
@@ -290,10 +294,13 @@ def bench(
         "speedup": {strategy: one device's median step / the strategy's}, "max_loss_diff":
         {strategy: largest relative difference of shardplug's losses from the baseline's}}``.
     """
-    from shardplug.models import check_adapter, get_model
+    from shardplug.models import get_model
 
-    model = get_model(model_name)
-    check_adapter(adapter)
+    if task is None:
+        task = get_model(model_name).task(
+            adapter, batch_size=batch_size, seed=seed, **(model_options or {})
+        )
+    model = task
     if not strategies:
         raise ConfigError("name at least one strategy to bench")
     unknown = [s for s in strategies if hand_written_form(get_strategy(s)) is None]
@@ -304,18 +311,20 @@ def bench(
             f"parallelisms, their compositions, or pmap; pp is measured against a hand-written "
             f"GPipe by benchmarks/pipeline.py"
         )
-    batch_size = batch_size or model.batch_size
-    batches = list(itertools.islice(model.batches(batch_size, seed), 8))
+    batches = list(itertools.islice(task.batches(), 8))
+    if not batches:
+        raise ConfigError(f"task {task.name}: its data gave no batch")
     first = batches[0]
+    batch_size = int(np.shape(jax.tree.leaves(first)[0])[0])
     samples = int(np.shape(jax.tree.leaves(first)[0])[0])
     tokens = int(np.size(first["tokens"])) if "tokens" in first else None
     say = progress or (lambda _: None)
 
     def trainer(strategy: str, count: int | None) -> Trainer:
         return Trainer(
-            model.adapter(adapter, **(model_options or {})),
-            loss_fn=model.loss_fn,
-            optimizer=optax.adam(model.learning_rate),
+            task.adapter,
+            loss_fn=task.loss_fn,
+            optimizer=task.optimizer,
             strategy=get_strategy(strategy),
             devices=count,
             seed=seed,
@@ -331,7 +340,7 @@ def bench(
         contenders.append(_Shardplug(strategy, t, first, samples, tokens))
         name = f"{strategy} by hand"
         contenders.append(_HandWritten(name, "hand-written", t, model, first, samples, tokens))
-    if adapter == "nnx" and "dp" in strategies:
+    if task.adapter.framework == "nnx" and "dp" in strategies:
         say("compiling the nnx.jit loop")
         contenders.append(_NnxJit("dp as nnx.jit", trainers["dp"], model, first, samples, tokens))
     say("compiling one device")
@@ -365,8 +374,8 @@ def bench(
     if ("nnx.jit", "dp") in by:
         nnx_ratio = paired(by["shardplug", "dp"], by["nnx.jit", "dp"])
     return {
-        "model": model_name,
-        "adapter": adapter,
+        "model": task.name,
+        "adapter": task.adapter.framework,
         "devices": int(contenders[0].result.devices),
         "platform": jax.devices()[0].platform,
         "batch_size": batch_size,

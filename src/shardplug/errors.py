@@ -54,6 +54,11 @@ class ConfigError(ShardplugError, ValueError):
     """A training argument is out of range or of the wrong kind."""
 
 
+class TaskError(ConfigError):
+    """A task (``--task FILE.py:NAME``) that cannot be loaded: no such file or module, no
+    such name, or not a :class:`shardplug.Task`."""
+
+
 class PluginError(ShardplugError):
     """A strategy plugin failed to load, or a hook of it failed or returned something unusable."""
 

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -21,13 +20,13 @@ from shardplug.core.devices import select_devices
 from shardplug.core.mesh import parse_mesh
 from shardplug.core.registry import Strategy, get_strategy
 from shardplug.core.sharding import optimizer_shardings
+from shardplug.core.state import create_state
 from shardplug.core.step import (
     LossFn,
     Precision,
     TrainState,
     _finite,
     key_impl,
-    make_eval_step,
     make_step,
     step_key,
     unwrap_keys,
@@ -40,6 +39,8 @@ from shardplug.errors import (
     PluginError,
 )
 from shardplug.loop import batches as host
+from shardplug.loop.evaluate import evaluate
+from shardplug.loop.position import Tracked, decode, stateful
 from shardplug.loop.run import run
 from shardplug.models.adapter import Adapter
 from shardplug.settings import OnNonFinite, Settings
@@ -53,6 +54,7 @@ class _Program(NamedTuple):
     compiled: Any
     batch_shardings: Any
     signature: Any
+    jaxpr: Any  # the traced step, for its FLOP count (shardplug.flops.step_flops)
 
 
 class Trainer:
@@ -102,6 +104,10 @@ class Trainer:
     :param profile_dir: write a profiler trace (TensorBoard, Perfetto) of the steps
         ``profile_steps`` (a ``range`` of step numbers, default 3 to 5, after compilation)
         into this directory (``process_<i>/`` in it for each process of a multi-process run).
+    :param allocate: False plans without allocating: the state is only shapes and shardings
+        (``jax.ShapeDtypeStruct``), so the step can be compiled and explained
+        (:func:`shardplug.explain.explain`) for a model larger than this machine's memory,
+        but not run.
     """
 
     def __init__(
@@ -125,6 +131,7 @@ class Trainer:
         precision: Precision = "float32",
         profile_dir: str | os.PathLike | None = None,
         profile_steps: range = range(3, 6),
+        allocate: bool = True,
     ):
         if not isinstance(adapter, Adapter):
             raise ConfigError(
@@ -168,7 +175,12 @@ class Trainer:
         self.strategy = strategy
         self.history: list[dict[str, float]] = []
         self.compile_seconds: float | None = None
-        self.flops_per_sample: float | None = None  # shardplug.flops: rows get model_tflops
+        #: training FLOPs of one sample by the textbook count (shardplug.flops), for the rows'
+        #: model_tflops and mfu; and the devices' peak TFLOP/s, where they are not known ones
+        self.flops_per_sample: float | None = None
+        self.peak_tflops: float | None = None
+        self._data: Any = None  # the data's position (loop.position.Tracked), when it has one
+        self._data_state: Any = None  # a restored checkpoint's data state, not yet applied
 
         if devices is None or isinstance(devices, int):
             devices = select_devices(devices)
@@ -191,7 +203,8 @@ class Trainer:
         )
         # Created outside the mesh context: a Flax model's partition metadata names logical
         # axes that only the strategy maps onto the mesh.
-        self.state = self._create_state(rng)
+        self.allocated = allocate
+        self.state = create_state(adapter, optimizer, self.state_shardings, rng, allocate=allocate)
         self._train: _Program | None = None
         self._eval: _Program | None = None
 
@@ -199,10 +212,13 @@ class Trainer:
     def state(self) -> TrainState:
         """The training state, global arrays in their shardings (rebuilt from the flat list
         of arrays the compiled step reads and writes; PRNG keys held as their key data)."""
+        if not self.allocated:
+            return self._planned
         return jax.tree.unflatten(self._treedef, wrap_keys(self._leaves, self._key_impls))
 
     @state.setter
     def state(self, state: TrainState) -> None:
+        self._planned = None if self.allocated else state
         leaves, self._treedef = jax.tree.flatten(state)
         self._key_impls = [key_impl(x) for x in leaves]
         self._leaves = unwrap_keys(leaves, self._key_impls)
@@ -239,30 +255,6 @@ class Trainer:
         return self.adapter.bind(
             self.state.params, self.state.model_state, rng=step_key(self.state), train=False
         )
-
-    def _create_state(self, rng: jax.Array) -> TrainState:
-        shardings = self.state_shardings
-        if self.adapter.variables is None:
-            # Build every array inside one jit whose outputs are the strategy's shardings:
-            # no device ever holds a full copy of a sharded parameter.
-            def create(rng):
-                params, model_state = self.adapter.init(rng)
-                return TrainState(
-                    jnp.zeros((), jnp.int32), params, self.optimizer.init(params), model_state, rng
-                )
-
-            return jax.jit(create, out_shardings=shardings)(rng)
-        # A model that already exists is copied once into the shardings; never aliased,
-        # since the step donates its state and the caller's model must stay valid. A jit's
-        # outputs are new buffers; device_put alone, even with may_alias=False, hands device
-        # 0 the caller's own buffer when it replicates a one-device array (jax 0.10).
-        placed = (shardings.params, shardings.model_state)
-        params, model_state = jax.jit(lambda v: jax.tree.map(jnp.copy, v), out_shardings=placed)(
-            jax.device_put(self.adapter.variables, placed)
-        )
-        opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
-        step, rng = jax.device_put((jnp.zeros((), jnp.int32), rng), (shardings.step, shardings.rng))
-        return TrainState(step, params, opt_state, model_state, rng)
 
     def compile(self, batch: Any) -> None:
         """Choose the batch shardings and compile the step for batches shaped like ``batch``.
@@ -302,7 +294,7 @@ class Trainer:
 
     def _lower(
         self, step_for: Callable[[Any], Callable], batch: Any, microbatches: int = 1
-    ) -> tuple[Any, Any]:
+    ) -> tuple[Any, Any, Any]:
         """Shard ``batch`` as the strategy says and lower ``step_for(its shardings)``; the
         batch must cut into ``microbatches`` that each split like it."""
         abstract = jax.tree.map(host.global_struct, batch)
@@ -338,17 +330,17 @@ class Trainer:
             donate_argnums=0,
         )
         with self._tracing():
-            lowered = flat.lower(
+            traced = flat.trace(
                 list(map(with_sharding, self._leaves, flat_shardings)),
                 jax.tree.map(with_sharding, abstract, batch_shardings),
             )
-        return lowered, batch_shardings
+            return traced.lower(), batch_shardings, traced.jaxpr
 
     def _build(
         self, step_for: Callable[[Any], Callable], batch: Any, microbatches: int = 1
     ) -> _Program:
-        lowered, batch_shardings = self._lower(step_for, batch, microbatches)
-        return _Program(lowered.compile(), batch_shardings, host.signature(batch))
+        lowered, batch_shardings, jaxpr = self._lower(step_for, batch, microbatches)
+        return _Program(lowered.compile(), batch_shardings, host.signature(batch), jaxpr)
 
     def _place(self, batch: Any, index: int) -> Any:
         """Check a training batch against the compiled step's; in many processes, assemble
@@ -368,23 +360,7 @@ class Trainer:
         are read (needed for an endless iterator). Evaluation batches may differ in shape
         from training batches; they are compiled for once, on the first.
         """
-        if steps is not None and (not isinstance(steps, int) or steps < 1):
-            raise ConfigError(f"steps must be a positive integer or None, got {steps!r}")
-        totals: dict[str, jax.Array] | None = None
-        count = 0
-        for batch in batches if steps is None else itertools.islice(batches, steps):
-            if self._eval is None:
-                step_fn = make_eval_step(self.adapter, self.loss_fn, self.strategy, self.mesh)
-                self._eval = self._build(lambda _, fn=step_fn: fn, batch)
-            host.check(batch, count, self._eval.signature)
-            self._leaves, metrics = self._eval.compiled(
-                self._leaves, host.put(batch, self._eval.batch_shardings)
-            )
-            totals = metrics if totals is None else jax.tree.map(jnp.add, totals, metrics)
-            count += 1
-        if totals is None:
-            raise ConfigError("evaluate got no batches")
-        return {name: float(value) / count for name, value in jax.device_get(totals).items()}
+        return evaluate(self, batches, steps)
 
     @property
     def step(self) -> int:
@@ -397,6 +373,9 @@ class Trainer:
         steps: int,
         *,
         callback: Callable[[list[dict[str, float]]], None] | None = None,
+        eval_data: Iterable[Any] | Callable[[], Iterable[Any]] | None = None,
+        eval_every: int | None = None,
+        eval_steps: int | None = None,
     ) -> list[dict[str, float]]:
         """Train for ``steps`` steps on ``batches``, continuing from any earlier ``fit``.
 
@@ -421,7 +400,26 @@ class Trainer:
                     f"{existing[-1]}): call restore() to continue that run, or choose an "
                     f"empty directory"
                 )
+        if not self.allocated:
+            raise ConfigError("this Trainer plans (allocate=False): it compiles, it does not train")
+        if (eval_data is None) != (eval_every is None):
+            raise ConfigError("eval_data and eval_every go together: give both or neither")
+        if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
+            raise ConfigError(f"eval_every must be a positive integer, got {eval_every!r}")
         iterator = iter(batches)
+        if stateful(iterator):  # Grain's: its state goes into every checkpoint
+            if self._data_state is not None:
+                iterator.set_state(decode(self._data_state))
+                self._data_state = None
+            iterator = self._data = Tracked(iterator, self._step)
+        evaluate = None
+        if eval_every is not None:
+
+            def read() -> dict[str, float]:
+                held_out = eval_data() if callable(eval_data) else eval_data
+                return self.evaluate(held_out, steps=eval_steps)
+
+            evaluate = (eval_every, read)
         if self._train is None:  # compile on the first batch, in this thread
             first = next(iterator, None)
             if first is None:
@@ -429,7 +427,7 @@ class Trainer:
                 return []
             self.compile(first)
             iterator = itertools.chain([first], iterator)
-        return run(self, iterator, steps, callback)
+        return run(self, iterator, steps, callback, evaluate)
 
     def save(self) -> str:
         """Checkpoint the current state now (in the background); returns its path."""
@@ -449,6 +447,8 @@ class Trainer:
             "shardplug": __version__,
             "config": self.config,
         }
+        if self._data is not None:  # where the next batch starts
+            meta["data_state"] = self._data.state_at(self._step)
         path = self.checkpoints.save(self._step, self.state, meta)
         self._saved_step = self._step
         return str(path)
@@ -475,6 +475,7 @@ class Trainer:
         self._saved_step = int(meta["step"])
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         self.restored_meta = meta
+        self._data_state = meta.get("data_state")
         return self._step
 
     @property

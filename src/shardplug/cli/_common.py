@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from shardplug.errors import MeshError, StrategyOptionError
+from shardplug.errors import ConfigError, MeshError, StrategyOptionError
 
 EXIT_FAILED = 1  # training failed (a non-finite loss)
 
@@ -57,8 +57,7 @@ def _memory(text: str) -> int:
 def _model_arguments(parser: argparse.ArgumentParser, trainer_options: bool = True) -> None:
     """The options that say what to compile: model, adapter, devices, batch; and with
     ``trainer_options`` the strategy's options, add-ons, mesh, microbatches and precision."""
-    parser.add_argument("--model", default="transformer", help="reference model (transformer)")
-    parser.add_argument("--adapter", default="nnx", help="nnx, linen or equinox (default nnx)")
+    task_arguments(parser)
     model_options_arguments(parser)
     parser.add_argument(
         "--devices", type=_positive(int), default=8, help="devices (simulated CPU ones: 8)"
@@ -75,6 +74,64 @@ def _model_arguments(parser: argparse.ArgumentParser, trainer_options: bool = Tr
                             "e.g. model=tp (repeatable)")  # fmt: skip
         parser.add_argument("--grad-accum", type=_positive(int), default=1, metavar="K")
         parser.add_argument("--precision", choices=("float32", "bf16"), default="float32")
+
+
+def task_arguments(parser: Any) -> None:
+    """``--task``, or ``--model`` and ``--adapter``: what to train."""
+    parser.add_argument(
+        "--task", default=None, metavar="FILE.py:NAME",
+        help="your task: a shardplug.Task (or a function returning one) in a file or a module "
+        "(package.module:NAME), instead of a reference --model",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model", default=None,
+        help="reference model: mlp, classifier, transformer or cnn (default: transformer)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--adapter", default=None, help="the reference model's framework: nnx, linen or equinox"
+    )
+
+
+MODEL_ONLY = ("model", "adapter", "layers", "remat", "batch_size", "lr")
+
+
+def check_task_flags(args: argparse.Namespace) -> None:
+    """A task brings its own model, data and optimizer: refuse the reference model's flags."""
+    if getattr(args, "task", None) is None:
+        return
+    given = [f"--{k.replace('_', '-')}" for k in MODEL_ONLY if getattr(args, k, None) is not None]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} set the reference model; --task {args.task} brings its own "
+            f"model, optimizer and data: drop {'them' if len(given) > 1 else 'it'}"
+        )
+
+
+def cli_task(args: argparse.Namespace) -> Any:
+    """The :class:`shardplug.Task` the command line names (loaded once per command): the
+    ``--task``, or the reference ``--model`` as a task."""
+    if getattr(args, "_task", None) is None:
+        if args.task is not None:
+            from shardplug.task import load_task
+
+            args._task = load_task(args.task)
+        else:
+            from shardplug.models import get_model
+
+            args._task = get_model(args.model or "transformer").task(
+                args.adapter or "nnx", batch_size=args.batch_size, seed=args.seed,
+                learning_rate=getattr(args, "lr", None), **model_options(args),
+            )  # fmt: skip
+    return args._task
+
+
+def first_batch(task: Any) -> Any:
+    """The task's first batch, to compile for; None when its data can be read only once
+    (an iterator, which ``fit`` then compiles for on its own first batch)."""
+    data = task.batches()  # a function's data is made afresh each time
+    if iter(data) is data and not callable(task.data):
+        return None
+    return next(iter(data), None)
 
 
 def model_options_arguments(parser: Any) -> None:
@@ -137,19 +194,20 @@ def axis_names(pairs: Sequence[str]) -> dict[str, str]:
     return names
 
 
-def _compiled_trainer(args: argparse.Namespace, strategy: str, options: dict[str, Any]):
-    """A trainer of the reference model with ``strategy``, its step compiled; and its batch."""
-    import optax
-
+def _compiled_trainer(
+    args: argparse.Namespace, strategy: str, options: dict[str, Any], allocate: bool = True
+):
+    """A trainer of the task with ``strategy`` (planning only, for ``allocate=False``); and
+    the batch to compile its step for."""
     from shardplug.core.registry import get_strategy
-    from shardplug.models import get_model
     from shardplug.trainer import Trainer
 
-    model = get_model(args.model)
+    task = cli_task(args)
     trainer = Trainer(
-        model.adapter(args.adapter, **model_options(args)),
-        loss_fn=model.loss_fn,
-        optimizer=optax.adam(model.learning_rate),
+        task.adapter,
+        loss_fn=task.loss_fn,
+        optimizer=task.optimizer,
+        allocate=allocate,
         strategy=get_strategy(
             strategy, addons=args.addon, axis_names=axis_names(args.axis_name), **options
         ),
@@ -159,22 +217,32 @@ def _compiled_trainer(args: argparse.Namespace, strategy: str, options: dict[str
         grad_accum=args.grad_accum,
         precision=args.precision,
     )
-    batch = next(model.batches(args.batch_size or model.batch_size, args.seed))
+    batch = first_batch(task)
+    if batch is None:
+        raise ConfigError(
+            f"task {task.name}: its data is an iterator, read once: give a function "
+            f"returning it, or a shardplug.data.Batches, to plan"
+        )
+    trainer.flops_per_sample = task.flops_per_sample
     return trainer, batch
 
 
 def _prepare(args: argparse.Namespace) -> None:
-    """Check the model and adapter, then give JAX its simulated devices."""
+    """Check the flags, give JAX its simulated devices, then load the task (whose file may
+    use JAX as it is imported)."""
     from shardplug.core.devices import simulate_cpu_devices
     from shardplug.models import check_adapter, get_model
 
-    get_model(args.model).check_options(**model_options(args))
-    check_adapter(args.adapter)
+    check_task_flags(args)
+    if args.task is None:
+        get_model(args.model or "transformer").check_options(**model_options(args))
+        check_adapter(args.adapter or "nnx")
     if getattr(args, "mesh", None):
         from shardplug.core.mesh import parse_mesh
 
         parse_mesh(args.mesh)
     simulate_cpu_devices(args.devices)
+    cli_task(args)
 
 
 def _console():

@@ -12,6 +12,7 @@ from shardplug.cli._common import (
     _positive,
     _step_range,
     model_options_arguments,
+    task_arguments,
 )
 
 
@@ -52,16 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="an add-on plugin that wraps the strategy's hooks (repeatable)",
     )
-    train.add_argument(
-        "--model",
-        default=None,
-        help="mlp, classifier, transformer or cnn (default: transformer, or the checkpoint's)",
-    )
-    train.add_argument(
-        "--adapter",
-        default=None,
-        help="model framework: nnx, linen or equinox (default: nnx, or the checkpoint's)",
-    )
+    task_arguments(train)
     model_options_arguments(train)
     train.add_argument(
         "--steps",
@@ -94,6 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="JSON lines, one per step (appended to with --resume)",
     )
+    train.add_argument(
+        "--tensorboard", type=Path, default=None, metavar="DIR",
+        help="also write the rows as TensorBoard event files into DIR",
+    )  # fmt: skip
+    train.add_argument(
+        "--eval-every", type=_positive(int), default=None, metavar="K",
+        help="evaluate on the task's held-out data every K steps (rows get eval_*)",
+    )  # fmt: skip
+    train.add_argument(
+        "--peak-tflops", type=_positive(float), default=None, metavar="X",
+        help="each device's peak TFLOP/s, for MFU where the device is not a known one",
+    )  # fmt: skip
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     speed = train.add_argument_group("speed")
     speed.add_argument(

@@ -9,7 +9,7 @@ from shardplug.cli._common import (
     _compiled_trainer,
     _console,
     _prepare,
-    model_options,
+    cli_task,
     parse_options,
 )
 from shardplug.errors import ConfigError
@@ -21,7 +21,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from shardplug.explain import explain
     from shardplug.views import plot, render
 
-    trainer, batch = _compiled_trainer(args, args.strategy, options)
+    trainer, batch = _compiled_trainer(args, args.strategy, options, allocate=False)
     report = explain(trainer, batch, device_memory=args.device_memory, param=args.param)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
@@ -39,7 +39,9 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     from shardplug.explain import size
     from shardplug.recommend import recommend
 
-    result = recommend(lambda name: _compiled_trainer(args, name, {}), args.device_memory)
+    result = recommend(
+        lambda name: _compiled_trainer(args, name, {}, allocate=False), args.device_memory
+    )
     rows, choice, reason = result["strategies"], result["recommended"], result["reason"]
     if args.json:
         print(json.dumps(result, indent=1))
@@ -47,8 +49,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(
-        title=f"{args.model} ({args.adapter}) on {args.devices} devices of "
-        f"{size(args.device_memory)}",
+        title=f"{_title(args)} on {args.devices} devices of {size(args.device_memory)}",
         title_justify="left",
     )
     for column in ("strategy", "fits", "peak/device", "params+opt/device", "sent/step"):
@@ -84,9 +85,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     console = _console()
     quiet = args.json
     report = bench(
-        strategies, args.model, args.adapter, args.devices, steps=args.steps,
-        rounds=args.rounds, batch_size=args.batch_size, seed=args.seed,
-        model_options=model_options(args),
+        strategies, devices=args.devices, steps=args.steps, rounds=args.rounds, seed=args.seed,
+        task=cli_task(args),
         progress=None if quiet else lambda text: console.print(f"[dim]{text}[/dim]"),
     )  # fmt: skip
     if args.json:
@@ -98,3 +98,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not quiet:
             print(f"shardplug: wrote {args.plot}")
     return 0
+
+
+def _title(args: argparse.Namespace) -> str:
+    task = cli_task(args)
+    return f"{task.name} ({task.adapter.framework})"

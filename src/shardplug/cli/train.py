@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 from pathlib import Path
 from typing import Any
 
-from shardplug.cli._common import _quiet_orbax, axis_names, model_options, parse_options
+from shardplug.cli._common import (
+    _quiet_orbax,
+    axis_names,
+    check_task_flags,
+    cli_task,
+    first_batch,
+    model_options,
+    parse_options,
+)
 from shardplug.errors import CheckpointError, ConfigError
 
 DEFAULTS = {"model": "transformer", "adapter": "nnx", "seed": 0}
@@ -22,7 +29,7 @@ RESUMED = (
     "lr",
     "layers",
     "remat",
-)  # taken from the checkpoint
+)  # taken from the checkpoint (a reference model's run; a task's keeps its --task)
 
 
 def _checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -66,32 +73,46 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardplug.models import check_adapter, get_model
 
     saved = _checkpoint_settings(args)
-    for name in RESUMED:
-        if getattr(args, name) is None:
-            setattr(args, name, saved.get(name, DEFAULTS.get(name)))
-    model = get_model(args.model)
-    model.check_options(**model_options(args))
-    check_adapter(args.adapter)
+    check_task_flags(args)
+    if args.task is None and saved.get("task") and args.model is None:
+        args.task = saved["task"]  # resuming a task's run
+    if args.task is None:
+        for name in RESUMED:
+            if getattr(args, name) is None:
+                setattr(args, name, saved.get(name, DEFAULTS.get(name)))
+        get_model(args.model).check_options(**model_options(args))
+        check_adapter(args.adapter)
+    elif args.seed is None:
+        args.seed = saved.get("seed", 0)
     options = parse_options(args.strategy, args.option)
     names = axis_names(args.axis_name)
     mesh = parse_mesh(args.mesh) if args.mesh else None
     if args.metrics_out is not None and args.metrics_out.is_dir():
         raise ConfigError(f"--metrics-out {args.metrics_out} is a directory: name a file")
+    if args.tensorboard is not None and args.tensorboard.is_file():
+        raise ConfigError(f"--tensorboard {args.tensorboard} is a file: name a directory")
     _join_or_simulate(args, simulate_cpu_devices)
     _quiet_orbax()
-
-    import optax
 
     from shardplug.core.mesh import describe
     from shardplug.core.registry import get_strategy
     from shardplug.trainer import Trainer
 
-    batch_size = args.batch_size or model.batch_size
-    lr = args.lr or model.learning_rate
+    task = cli_task(args)  # after the devices: a task file may use JAX as it is imported
+    if args.eval_every is not None and task.eval_data is None:
+        raise ConfigError(f"--eval-every: task {task.name} has no eval_data to evaluate on")
+    if args.task is not None:
+        config = {"task": args.task, "seed": args.seed}
+    else:
+        config = {
+            "model": args.model, "adapter": args.adapter, "seed": args.seed,
+            "batch_size": args.batch_size or get_model(args.model).batch_size,
+            "lr": args.lr or get_model(args.model).learning_rate, **model_options(args),
+        }  # fmt: skip
     trainer = Trainer(
-        model.adapter(args.adapter, **model_options(args)),
-        loss_fn=model.loss_fn,
-        optimizer=optax.adam(lr),
+        task.adapter,
+        loss_fn=task.loss_fn,
+        optimizer=task.optimizer,
         strategy=get_strategy(args.strategy, addons=args.addon, axis_names=names, **options),
         devices=args.devices,
         mesh=mesh,
@@ -100,22 +121,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         keep=args.keep or 3,
-        config={
-            "model": args.model,
-            "adapter": args.adapter,
-            "seed": args.seed,
-            "batch_size": batch_size,
-            "lr": lr,
-            **model_options(args),
-        },
+        config=config,
         on_nonfinite=args.on_nonfinite,
         grad_accum=args.grad_accum,
         precision=args.precision,
         profile_dir=args.profile,
         profile_steps=args.profile_steps,
     )
-    trainer.flops_per_sample = model.flops_per_sample(**model_options(args))
-    from shardplug.distributed import is_primary, process_rows
+    trainer.flops_per_sample = task.flops_per_sample
+    trainer.peak_tflops = args.peak_tflops
+    from shardplug.distributed import is_primary
 
     primary = is_primary()  # process 0 alone writes metrics, progress and the summary
     start = trainer.restore() if args.resume else 0
@@ -123,15 +138,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         if primary:
             print(f"shardplug: the checkpoint is at step {start}, already at --steps {args.steps}")
         return 0
-    # each process makes only its own rows of every batch
-    batches = model.batches(batch_size, args.seed, start=start, rows=process_rows(batch_size))
-    first = next(batches)
-    trainer.compile(first)  # a batch that does not split fails here, before any output
+    first = first_batch(task)
+    if first is not None:  # a batch that does not split fails here, before any output
+        trainer.compile(_own_rows(first))
+    batches = _process_share(task.batches(start))
+    evaluation = None
+    if args.eval_every is not None:
+        evaluation = dict(
+            eval_data=lambda: _process_share(task.evaluation()),
+            eval_every=args.eval_every,
+            eval_steps=task.eval_steps,
+        )
     out = (
         _open_metrics(args.metrics_out, resume_from=start if args.resume else None)
         if primary
         else None
     )
+    board = _tensorboard(args.tensorboard) if primary and args.tensorboard else None
     try:
         with _Progress(args.quiet or not primary, args.steps, start) as advance:
 
@@ -139,14 +162,22 @@ def cmd_train(args: argparse.Namespace) -> int:
                 if out is not None:
                     out.writelines(json.dumps(row) + "\n" for row in rows)
                     out.flush()
+                if board is not None:
+                    for row in rows:
+                        for key, value in row.items():
+                            if key != "step":
+                                board.add_scalar(key, value, int(row["step"]))
+                    board.flush()
                 advance(rows)
 
             history = trainer.fit(
-                itertools.chain([first], batches), steps=args.steps - start, callback=log
+                batches, steps=args.steps - start, callback=log, **(evaluation or {})
             )
     finally:
         if out is not None:
             out.close()
+        if board is not None:
+            board.close()
     if not primary:
         return 0
     device = trainer.mesh.devices.flat[0].platform
@@ -161,14 +192,68 @@ def cmd_train(args: argparse.Namespace) -> int:
     extras += ", bf16" if args.precision == "bf16" else ""
     flops = sum(r.get("model_tflops", 0.0) for r in timed) / len(timed)
     rate = f", {flops * 1e3:.2f} model GFLOP/s" if flops else ""
+    mfu = [r["mfu"] for r in timed if "mfu" in r]
+    rate += f", MFU {100 * sum(mfu) / len(mfu):.1f}%" if mfu else ""
+    held_out = [r for r in history if "eval_loss" in r]
+    if held_out:
+        last = held_out[-1]
+        rate += "; held out: " + ", ".join(
+            f"{k[5:]} {v:.4f}" for k, v in last.items() if k.startswith("eval_")
+        )
+    samples = trainer.batch_shardings and _batch_rows(trainer)
     print(
-        f"shardplug: trained {args.model} ({args.adapter}) with {args.strategy} on "
+        f"shardplug: trained {task.name} ({task.adapter.framework}) with {args.strategy} on "
         f"{trainer.mesh.size} {device} devices{processes} ({describe(trainer.mesh)}), "
-        f"batch {batch_size}{extras}: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} "
+        f"batch {samples}{extras}: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} "
         f"in {len(history)} steps{resumed}; compile {trainer.compile_seconds:.1f} s, "
-        f"{step_ms:.1f} ms/step, {batch_size / step_ms * 1000:.0f} samples/s{rate}{saved_to}"
+        f"{step_ms:.1f} ms/step, {samples / step_ms * 1000:.0f} samples/s{rate}{saved_to}"
     )
     return 0
+
+
+def _batch_rows(trainer: Any) -> int:
+    from shardplug.loop.batches import batch_rows
+
+    return batch_rows(trainer._train.signature) * _processes()
+
+
+def _processes() -> int:
+    import jax
+
+    return jax.process_count()
+
+
+def _own_rows(batch: Any) -> Any:
+    """This process's rows of a global batch (all of it in a single process)."""
+    import jax
+
+    if _processes() == 1:
+        return batch
+    from shardplug.distributed import process_rows
+
+    rows = process_rows(int(jax.tree.leaves(batch)[0].shape[0]))
+    return jax.tree.map(lambda x: x[rows], batch)
+
+
+def _process_share(data: Any) -> Any:
+    """Batches as this process feeds them: a ``shardplug.data.Batches`` (or any data with
+    Grain's state) reads its own rows; of any other data each process takes its rows."""
+    from shardplug.loop.position import stateful
+
+    if _processes() == 1 or data is None or stateful(iter(data)):
+        return data
+    return (_own_rows(batch) for batch in data)
+
+
+def _tensorboard(directory: Path) -> Any:
+    """A TensorBoard event writer (tensorboardX) into ``directory``."""
+    from tensorboardX import SummaryWriter
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot write --tensorboard {directory}: {exc.strerror}") from None
+    return SummaryWriter(str(directory))
 
 
 def _join_or_simulate(args: argparse.Namespace, simulate: Any) -> None:
@@ -218,6 +303,22 @@ def _open_metrics(path: Path | None, resume_from: int | None = None) -> Any:
         raise ConfigError(f"cannot write --metrics-out {path}: {exc.strerror}") from None
 
 
+def _status(row: dict[str, float]) -> str:
+    """The progress bar's figures: loss, held-out loss, FLOP/s, MFU, memory, communication."""
+    text = f"{row['loss']:.4f}"
+    if "eval_loss" in row:
+        text += f" (held out {row['eval_loss']:.4f})"
+    if "model_tflops" in row:
+        text += f" | {row['model_tflops'] * 1e3:.3g} GFLOP/s"
+    if "mfu" in row:
+        text += f" MFU {100 * row['mfu']:.1f}%"
+    if "memory_peak" in row:
+        text += f" | peak {row['memory_peak'] / 2**20:.1f} MiB"
+    if "comm_share" in row:
+        text += f" | comm {100 * row['comm_share']:.0f}%"
+    return text
+
+
 class _Progress:
     """A rich progress bar on stderr advanced by history rows, or nothing with --quiet."""
 
@@ -242,7 +343,7 @@ class _Progress:
         task = self.bar.add_task("training", total=self.total, completed=self.done, loss="-")
 
         def advance(rows):
-            self.bar.update(task, advance=len(rows), loss=f"{rows[-1]['loss']:.4f}")
+            self.bar.update(task, advance=len(rows), loss=_status(rows[-1]))
 
         return advance
 

@@ -369,6 +369,8 @@ def _finite(tree: Any) -> jax.Array:
 def key_impl(x: Any) -> Any:
     """A PRNG key array's implementation, None for any other leaf."""
     is_key = hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    if is_key and isinstance(x, jax.ShapeDtypeStruct):  # a planned state's key
+        return jax.random.key_impl(jax.random.key(0, impl=x.dtype._impl.name))
     return jax.random.key_impl(x) if is_key else None
 
 
@@ -382,6 +384,11 @@ def wrap_keys(leaves: list[Any], impls: list[Any]) -> list[Any]:
 
 def unwrap_keys(leaves: list[Any], impls: list[Any]) -> list[Any]:
     """Leaves with each PRNG key as its key data: a plain array the host passes cheaply."""
-    return [
-        x if impl is None else jax.random.key_data(x) for x, impl in zip(leaves, impls, strict=True)
-    ]
+    return [x if impl is None else _key_data(x) for x, impl in zip(leaves, impls, strict=True)]
+
+
+def _key_data(x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):  # a planned state's key: its data's shape
+        data = jax.eval_shape(jax.random.key_data, x)
+        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
+    return jax.random.key_data(x)

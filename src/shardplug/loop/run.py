@@ -15,6 +15,7 @@ import jax
 from shardplug.core.step import NONFINITE
 from shardplug.errors import TrainingInterrupted
 from shardplug.loop import batches as host
+from shardplug.loop.metrics import StepFacts, device_rows, peak_tflops
 from shardplug.loop.profile import Trace
 from shardplug.loop.signals import StopSignals
 
@@ -34,6 +35,7 @@ def run(
     iterator: Iterator[Any],
     steps: int,
     callback: Callable[[list[dict[str, float]]], None] | None,
+    evaluate: tuple[int, Callable[[], dict[str, float]]] | None = None,
 ) -> list[dict[str, float]]:
     """Run ``steps`` compiled steps of ``trainer`` on ``iterator``; the new history rows.
 
@@ -48,10 +50,12 @@ def run(
     pending: list[dict[str, jax.Array]] = []
     started = time.perf_counter()
 
-    def flush() -> None:
+    def flush(evaluating: bool = False) -> None:
         nonlocal started
         new = _rows(trainer, pending, trainer._step - len(pending), started)
         pending.clear()
+        if evaluating:
+            new[-1].update({f"eval_{k}": v for k, v in evaluate[1]().items()})
         faults = [
             row.pop(NONFINITE) > 0 if NONFINITE in row else not math.isfinite(row["loss"])
             for row in new
@@ -113,8 +117,9 @@ def run(
                 due = trainer.checkpoint_every is not None and (
                     trainer._step % trainer.checkpoint_every == 0
                 )
-                if len(pending) == trainer.log_every or due:
-                    flush()
+                evaluating = evaluate is not None and trainer._step % evaluate[0] == 0
+                if len(pending) == trainer.log_every or due or evaluating:
+                    flush(evaluating)
                     stop.agree()  # at the same step in every process
                 if due:
                     trainer.save()
@@ -147,12 +152,20 @@ def _rows(
     values = jax.device_get(pending)  # the loop's only wait on the devices
     step_time = (time.perf_counter() - started) / len(values)
     samples = host.batch_rows(trainer._train.signature) * jax.process_count()
+    rate = samples / step_time if step_time > 0 else math.inf
+    program = trainer._train
+    if getattr(trainer, "_facts", (None,))[0] is not program:
+        trainer._facts = (program, StepFacts.of(program, int(trainer.mesh.size)))
+    hardware = device_rows(
+        trainer._facts[1], step_time, rate, devices=list(trainer.mesh.devices.flat),
+        flops_per_sample=trainer.flops_per_sample,
+        peak=trainer.peak_tflops or peak_tflops(trainer.mesh.devices.flat[0]),
+    )  # fmt: skip
     rows = []
     for k, metrics in enumerate(values):
         row = {"step": first + k, **{name: float(v) for name, v in metrics.items()}}
         row["step_time"] = step_time
-        row["samples_per_sec"] = samples / step_time if step_time > 0 else math.inf
-        if trainer.flops_per_sample:  # the whole run's model FLOP/s, MaxText's count
-            row["model_tflops"] = trainer.flops_per_sample * row["samples_per_sec"] / 1e12
+        row["samples_per_sec"] = rate
+        row.update(hardware)
         rows.append(row)
     return rows

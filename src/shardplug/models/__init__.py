@@ -8,6 +8,7 @@ set whose loss can truly fall.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -88,6 +89,36 @@ class ReferenceModel:
             sequence=data.SEQ_LEN, vocab=data.VOCAB, mlp=nnx_models.HIDDEN,
         )  # fmt: skip
         return shape.flops_per_token()["total"] * data.SEQ_LEN
+
+    def task(
+        self,
+        framework: str = "nnx",
+        *,
+        batch_size: int | None = None,
+        seed: int = 0,
+        learning_rate: float | None = None,
+        **options: Any,
+    ) -> Any:
+        """This model as a :class:`shardplug.Task`: Adam, and its synthetic data through Grain
+        (:class:`shardplug.data.Batches`, the same batches as :attr:`batches`), with four
+        held-out batches of another seed."""
+        from shardplug.data import Batches
+        from shardplug.task import Task
+
+        size = batch_size or self.batch_size
+        kind = self.batches.__name__
+        held_out = seed + 1_000_003
+        return Task(
+            adapter=self.adapter(framework, **options),
+            loss_fn=self.loss_fn,
+            optimizer=optax.adam(learning_rate or self.learning_rate),
+            data=Batches(
+                data.records(kind, size, seed), size, shuffle=False, name=f"{kind}-{seed}"
+            ),
+            eval_data=lambda: itertools.islice(self.batches(size, held_out), 4),
+            name=self.name,
+            flops_per_sample=self.flops_per_sample(**options),
+        )
 
     def check_options(self, **options: Any) -> None:
         """Raise :class:`ConfigError` for an option this model does not take or a bad value."""

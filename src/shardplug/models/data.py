@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import grain
 import numpy as np
 
 Batch = dict[str, np.ndarray]
@@ -36,23 +37,24 @@ def _batches(batch_size, seed, start, rows, make_row):
         step += 1
 
 
-def regression(
-    batch_size: int, seed: int = 0, start: int = 0, rows: slice | None = None
-) -> Iterator[Batch]:
-    """``{"x", "y"}`` with y = sum(x^2) + noise: the source tutorial's quadratic target."""
+def _regression_row():
 
     def row(rng):
         x = rng.uniform(-1.0, 1.0, REGRESSION_INPUTS).astype(np.float32)
         noise = np.float32(rng.normal(0.0, 0.05))
         return {"x": x, "y": np.array([np.sum(x**2) + noise], np.float32)}
 
-    return _batches(batch_size, seed, start, rows, row)
+    return row
 
 
-def clusters(
+def regression(
     batch_size: int, seed: int = 0, start: int = 0, rows: slice | None = None
 ) -> Iterator[Batch]:
-    """``{"x", "label"}``: which of 10 Gaussian clusters (fixed for all seeds) a point is from."""
+    """``{"x", "y"}`` with y = sum(x^2) + noise: the source tutorial's quadratic target."""
+    return _batches(batch_size, seed, start, rows, _regression_row())
+
+
+def _clusters_row():
     centres = np.random.default_rng(1234).normal(0.0, 1.5, (CLASSES, CLASSIFICATION_INPUTS))
 
     def row(rng):
@@ -60,17 +62,17 @@ def clusters(
         x = centres[label] + rng.normal(0.0, 1.0, CLASSIFICATION_INPUTS)
         return {"x": x.astype(np.float32), "label": np.int32(label)}
 
-    return _batches(batch_size, seed, start, rows, row)
+    return row
 
 
-def markov(
+def clusters(
     batch_size: int, seed: int = 0, start: int = 0, rows: slice | None = None
 ) -> Iterator[Batch]:
-    """``{"tokens", "targets"}`` from a sparse Markov chain (the same for every seed).
+    """``{"x", "label"}``: which of 10 Gaussian clusters (fixed for all seeds) a point is from."""
+    return _batches(batch_size, seed, start, rows, _clusters_row())
 
-    Each token is followed by one of three tokens with probabilities 0.6, 0.3 and 0.1, so
-    next-token loss can fall from ln(64) = 4.16 towards the chain's entropy, 0.90 nats.
-    """
+
+def _markov_row():
     table = np.random.default_rng(4321)
     successors = np.stack([table.permutation(VOCAB)[:3] for _ in range(VOCAB)])
     cumulative = np.array([0.6, 0.9, 1.0])
@@ -83,13 +85,21 @@ def markov(
             seq[t + 1] = successors[seq[t], choice[t]]
         return {"tokens": seq[:-1], "targets": seq[1:]}
 
-    return _batches(batch_size, seed, start, rows, row)
+    return row
 
 
-def bars(
+def markov(
     batch_size: int, seed: int = 0, start: int = 0, rows: slice | None = None
 ) -> Iterator[Batch]:
-    """``{"image", "label"}``: 8x8 images of a bar, horizontal, vertical or diagonal, in noise."""
+    """``{"tokens", "targets"}`` from a sparse Markov chain (the same for every seed).
+
+    Each token is followed by one of three tokens with probabilities 0.6, 0.3 and 0.1, so
+    next-token loss can fall from ln(64) = 4.16 towards the chain's entropy, 0.90 nats.
+    """
+    return _batches(batch_size, seed, start, rows, _markov_row())
+
+
+def _bars_row():
     templates = np.zeros((IMAGE_CLASSES, IMAGE, IMAGE), np.float32)
     templates[0, IMAGE // 2, :] = 1.0
     templates[1, :, IMAGE // 2] = 1.0
@@ -103,4 +113,24 @@ def bars(
         image = image + rng.normal(0.0, 0.5, image.shape)
         return {"image": image[..., None].astype(np.float32), "label": np.int32(label)}
 
-    return _batches(batch_size, seed, start, rows, row)
+    return row
+
+
+def bars(
+    batch_size: int, seed: int = 0, start: int = 0, rows: slice | None = None
+) -> Iterator[Batch]:
+    """``{"image", "label"}``: 8x8 images of a bar, horizontal, vertical or diagonal, in noise."""
+    return _batches(batch_size, seed, start, rows, _bars_row())
+
+
+ROWS = {"regression": _regression_row, "clusters": _clusters_row, "markov": _markov_row,
+        "bars": _bars_row}  # fmt: skip
+
+
+def records(kind: str, batch_size: int, seed: int = 0) -> grain.MapDataset:
+    """The same rows as ``kind``'s batches, as an endless Grain data set in batch order:
+    record ``r`` is row ``r % batch_size`` of batch ``r // batch_size``."""
+    row = ROWS[kind]()
+    return grain.MapDataset.range(2**62).map(
+        lambda r: row(np.random.default_rng((seed, r // batch_size, r % batch_size)))
+    )

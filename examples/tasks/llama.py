@@ -1,0 +1,139 @@
+"""A Llama-2-shaped decoder in Flax NNX, as a shardplug task: will 7B fit on 8 GPUs?
+
+    shardplug explain --task examples/tasks/llama.py:llama2_7b --strategy fsdp \
+        --device-memory 80GB
+    shardplug recommend --task examples/tasks/llama.py:llama2_7b --device-memory 80GB
+    shardplug train --task examples/tasks/llama.py:tiny --strategy fsdp+tp --steps 20
+
+``llama2_7b`` has Llama 2 7B's shape (32 layers, width 4096, 32 heads, SwiGLU MLP of 11008,
+vocabulary 32000, sequence 4096: 6.74B parameters, float32 here, trained with AdamW). The
+model is given to ``from_nnx`` as a function that builds it, so ``explain`` and
+``recommend`` compile it on abstract arrays and allocate no parameter. ``tiny`` is the same
+code at a size that trains on a laptop. The data are random tokens: this file is about
+shapes and memory, not about learning English.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import shardplug
+from shardplug import stack
+from shardplug.flops import TransformerShape
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    layers: int = 32
+    width: int = 4096
+    heads: int = 32
+    mlp: int = 11008
+    vocab: int = 32000
+    sequence: int = 4096
+    batch: int = 8
+    remat: str = "full"  # keep only each layer's input for the backward pass
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple) -> nnx.Param:
+    init = nnx.with_partitioning(nnx.initializers.normal(0.02), names)
+    return nnx.Param(init(rngs.params(), shape))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, width: int, rngs: nnx.Rngs):
+        self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones_init(), ("embed",))(
+            rngs.params(), (width,)))  # fmt: skip
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + 1e-6)
+        return (normed * self.scale[...]).astype(x.dtype)
+
+
+def rope(x: jax.Array) -> jax.Array:
+    """Rotary position embedding of (batch, seq, heads, head_dim)."""
+    seq, dim = x.shape[1], x.shape[-1]
+    freq = 1.0 / (10000 ** (jnp.arange(0, dim, 2) / dim))
+    angle = jnp.arange(seq)[:, None] * freq[None, :]
+    cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return jnp.stack([even * cos - odd * sin, even * sin + odd * cos], -1).reshape(x.shape)
+
+
+class Block(nnx.Module):
+    def __init__(self, c: Config, rngs: nnx.Rngs):
+        head = c.width // c.heads
+        self.attention_norm = RMSNorm(c.width, rngs)
+        self.wq = _param(rngs, (c.width, c.heads, head), ("embed", "heads", "kv"))
+        self.wk = _param(rngs, (c.width, c.heads, head), ("embed", "heads", "kv"))
+        self.wv = _param(rngs, (c.width, c.heads, head), ("embed", "heads", "kv"))
+        self.wo = _param(rngs, (c.heads, head, c.width), ("heads", "kv", "embed"))
+        self.mlp_norm = RMSNorm(c.width, rngs)
+        self.w_gate = _param(rngs, (c.width, c.mlp), ("embed", "mlp"))
+        self.w_up = _param(rngs, (c.width, c.mlp), ("embed", "mlp"))
+        self.w_down = _param(rngs, (c.mlp, c.width), ("mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = self.attention_norm(x)
+        q = rope(jnp.einsum("bse,ehd->bshd", h, self.wq[...]))
+        k = rope(jnp.einsum("bse,ehd->bshd", h, self.wk[...]))
+        v = jnp.einsum("bse,ehd->bshd", h, self.wv[...])
+        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        x = x + jnp.einsum("bshd,hde->bse", attended, self.wo[...])
+        h = self.mlp_norm(x)
+        return x + (nnx.silu(h @ self.w_gate[...]) * (h @ self.w_up[...])) @ self.w_down[...]
+
+
+class Llama(nnx.Module):
+    def __init__(self, c: Config, rngs: nnx.Rngs):
+        self.embed = _param(rngs, (c.vocab, c.width), ("vocab", "embed"))
+        self.blocks = stack.nnx_layers(lambda r: Block(c, r), c.layers, rngs)
+        self.norm = RMSNorm(c.width, rngs)
+        self.unembed = _param(rngs, (c.width, c.vocab), ("embed", "vocab"))
+        self.remat = c.remat
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed[...][tokens]
+        x = stack.apply(self.blocks, x, remat=self.remat)
+        return self.norm(x) @ self.unembed[...]
+
+
+def loss_fn(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
+    logits = model(batch["tokens"][:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+
+
+def random_tokens(c: Config, seed: int = 0):
+    """Endless batches of random tokens, ``sequence + 1`` long (inputs and next tokens)."""
+    rng = np.random.default_rng(seed)
+    while True:
+        yield {"tokens": rng.integers(0, c.vocab, (c.batch, c.sequence + 1), dtype=np.int32)}
+
+
+def task_of(c: Config, name: str) -> shardplug.Task:
+    shape = TransformerShape(layers=c.layers, width=c.width, sequence=c.sequence,
+                             vocab=c.vocab, mlp=c.mlp, mlp_matrices=3)  # fmt: skip
+    return shardplug.Task(
+        adapter=shardplug.from_nnx(lambda rngs: Llama(c, rngs)),  # built lazily, in shardings
+        loss_fn=loss_fn,
+        optimizer=optax.adamw(3e-4, weight_decay=0.1),
+        data=lambda: random_tokens(c),
+        name=name,
+        flops_per_sample=shape.flops_per_token()["total"] * c.sequence,
+    )
+
+
+def llama2_7b() -> shardplug.Task:
+    return task_of(Config(), "llama2-7b")
+
+
+def tiny() -> shardplug.Task:
+    return task_of(
+        Config(layers=2, width=64, heads=4, mlp=172, vocab=256, sequence=32, batch=16), "tiny"
+    )

@@ -1,0 +1,58 @@
+"""The training state's first arrays: built in their shardings, or only described."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from shardplug.core.step import TrainState
+
+
+def create_state(
+    adapter: Any, optimizer: Any, shardings: TrainState, rng: jax.Array, *, allocate: bool = True
+) -> TrainState:
+    """The state a run starts from, its arrays in ``shardings``.
+
+    A model the adapter builds (no ``variables``) is built inside one jit whose outputs are
+    the strategy's shardings: no device ever holds a full copy of a sharded parameter. A model
+    that already exists is copied once into the shardings, never aliased: the step donates
+    its state, and the caller's arrays must stay valid and unchanged.
+
+    With ``allocate=False`` nothing is computed or allocated: the leaves are
+    ``jax.ShapeDtypeStruct`` with their shardings, enough to lower and compile the step (to
+    plan a model larger than the host's memory).
+    """
+
+    def create(rng):
+        params, model_state = adapter.init(rng)
+        return TrainState(
+            jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state, rng
+        )
+
+    if not allocate:
+        if adapter.variables is None:
+            shapes = jax.eval_shape(create, rng)
+        else:
+            params, model_state = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                adapter.variables,
+            )
+            opt_state = jax.eval_shape(optimizer.init, params)
+            step = jax.ShapeDtypeStruct((), jnp.int32)
+            shapes = TrainState(step, params, opt_state, model_state, jax.eval_shape(lambda: rng))
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+        )
+    if adapter.variables is None:
+        return jax.jit(create, out_shardings=shardings)(rng)
+    # A jit's outputs are new buffers; device_put alone, even with may_alias=False, hands
+    # device 0 the caller's own buffer when it replicates a one-device array (jax 0.10).
+    placed = (shardings.params, shardings.model_state)
+    params, model_state = jax.jit(lambda v: jax.tree.map(jnp.copy, v), out_shardings=placed)(
+        jax.device_put(adapter.variables, placed)
+    )
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
+    step, rng = jax.device_put((jnp.zeros((), jnp.int32), rng), (shardings.step, shardings.rng))
+    return TrainState(step, params, opt_state, model_state, rng)

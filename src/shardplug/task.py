@@ -1,0 +1,162 @@
+"""Tasks: a user's model, loss, optimizer and data, for the command line to run.
+
+``shardplug train --task my_task.py:task`` (or ``--task my_package.tasks:task``) loads
+``task`` from that file or module: a :class:`Task`, or a function returning one. The
+reference models are tasks too (:mod:`shardplug.tasks`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import itertools
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import optax
+
+from shardplug.core.step import LossFn
+from shardplug.errors import TaskError
+from shardplug.models.adapter import Adapter
+
+Data = Iterable[Any] | Callable[[], Iterable[Any]]
+
+
+@dataclasses.dataclass
+class Task:
+    """What to train: everything ``shardplug train``, ``explain``, ``recommend``, ``bench``
+    and ``export`` need besides the strategy.
+
+    :param adapter: the model, adapted (:func:`shardplug.from_nnx` and its kin). To plan a
+        model larger than this machine's memory, give ``from_nnx`` a function that builds it:
+        ``explain`` then never allocates a parameter.
+    :param loss_fn: ``loss_fn(model, batch)``, as for :class:`shardplug.Trainer`.
+    :param optimizer: an optax transformation.
+    :param data: the training batches: a :class:`shardplug.data.Batches` (resumes exactly,
+        from the state saved in each checkpoint), or any iterable of global batches, or a
+        function returning one (resumed by skipping the batches already trained on, so it
+        must give the same batches each time it is iterated).
+    :param eval_data: held-out batches for ``--eval-every``: an iterable that can be read
+        again (a list, a ``Batches``) or a function returning one.
+    :param eval_steps: how many evaluation batches to read (needed for an endless one).
+    :param name: what the command line calls it.
+    :param flops_per_sample: training FLOPs of one sample (:mod:`shardplug.flops`), for
+        ``model_tflops`` and MFU by the textbook count; the compiled step's count otherwise.
+    """
+
+    adapter: Adapter
+    loss_fn: LossFn
+    optimizer: optax.GradientTransformation
+    data: Data
+    eval_data: Data | None = None
+    eval_steps: int | None = None
+    name: str = "task"
+    flops_per_sample: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.adapter, Adapter):
+            raise TaskError(
+                f"task {self.name!r}: adapter must be a shardplug adapter "
+                f"(shardplug.from_nnx(model) and its kin), got {type(self.adapter).__name__}"
+            )
+        if not callable(self.loss_fn):
+            raise TaskError(f"task {self.name!r}: loss_fn must be a function loss_fn(model, batch)")
+        if not (hasattr(self.optimizer, "init") and hasattr(self.optimizer, "update")):
+            raise TaskError(f"task {self.name!r}: optimizer must be an optax transformation")
+        for field in ("data", "eval_data"):
+            value = getattr(self, field)
+            if value is not None and not (callable(value) or isinstance(value, Iterable)):
+                raise TaskError(
+                    f"task {self.name!r}: {field} must be an iterable of batches or a function "
+                    f"returning one, got {type(value).__name__}"
+                )
+
+    def batches(self, start: int = 0) -> Iterable[Any]:
+        """The training batches from batch 0 (a stateful ``Batches`` is positioned by the
+        trainer); an iterable without state skips ``start`` batches."""
+        data = self.data() if callable(self.data) else self.data
+        if start and not _stateful(data):
+            return itertools.islice(data, start, None)
+        return data
+
+    def evaluation(self) -> Iterable[Any] | None:
+        """The held-out batches, afresh; None when the task has none."""
+        if self.eval_data is None:
+            return None
+        return self.eval_data() if callable(self.eval_data) else self.eval_data
+
+
+def _stateful(data: Any) -> bool:
+    return hasattr(data, "get_state") or hasattr(iter(data), "get_state")
+
+
+def load_task(spec: str) -> Task:
+    """The task that ``spec`` names: ``path/to/file.py:NAME`` or ``package.module:NAME``
+    (``NAME`` defaults to ``task``). :class:`TaskError` with one line for a file or module
+    that is not there or fails to import, a missing ``NAME``, or one that is not a Task."""
+    where, _, name = spec.rpartition(":") if ":" in spec else (spec, ":", "task")
+    if not where or not name.isidentifier():
+        raise TaskError(f"--task {spec!r} is not FILE.py:NAME or package.module:NAME")
+    module = _import(where, spec)
+    if not hasattr(module, name):
+        found = [k for k, v in vars(module).items() if isinstance(v, Task) and k[:1] != "_"]
+        has = f"; it has the Task(s) {', '.join(found)}" if found else ""
+        raise TaskError(f"task {where!r} defines no {name!r}{has}")
+    value = getattr(module, name)
+    if callable(value) and not isinstance(value, Task):
+        try:
+            value = value()
+        except TaskError:
+            raise
+        except Exception as exc:
+            raise TaskError(
+                f"task {spec}: {name}() failed: {type(exc).__name__}: {_line(exc)}"
+            ) from exc
+    if not isinstance(value, Task):
+        raise TaskError(
+            f"task {spec}: {name} is a {type(value).__name__}, not a shardplug.Task (or a "
+            f"function returning one)"
+        )
+    if value.name == "task":
+        value.name = name
+    return value
+
+
+def _import(where: str, spec: str) -> Any:
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where)
+        if not path.is_file():
+            raise TaskError(f"task file {where} does not exist")
+        module_name = f"_shardplug_task_{path.stem}_{abs(hash(str(path.resolve())))}"
+        if module_name in sys.modules:
+            return sys.modules[module_name]
+        loader = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(loader)
+        sys.modules[module_name] = module
+        try:
+            loader.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[module_name]
+            raise TaskError(
+                f"task file {where} failed to import: {type(exc).__name__}: {_line(exc)}"
+            ) from exc
+        return module
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as exc:
+        raise TaskError(f"task module {where!r} not found ({_line(exc)})") from exc
+    except Exception as exc:
+        raise TaskError(
+            f"task module {where} failed to import: {type(exc).__name__}: {_line(exc)}"
+        ) from exc
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+__all__ = ["Task", "load_task"]
