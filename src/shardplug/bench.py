@@ -156,7 +156,7 @@ class _HandWritten(_Contender):
                 out.append(p)
             with layer_specs(per_layer):
                 bound = adapter.bind(treedef.unflatten(out), model_state, rng=key, train=True)
-                return model.loss_fn(bound, batch)[0]
+                return _loss_value(model.loss_fn(bound, batch))
 
         def step(params, opt_state, batch):
             value, grads = jax.value_and_grad(loss)(params, batch)
@@ -239,7 +239,7 @@ class _NnxJit(_Contender):
         @nnx.jit
         def train_step(model, optimizer, batch):
             def loss(model):
-                return loss_fn(model, batch)[0]
+                return _loss_value(loss_fn(model, batch))
 
             value, grads = nnx.value_and_grad(loss)(model)
             optimizer.update(model, grads)
@@ -268,6 +268,11 @@ class _NnxJit(_Contender):
         elapsed = time.perf_counter() - start
         self.result.losses.extend(float(v) for v in losses)
         return elapsed / steps
+
+
+def _loss_value(out: Any) -> Any:
+    """The loss of a loss function that returns it alone or as ``(loss, metrics)``."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def bench(

@@ -260,4 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--step", type=_positive(int), default=None, help="which checkpoint (default: newest)"
     )
+    export.add_argument(
+        "--task", default=None, metavar="FILE.py:NAME",
+        help="the task the checkpoint trained: load the exported weights back into its model",
+    )  # fmt: skip
     return parser

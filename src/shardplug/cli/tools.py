@@ -67,13 +67,19 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     _quiet_orbax()
-    from shardplug.export import export_checkpoint, load_exported
+    from shardplug.export import export_checkpoint, load_exported, load_model
+    from shardplug.task import load_task
 
+    task = load_task(args.task) if args.task is not None else None  # a bad one: nothing written
     path = export_checkpoint(args.checkpoint_dir, args.out, step=args.step)
     arrays, info = load_exported(path)
     total = sum(a.size for name, a in arrays.items() if name.startswith("params/"))
+    loaded = ""
+    if task is not None:  # the weights must fit the task's model: load them back
+        load_model(path, task.adapter)  # CheckpointError: what does not fit, by name
+        loaded = f"; loaded back into task {task.name}'s model"
     print(
         f"shardplug: exported step {info['step']} of {args.checkpoint_dir}: "
-        f"{total:,} parameters in {len(arrays)} arrays to {path}"
+        f"{total:,} parameters in {len(arrays)} arrays to {path}{loaded}"
     )
     return 0

@@ -24,9 +24,10 @@ def check(batch: Any, index: int, expected: Any) -> None:
     """Refuse a batch that does not look like the one the program was compiled for."""
     if signature(batch) != expected:
         shapes = [shape for shape, _ in expected[1]]
+        got = [shape for shape, _ in signature(batch)[1]]
         raise BatchError(
             f"batch {index} differs from the first batch in structure, shape or dtype "
-            f"(first: {shapes}): every batch must look alike"
+            f"(first: {shapes}, this one: {got}): every batch must look alike"
         )
 
 

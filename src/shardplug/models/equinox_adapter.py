@@ -32,7 +32,7 @@ class EquinoxAdapter(Adapter):
             self.variables = (params, state)
         elif callable(model):
             self.factory = model
-            abstract_model, _ = _split(jax.eval_shape(model, jax.random.key(0)))
+            abstract_model, _ = _split(eqx.filter_eval_shape(model, jax.random.key(0)))
             self.static = eqx.partition(abstract_model, eqx.is_inexact_array)[1]
         else:
             raise ConfigError(
