@@ -200,8 +200,9 @@ def test_a_task_checks_its_fields():
 
 def test_the_digits_task_reports_held_out_accuracy(tmp_path):
     out = tmp_path / "rows.jsonl"
-    argv = ["train", "--task", "shardplug.tasks:digits", "--strategy", "fsdp", "--steps", "150",
-            "--eval-every", "150", "--log-every", "50", "--metrics-out", str(out), "--quiet"]  # fmt: skip
+    argv = ["train", "--task", "shardplug.tasks:digits", "--strategy", "fsdp", "--steps",
+            "150", "--eval-every", "150", "--log-every", "50", "--metrics-out", str(out),
+            "--quiet"]  # fmt: skip
     assert main(argv) == 0
     last = rows_of(out)[-1]
     assert last["eval_accuracy"] > 0.9  # 320 digits it never trained on

@@ -53,7 +53,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + 1e-6)
-        return (normed * self.scale[...]).astype(x.dtype)
+        return (normed * self.scale[...][(None,) * (x.ndim - 1)]).astype(x.dtype)
 
 
 def rope(x: jax.Array) -> jax.Array:

@@ -140,7 +140,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     first = first_batch(task)
     if first is not None:  # a batch that does not split fails here, before any output
-        trainer.compile(_own_rows(first))
+        trainer.compile(first if _reads_own_rows(task.batches()) else _own_rows(first))
     batches = _process_share(task.batches(start))
     evaluation = None
     if args.eval_every is not None:
@@ -238,11 +238,15 @@ def _own_rows(batch: Any) -> Any:
 def _process_share(data: Any) -> Any:
     """Batches as this process feeds them: a ``shardplug.data.Batches`` (or any data with
     Grain's state) reads its own rows; of any other data each process takes its rows."""
-    from shardplug.loop.position import stateful
-
-    if _processes() == 1 or data is None or stateful(iter(data)):
+    if _processes() == 1 or data is None or _reads_own_rows(data):
         return data
     return (_own_rows(batch) for batch in data)
+
+
+def _reads_own_rows(data: Any) -> bool:
+    from shardplug.loop.position import stateful
+
+    return stateful(iter(data))
 
 
 def _tensorboard(directory: Path) -> Any:
