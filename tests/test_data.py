@@ -1,6 +1,7 @@
 """shardplug.data: Grain batches, split by process, and resumed exactly from a checkpoint."""
 
 import hashlib
+import itertools
 
 import numpy as np
 import pytest
@@ -117,3 +118,15 @@ def test_two_processes_resume_with_grain_onto_another_strategy(tmp_path):
     written = rows(out)
     assert [r["step"] for r in written] == list(range(20))
     np.testing.assert_allclose([r["loss"] for r in written], want, rtol=1e-4)
+
+
+def test_a_checkpoint_without_a_data_state_resumes_grain_data_at_its_step(tmp_path):
+    task, first = digits_trainer("dp", 8, tmp_path)
+    plain = list(itertools.islice(iter(task.data), 6))
+    first.fit(plain, 4)  # a list has no state: the checkpoint holds only the step
+    task, second = digits_trainer("dp", 8, tmp_path)
+    assert second.restore() == 4 and "data_state" not in second.restored_meta
+    seen = Seen(task.data)
+    second.fit(seen, 2)
+    # read past the 4 batches trained on, then trained on batches 4 and 5
+    assert seen.seen == [hashlib.sha1(b["image"].tobytes()).hexdigest() for b in plain]

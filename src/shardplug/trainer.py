@@ -40,7 +40,7 @@ from shardplug.errors import (
 )
 from shardplug.loop import batches as host
 from shardplug.loop.evaluate import evaluate
-from shardplug.loop.position import Tracked, decode, stateful
+from shardplug.loop.position import SKIP, Tracked, stateful
 from shardplug.loop.run import run
 from shardplug.models.adapter import Adapter
 from shardplug.settings import OnNonFinite, Settings
@@ -408,10 +408,8 @@ class Trainer:
             raise ConfigError(f"eval_every must be a positive integer, got {eval_every!r}")
         iterator = iter(batches)
         if stateful(iterator):  # Grain's: its state goes into every checkpoint
-            if self._data_state is not None:
-                iterator.set_state(decode(self._data_state))
-                self._data_state = None
-            iterator = self._data = Tracked(iterator, self._step)
+            iterator = self._data = Tracked.resumed(iterator, self._step, self._data_state)
+            self._data_state = None
         evaluate = None
         if eval_every is not None:
 
@@ -475,7 +473,7 @@ class Trainer:
         self._saved_step = int(meta["step"])
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         self.restored_meta = meta
-        self._data_state = meta.get("data_state")
+        self._data_state = meta.get("data_state", SKIP)  # older checkpoints: skip to the step
         return self._step
 
     @property

@@ -9,6 +9,8 @@ from typing import Any
 
 # States kept: enough for the batch the loop has read ahead and a checkpoint's step.
 KEPT = 8
+#: a restored checkpoint that saved no data state (an older one): skip to its step
+SKIP = "skip"
 
 
 def stateful(iterator: Any) -> bool:
@@ -27,6 +29,17 @@ class Tracked(Iterator[Any]):
     def __init__(self, iterator: Any, position: int):
         self.iterator, self.position = iterator, position
         self.states: collections.OrderedDict[int, Any] = collections.OrderedDict()
+
+    @classmethod
+    def resumed(cls, iterator: Any, position: int, state: Any) -> Tracked:
+        """``iterator`` put where a restored checkpoint's data was: its saved ``state``, or,
+        for a checkpoint that saved none (:data:`SKIP`), ``position`` batches read past."""
+        if state == SKIP:
+            for _ in range(position):
+                next(iterator)
+        elif state is not None:
+            iterator.set_state(decode(state))
+        return cls(iterator, position)
 
     def __next__(self) -> Any:
         self.states[self.position] = self.iterator.get_state()
