@@ -190,3 +190,43 @@ def test_explain_groups_parameters_that_share_a_layout_unless_all(capsys):
     assert main(["explain", "--model", "transformer", "--strategy", "fsdp", "--all"]) == 0
     every = capsys.readouterr().out
     assert "blocks/wq" in every and "groups" not in every
+
+
+DEEP = """
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+import shardplug
+
+
+class Deep(nnx.Module):  # 150 layers, not stacked: 300 parameters
+    def __init__(self, rngs):
+        self.layers = nnx.List([nnx.Linear(16, 16, rngs=rngs) for _ in range(150)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jax.nn.relu(layer(x))
+        return x
+
+
+def batches():  # a generator, read once
+    rng = np.random.default_rng(0)
+    while True:
+        yield {"x": rng.normal(size=(8, 16)).astype("float32")}
+
+
+task = shardplug.Task(
+    adapter=shardplug.from_nnx(Deep),
+    loss_fn=lambda model, batch: jnp.mean(model(batch["x"]) ** 2),
+    optimizer=optax.adam(1e-3),
+    data=batches(),
+)
+"""
+
+
+def test_explain_prints_a_300_parameter_model_as_two_groups(tmp_path, capsys):
+    (tmp_path / "deep.py").write_text(DEEP)
+    assert main(["explain", "--task", f"{tmp_path / 'deep.py'}:task", "--strategy", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("memory per device")[0]
+    assert "300 in 2 groups" in table
+    assert "layers/*/kernel" in table and "layers/*/bias" in table and "layers/7/" not in table

@@ -217,14 +217,12 @@ def _compiled_trainer(
         grad_accum=args.grad_accum,
         precision=args.precision,
     )
-    batch = first_batch(task)
-    if batch is None:
-        raise ConfigError(
-            f"task {task.name}: its data is an iterator, read once: give a function "
-            f"returning it, or a shardplug.data.Batches, to plan"
-        )
+    if getattr(args, "_plan_batch", None) is None:  # one batch for every strategy planned
+        args._plan_batch = next(iter(task.batches()), None)  # planning trains on nothing
+        if args._plan_batch is None:
+            raise ConfigError(f"task {task.name}: its data gave no batch to plan for")
     trainer.flops_per_sample = task.flops_per_sample
-    return trainer, batch
+    return trainer, args._plan_batch
 
 
 def _prepare(args: argparse.Namespace) -> None:
