@@ -155,11 +155,13 @@ def test_a_later_fit_still_reports_throughput():
 
 # What the user owns stays theirs: a model or variables passed in are copied into the
 # strategy's shardings, never aliased, so the donating step cannot delete or change them.
-def _owned(framework):
+def _owned(framework, strategy):
     import equinox as eqx
     import flax.linen as nn
 
     x = np.ones((16, 4), np.float32)
+    if strategy == "pp":  # a pipeline needs a layer stack
+        return _owned_stack(framework, x)
     if framework == "nnx":
         module = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
         return (
@@ -178,10 +180,80 @@ def _owned(framework):
     return shardplug.from_equinox(model), model, lambda m, b: jnp.mean(jax.vmap(m)(b["x"]) ** 2)
 
 
+def _owned_stack(framework, x):
+    """Eight blocks as one shardplug.stack, written without sharding annotations."""
+    import equinox as eqx
+    import flax.linen as nn
+
+    from shardplug import stack
+
+    loss_fn = lambda m, b: jnp.mean(m(b["x"]) ** 2)  # noqa: E731
+    if framework == "nnx":
+
+        class Block(nnx.Module):
+            def __init__(self, rngs):
+                self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+            def __call__(self, h):
+                return jnp.tanh(self.lin(h))
+
+        class Deep(nnx.Module):
+            def __init__(self, rngs):
+                self.blocks = stack.nnx_layers(Block, 8, rngs)  # names 'layers' itself
+
+            def __call__(self, h):
+                return stack.apply(self.blocks, h)
+
+        model = Deep(nnx.Rngs(0))
+        return shardplug.from_nnx(model), nnx.state(model, nnx.Param), loss_fn
+    rules = {r"blocks/.*": ("layers",)}
+    if framework.startswith("linen"):
+
+        class LinenBlock(nn.Module):
+            @nn.compact
+            def __call__(self, h):
+                return jnp.tanh(nn.Dense(4)(h))
+
+        class LinenDeep(nn.Module):
+            @nn.compact
+            def __call__(self, h):
+                return stack.LinenLayers(LinenBlock, 8, name="blocks")(h)
+
+        variables = LinenDeep().init(jax.random.key(0), x)
+        if framework == "linen-numpy":
+            variables = jax.tree.map(np.array, variables)
+        return (
+            shardplug.from_linen(LinenDeep(), variables=variables, rules=rules),
+            variables,
+            loss_fn,
+        )
+
+    class EqxBlock(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __init__(self, key):
+            self.lin = eqx.nn.Linear(4, 4, key=key)
+
+        def __call__(self, h):
+            return jnp.tanh(jax.vmap(self.lin)(h))
+
+    class EqxDeep(eqx.Module):
+        blocks: EqxBlock
+
+        def __init__(self, key):
+            self.blocks = stack.equinox_layers(EqxBlock, 8, key)
+
+        def __call__(self, h):
+            return stack.apply(self.blocks, h)
+
+    model = EqxDeep(jax.random.key(0))
+    return shardplug.from_equinox(model, rules=rules), model, loss_fn
+
+
 @pytest.mark.parametrize("framework", ["nnx", "linen", "linen-numpy", "equinox"])
-@pytest.mark.parametrize("strategy", ["dp", "fsdp", "2d", "pmap", "fsdp+tp", "dp+fsdp"])
+@pytest.mark.parametrize("strategy", ["dp", "fsdp", "2d", "pmap", "fsdp+tp", "dp+fsdp", "pp"])
 def test_the_users_model_and_arrays_are_valid_and_unchanged_after_training(framework, strategy):
-    adapter, owned, loss_fn = _owned(framework)
+    adapter, owned, loss_fn = _owned(framework, strategy)
     leaves = [x for x in jax.tree.leaves(owned) if hasattr(x, "shape")]
     before = [np.array(x) for x in leaves]
     for _ in range(2):  # a second trainer from the same model, as the guide promises

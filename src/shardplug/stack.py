@@ -67,7 +67,8 @@ def _check_count(layers: int) -> None:
 
 def nnx_layers(make_block: Callable[[Any], Any], layers: int, rngs: Any) -> Any:
     """``layers`` NNX blocks as one module whose every variable has a leading layer dimension
-    (its sharding names gain ``layers`` in front). ``make_block(rngs)`` builds one block."""
+    (its sharding names gain ``layers`` in front; a parameter without sharding names gets
+    ``("layers", None, ...)``). ``make_block(rngs)`` builds one block."""
     _check_count(layers)
 
     @nnx.split_rngs(splits=layers)
@@ -75,7 +76,12 @@ def nnx_layers(make_block: Callable[[Any], Any], layers: int, rngs: Any) -> Any:
     def build(rngs):
         return make_block(rngs)
 
-    return build(rngs)
+    blocks = build(rngs)
+    for _, variable in nnx.iter_graph(blocks):  # a block written without sharding names
+        if isinstance(variable, nnx.Param) and "out_sharding" not in variable.get_metadata():
+            rest = (None,) * (variable.get_value().ndim - 1)
+            variable.set_metadata(out_sharding=(LAYERS, *rest))
+    return blocks
 
 
 def equinox_layers(make_block: Callable[[jax.Array], Any], layers: int, key: jax.Array) -> Any:

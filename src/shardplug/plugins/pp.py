@@ -83,8 +83,10 @@ class PipelineParallel:
         if not any(len(spec) and spec[0] == axis for spec in specs):
             raise ConfigError(
                 f"pp splits a layer stack over {axis!r}, and this model has none: build its "
-                f"blocks with shardplug.stack (nnx_layers, LinenLayers or equinox_layers) so "
-                f"their parameters carry a leading 'layers' dimension"
+                f"blocks with shardplug.stack (nnx_layers, LinenLayers or equinox_layers); "
+                f"Equinox blocks, and Linen blocks without sharding annotations, also name "
+                f"the stack's leading dimension in the adapter's rules, e.g. "
+                f"rules={{r'blocks/.*': ('layers',)}}"
             )
 
     @hookimpl
