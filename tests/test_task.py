@@ -185,6 +185,29 @@ def b():
         it.set_state(iter(load_task(f"{spec}:a").data).get_state())
 
 
+def test_an_error_in_the_tasks_own_code_is_one_line_naming_where(tmp_path, capsys, monkeypatch):
+    spec = write(
+        tmp_path / "t.py",
+        TASK_HEADER
+        + """
+def broken(model, batch):
+    raise ValueError("the loss is broken")
+
+task = shardplug.Task(adapter=adapter, loss_fn=broken, optimizer=optax.sgd(0.1),
+                      data=[{"x": np.ones((8, 4), np.float32)}])
+""",
+    )
+    for command in ("train", "explain"):
+        assert main([command, "--task", f"{spec}:task"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert "the task's code raised ValueError: the loss is broken (" in err
+        assert f"t.py:{len(TASK_HEADER.splitlines()) + 3} in broken" in err
+    monkeypatch.setenv("SHARDPLUG_TRACEBACK", "1")  # asked for: the whole traceback
+    with pytest.raises(ValueError, match="the loss is broken"):
+        main(["explain", "--task", f"{spec}:task"])
+
+
 def test_task_flags_of_the_reference_model_are_refused_with_a_task(capsys):
     assert main(["train", "--task", "shardplug.tasks:digits", "--layers", "4"]) == 2
     assert "--layers set the reference model" in capsys.readouterr().err

@@ -63,7 +63,8 @@ def rope(x: jax.Array) -> jax.Array:
     angle = jnp.arange(seq)[:, None] * freq[None, :]
     cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
     even, odd = x[..., 0::2], x[..., 1::2]
-    return jnp.stack([even * cos - odd * sin, even * sin + odd * cos], -1).reshape(x.shape)
+    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], -1)
+    return rotated.reshape(x.shape).astype(x.dtype)  # the angles are float32; keep bf16 bf16
 
 
 class Block(nnx.Module):

@@ -2,14 +2,19 @@
 
 Every bad input ends in one line on stderr, ``shardplug: error: ...``, and exit code 2; a
 run stopped by a non-finite loss exits 1; one stopped by SIGINT or SIGTERM (after saving)
-exits 128 + the signal's number.
+exits 128 + the signal's number. An exception raised in a task's own code (its model, loss
+or data) is one line too, naming where it was raised, and exits 1; ``SHARDPLUG_TRACEBACK=1``
+prints the whole traceback instead.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 from shardplug.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, parse_options
 from shardplug.cli.parser import build_parser
@@ -65,6 +70,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("shardplug: interrupted", file=sys.stderr)
             return 130
+        except Exception as exc:
+            where = _in_users_code(exc)
+            if where is None or os.environ.get("SHARDPLUG_TRACEBACK"):
+                raise  # shardplug's own failure, or asked for: the whole traceback
+            print(
+                f"shardplug: error: the task's code raised {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''} ({where}); "
+                f"SHARDPLUG_TRACEBACK=1 shows the traceback",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
+
+
+_LIBRARIES = (str(Path(__file__).resolve().parents[1]), "site-packages", "dist-packages", "<")
+
+
+def _in_users_code(exc: BaseException) -> str | None:
+    """``file:line in function`` of the innermost frame of the traceback that is the user's
+    code (not shardplug's, an installed library's or the standard library's); None if none."""
+    stdlib = str(Path(traceback.__file__).resolve().parent)
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        path = str(Path(frame.filename).resolve()) if frame.filename[:1] != "<" else "<"
+        if not path.startswith(stdlib) and not any(lib in path for lib in _LIBRARIES):
+            return f"{os.path.relpath(path)}:{frame.lineno} in {frame.name}"
+    return None
 
 
 if __name__ == "__main__":
