@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import traceback
 import warnings
 from collections.abc import Sequence
@@ -76,24 +77,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise  # shardplug's own failure, or asked for: the whole traceback
             print(
                 f"shardplug: error: the task's code raised {type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''} ({where}); "
+                f"{(str(exc).splitlines() or [''])[0]} ({where}); "
                 f"SHARDPLUG_TRACEBACK=1 shows the traceback",
                 file=sys.stderr,
             )
             return EXIT_FAILED
 
 
-_LIBRARIES = (str(Path(__file__).resolve().parents[1]), "site-packages", "dist-packages", "<")
-
-
 def _in_users_code(exc: BaseException) -> str | None:
     """``file:line in function`` of the innermost frame of the traceback that is the user's
     code (not shardplug's, an installed library's or the standard library's); None if none."""
-    stdlib = str(Path(traceback.__file__).resolve().parent)
-    frames = traceback.extract_tb(exc.__traceback__)
-    for frame in reversed(frames):
-        path = str(Path(frame.filename).resolve()) if frame.filename[:1] != "<" else "<"
-        if not path.startswith(stdlib) and not any(lib in path for lib in _LIBRARIES):
+    paths = sysconfig.get_paths()
+    libraries = (str(Path(__file__).resolve().parents[1]), *(
+        str(Path(paths[k]).resolve()) for k in ("stdlib", "platstdlib", "purelib", "platlib")
+    ))  # fmt: skip
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = str(Path(frame.filename).resolve())
+        if not frame.filename.startswith("<") and not path.startswith(libraries):
             return f"{os.path.relpath(path)}:{frame.lineno} in {frame.name}"
     return None
 
