@@ -1,6 +1,7 @@
 """The benchmark scripts run: the GPU one on a tiny model, so it is ready when a GPU is."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,24 +11,43 @@ ROOT = Path(__file__).parent.parent
 
 def load(name):
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses ask
     spec.loader.exec_module(module)
     return module
 
 
 def test_gpu_mfu_script_runs_its_smoke_size(capsys):
-    result = load("gpu_mfu").main(["--size", "smoke", "--steps", "2"])
-    assert result["params"] > 0 and result["tokens_per_second"] > 0
-    assert np.isfinite(result["loss"]) and result["precision"] == "bf16"
-    assert result["mfu"] is None  # no dense bf16 peak is known for a CPU
-    assert '"tokens_per_second"' in capsys.readouterr().out
+    """shardplug through the user's path against the hand-written loop, interleaved; the
+    FLOP counts agree (hardware >= model), both compute in bfloat16, a peak is predicted."""
+    result = load("gpu_mfu").main(["--size", "smoke", "--steps", "2", "--rounds", "2"])
+    assert result["params"] > 0 and np.isfinite(result["loss"]) and result["precision"] == "bf16"
+    assert '"ratio"' in capsys.readouterr().out
     from shardplug.flops import TransformerShape
 
     assert (
         result["model_flops_per_token"]
         == TransformerShape(2, 64, 64, 512).flops_per_token()["total"]
     )
-    assert result["hardware_tflops_per_second"] > 0  # the compiled step's own count
+    for side in ("shardplug", "hand_written"):
+        figures = result[side]
+        assert figures["mfu"] is None  # no dense bf16 peak is known for a CPU
+        assert figures["hardware_tflops_per_second"] >= figures["model_tflops_per_second"] > 0
+        assert figures["bf16_share"] >= 0.9
+        assert len(result["rounds"][side]) == 2
+    assert (
+        result["ratio"]
+        == result["shardplug"]["step_seconds"] / result["hand_written"]["step_seconds"]
+    )
+    assert result["predicted_peak_bytes"] > 0 and result["measured_peak_bytes"] is None  # CPU
+
+
+def test_gpu_mfu_plans_the_largest_size_that_fits():
+    result = load("gpu_mfu").main(
+        ["--plan", "--sizes", "smoke,125m", "--batch", "2", "--device-memory", "1e9"]
+    )
+    smoke, gpt = result["plan"]
+    assert smoke["fits"] and not gpt["fits"] and result["largest_that_fits"] == "smoke"
+    assert gpt["params"] == 163_026_432  # GPT-3 125M with a 50,304 vocabulary, untied
 
 
 def test_host_cost_script_times_both_loops():

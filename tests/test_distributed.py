@@ -158,7 +158,7 @@ BAD = [
     (["train", "--coordinator", "127.0.0.1:1234"],
      "give --coordinator, --num-processes and --process-id together"),
     (["train", "--coordinator", "127.0.0.1:1234", "--num-processes", "3", "--process-id", "0"],
-     "--devices 8 does not split over --num-processes 3"),
+     "the 8 simulated CPU devices do not split over --num-processes 3: pass --devices N"),
     (["train", "--distributed", "--num-processes", "2"], "give either --distributed or"),
 ]  # fmt: skip
 

@@ -121,6 +121,28 @@ def test_explain_bad_input_is_one_line(capsys):
     assert "expected a size such as 80GB or 512MiB, got 'lots'" in capsys.readouterr().err
     assert main(["bench", "--strategies", "dp,nope", "--model", "mlp"]) == 2
     assert "unknown strategy 'nope'" in capsys.readouterr().err
+    assert main(["recommend", "--model", "mlp"]) == 2  # a CPU has no memory figure to read
+    assert capsys.readouterr().err == (
+        "shardplug: error: --device-memory: the CPU backend gives no memory limit; say how "
+        "much each device has, e.g. --device-memory 80GB\n"
+    )
+
+
+def test_on_one_device_recommend_takes_the_plainest_step(make_trainer):
+    """Nothing is sent on one device: a pipeline's microbatches lower the peak but only slow
+    the step, so the plain step wins, and the reason says why."""
+    from shardplug.recommend import recommend
+
+    batch = next(iter(shardplug.get_model("transformer").batches(batch_size=8, seed=0)))
+
+    def compile_trainer(name):
+        return make_trainer("transformer", name, devices=1, allocate=False)[1], batch
+
+    result = recommend(compile_trainer, 80 * 10**9, strategies=["pp", "dp", "fsdp"])
+    rows = {r["strategy"]: r for r in result["strategies"]}
+    assert rows["pp"]["pipelined"] and rows["pp"]["peak_bytes"] < rows["dp"]["peak_bytes"]
+    assert result["recommended"] == "dp"
+    assert result["reason"].startswith("one device: no strategy splits or sends anything")
 
 
 def test_recommend_follows_the_memory(capsys):

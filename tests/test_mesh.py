@@ -3,6 +3,7 @@
 import jax
 import pytest
 
+import shardplug
 from shardplug import DeviceError, MeshError, get_strategy, parse_mesh, select_devices
 from shardplug.core.compose import default_sizes
 from shardplug.core.mesh import build_mesh, describe
@@ -64,7 +65,41 @@ def test_default_split_of_three_axes(count, split):
 def test_select_devices():
     assert len(select_devices(3)) == 3
     assert len(select_devices()) == 8
-    with pytest.raises(DeviceError, match="asked for 9 devices but only 8 CPU devices exist"):
+    with pytest.raises(DeviceError, match=r"asked for 9 devices but this machine has 8 CPU dev"):
         select_devices(9)
     with pytest.raises(DeviceError):
         select_devices(0)
+
+
+class FakeDevice:
+    def __init__(self, platform, kind):
+        self.platform, self.device_kind = platform, kind
+
+
+def test_every_accelerator_by_default_and_one_line_for_too_many():
+    """The one decision, with the backend's devices injected: all of an accelerator's by
+    default, the first N when asked, and a count above them names what exists."""
+    gpu = [FakeDevice("gpu", "NVIDIA H100 80GB HBM3")]
+    assert select_devices(None, devices=gpu) == gpu
+    assert select_devices(1, devices=gpu) == gpu
+    with pytest.raises(DeviceError) as error:
+        select_devices(4, devices=gpu)
+    assert str(error.value) == (
+        "asked for 4 devices but this machine has 1 GPU device (NVIDIA H100 80GB HBM3): ask "
+        "for at most 1, or leave --devices out to use them all"
+    )
+    eight = [FakeDevice("gpu", "NVIDIA H200")] * 8
+    assert len(select_devices(None, devices=eight)) == 8
+
+
+def test_a_gpu_that_jax_cannot_see_is_said_once(monkeypatch):
+    from shardplug.core import devices
+
+    cpu = [FakeDevice("cpu", "cpu")]
+    monkeypatch.setattr(devices, "nvidia_gpu_visible", lambda: False)
+    assert select_devices(None, devices=cpu) == cpu  # no GPU, nothing to say
+    monkeypatch.setattr(devices, "nvidia_gpu_visible", lambda: True)
+    monkeypatch.setattr(devices, "_SAID", set())
+    with pytest.warns(shardplug.ShardplugWarning, match=r"JAX has only its CPU backend.*\[cuda"):
+        select_devices(None, devices=cpu)
+    select_devices(None, devices=cpu)  # said once: a second warning would fail the suite

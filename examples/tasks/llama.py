@@ -60,11 +60,11 @@ def rope(x: jax.Array) -> jax.Array:
     """Rotary position embedding of (batch, seq, heads, head_dim)."""
     seq, dim = x.shape[1], x.shape[-1]
     freq = 1.0 / (10000 ** (jnp.arange(0, dim, 2) / dim))
-    angle = jnp.arange(seq)[:, None] * freq[None, :]
-    cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
-    even, odd = x[..., 0::2], x[..., 1::2]
+    angle = jnp.arange(seq)[:, None] * freq[None, :]  # float32: positions up to 4096 and more
+    cos, sin = (f(angle)[None, :, None, :].astype(x.dtype) for f in (jnp.cos, jnp.sin))
+    even, odd = x[..., 0::2], x[..., 1::2]  # bfloat16 under --precision bf16, like x
     rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], -1)
-    return rotated.reshape(x.shape).astype(x.dtype)  # the angles are float32; keep bf16 bf16
+    return rotated.reshape(x.shape)
 
 
 class Block(nnx.Module):
@@ -85,7 +85,7 @@ class Block(nnx.Module):
         q = rope(jnp.einsum("bse,ehd->bshd", h, self.wq[...]))
         k = rope(jnp.einsum("bse,ehd->bshd", h, self.wk[...]))
         v = jnp.einsum("bse,ehd->bshd", h, self.wv[...])
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        attended = shardplug.attention(q, k, v, causal=True)  # cuDNN's kernel on a GPU
         x = x + jnp.einsum("bshd,hde->bse", attended, self.wo[...])
         h = self.mlp_norm(x)
         return x + (nnx.silu(h @ self.w_gate[...]) * (h @ self.w_up[...])) @ self.w_down[...]

@@ -14,7 +14,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "shardplug.core.context": ("batch_axis_name", "constrain"),
+    "shardplug.core.attention": ("attention",),
+    "shardplug.core.context": ("batch_axis_name", "compute_dtype", "constrain"),
     "shardplug.core.devices": ("select_devices", "simulate_cpu_devices"),
     "shardplug.core.hookspecs": ("hookimpl", "hookspec"),
     "shardplug.core.mesh": ("parse_mesh",),

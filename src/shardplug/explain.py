@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import jax
@@ -20,6 +21,7 @@ from shardplug.core.hlo import collectives, wire_bytes
 from shardplug.core.pipeline import circular_order
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.errors import ConfigError
+from shardplug.flops import float32_note, product_dtypes
 from shardplug.loop.batches import global_struct
 
 
@@ -57,6 +59,9 @@ class Report:
     notes: list[str] = dataclasses.field(default_factory=list)
     #: a pipeline run's schedule, stack bytes and permute traffic (see :func:`_pipeline`)
     pipeline: dict[str, Any] | None = None
+    #: ``{"compute", "matmul_flops_by_dtype", "float32_sites"}``: the dtypes the step's
+    #: matrix products compute in, and where products of float32 operands are
+    precision: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -225,9 +230,9 @@ def explain(
     analysis = trainer.compiled.memory_analysis()
     params_bytes = _tree_bytes(state.params, shardings.params)
     device = mesh.devices.flat[0]
-    if device_memory is None:
-        stats = device.memory_stats() or {}
-        device_memory = stats.get("bytes_limit")
+    from_backend = device_memory is None
+    if from_backend:
+        device_memory = backend_memory(device)
     per_device = {
         "params_bytes": params_bytes,
         "opt_state_bytes": _tree_bytes(state.opt_state, shardings.opt_state),
@@ -274,6 +279,12 @@ def explain(
             "over (tensor parallelism), need activation collectives forward and backward "
             "that the model's code decides; the textbook figure leaves them out"
         )
+    peak = per_device["peak_bytes"]
+    if from_backend and device_memory and peak and peak > device_memory:
+        notes.append(memory_limit_note(device))
+    dtypes = product_dtypes(trainer.jaxpr)
+    if trainer.precision in ("bf16", "bfloat16") and (note := float32_note(dtypes)):
+        notes.append(note)
     textbook = _textbook(params, flat_shardings, mesh, batch_axes)
     kinds = {c["kind"] for c in found}
     if "reduce-scatter" in {t["kind"] for t in textbook} - kinds:
@@ -297,6 +308,29 @@ def explain(
         pictures=pictures,
         notes=notes,
         pipeline=_pipeline(trainer, params, flat_shardings, found, batch_axes),
+        precision={
+            "compute": "bfloat16" if trainer.precision in ("bf16", "bfloat16") else "float32",
+            "matmul_flops_by_dtype": dtypes.flops,
+            "float32_sites": [{"where": w, "flops": f} for w, f in dtypes.float32_sites[:5]],
+        },
+    )
+
+
+def backend_memory(device: Any) -> int | None:
+    """The bytes the backend lets this process allocate on ``device`` (None on CPUs)."""
+    return (device.memory_stats() or {}).get("bytes_limit")
+
+
+def memory_limit_note(device: Any) -> str:
+    """Why a GPU's limit is below its memory, and the setting that changes it."""
+    if device.platform != "gpu":
+        return f"the peak is above the {device.platform.upper()} backend's limit"
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    given = f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}" if fraction else "75% by default"
+    return (
+        f"the peak is above what JAX lets this process allocate ({given} of the GPU's "
+        "memory): set XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 before starting to allow more, or "
+        "pass --device-memory to plan for another device"
     )
 
 

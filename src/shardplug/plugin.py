@@ -19,9 +19,11 @@ from __future__ import annotations
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core.attention import attention, attention_override
 from shardplug.core.compose import Axis, Composed
 from shardplug.core.context import (
     batch_axis_name,
+    compute_dtype,
     constrain,
     manual_axes,
     per_device_program,
@@ -51,8 +53,11 @@ __all__ = [
     "PartitionSpec",
     "PluginError",
     "StrategyOptionError",
+    "attention",
+    "attention_override",
     "batch_axis_name",
     "build_mesh",
+    "compute_dtype",
     "constrain",
     "describe",
     "hookimpl",

@@ -6,12 +6,14 @@ compute and do not grow with the batch) over those that also move activations (t
 parallelism's all-reduces, on the critical path of every layer); then the fewest bytes sent
 per device per step; then the lower peak. A strategy is never preferred by its name: data
 parallelism wins where it fits because its one gradient all-reduce is the least such
-traffic, and loses where it does not fit.
+traffic, and loses where it does not fit. On one device nothing is sent: the plainest step
+that fits wins (no pipeline schedule, fewest mesh axes, then a peak within 5% of the lowest).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +67,7 @@ def recommend(
             "sent_bytes": report.wire_bytes(),
             "activation_bytes": max(0, report.wire_bytes() - report.textbook_wire_bytes()),
             "collectives": sum(c["count"] for c in report.collectives),
+            "pipelined": report.pipeline is not None,
         })  # fmt: skip
 
     def rank(row: dict[str, Any]) -> tuple:
@@ -77,6 +80,21 @@ def recommend(
         return {"strategies": rows, "recommended": None, "reason": reason}
     best = fitting[0]
     others = [r["strategy"] for r in rows if "error" not in r and not r["fits"]]
+    if math.prod(best["mesh"].values()) == 1:
+        # One device: nothing is split or sent, so the plain step is best; a pipeline
+        # schedule on one stage only cuts the batch into microbatches (slower, less memory).
+        low = min(r["peak_bytes"] for r in fitting)  # peaks within 5% are equal
+        in_order = [r for r in rows if r["fits"]]  # of equals, the first candidate
+        best = min(in_order, key=lambda r: (r["pipelined"], len(r["mesh"]),
+                                           r["peak_bytes"] > 1.05 * low))  # fmt: skip
+        reason = (
+            f"one device: no strategy splits or sends anything, and of the {len(fitting)} that "
+            f"fit it is the plainest step (peak {size(best['peak_bytes'])} of "
+            f"{size(device_memory)}); it runs unchanged on more devices"
+        )
+        if others:
+            reason += f"; {', '.join(others)} do not fit"
+        return {"strategies": rows, "recommended": best["strategy"], "reason": reason}
     what = (
         "moves parameters and gradients only, and the least of them"
         if rank(best)[0] is False

@@ -32,12 +32,8 @@ from shardplug.core.step import (
     unwrap_keys,
     wrap_keys,
 )
-from shardplug.errors import (
-    CheckpointError,
-    ConfigError,
-    NonFiniteError,
-    PluginError,
-)
+from shardplug.errors import CheckpointError, ConfigError, NonFiniteError, PluginError
+from shardplug.flops import warn_if_float32
 from shardplug.loop import batches as host
 from shardplug.loop.evaluate import evaluate
 from shardplug.loop.position import SKIP, Tracked, stateful
@@ -98,9 +94,10 @@ class Trainer:
         in ``grad_accum`` parts, one after another, inside the compiled step, and makes one
         update, equal to that of the whole batch (batch statistics, being per microbatch,
         excepted). Activation memory falls to that of one microbatch.
-    :param precision: ``"float32"``, or ``"bfloat16"`` (``"bf16"``): forward and backward
-        in bfloat16 on bfloat16 copies of the parameters and of the batch's float32 leaves;
-        parameters, gradients and optimizer state stay float32.
+    :param precision: ``"float32"``, or ``"bfloat16"`` (``"bf16"``): the matrix products of
+        forward and backward in bfloat16, on bfloat16 copies of the parameters and the batch's
+        float32 leaves, stock layers that chose no dtype computing in it; parameters,
+        gradients and optimizer state stay float32. Products left in float32 are warned of.
     :param profile_dir: write a profiler trace (TensorBoard, Perfetto) of the steps
         ``profile_steps`` (a ``range`` of step numbers, default 3 to 5, after compilation)
         into this directory (``process_<i>/`` in it for each process of a multi-process run).
@@ -142,13 +139,12 @@ class Trainer:
             raise ConfigError("loss_fn must be a function loss_fn(model, batch)")
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise ConfigError("optimizer must be an optax GradientTransformation")
-        settings = Settings(
+        self.settings = settings = Settings(
             seed=seed, log_every=log_every, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, keep=keep, config=config or {},
             on_nonfinite=on_nonfinite, grad_accum=grad_accum, precision=precision,
             profile_dir=profile_dir, profile_steps=profile_steps,
         )  # fmt: skip
-        self.settings = settings
         self.grad_accum, self.precision = settings.grad_accum, settings.precision
         self.profile_dir, self.profile_steps = settings.profile_dir, settings.profile_steps
         self.config, self.on_nonfinite = settings.config, settings.on_nonfinite
@@ -244,6 +240,11 @@ class Trainer:
         return None if self._train is None else self._train.compiled
 
     @property
+    def jaxpr(self) -> Any:
+        """The traced training step (``jax.extend.core.ClosedJaxpr``), None before compiling."""
+        return None if self._train is None else self._train.jaxpr
+
+    @property
     def batch_shardings(self) -> Any:
         """The ``NamedSharding`` of every batch leaf, or None before the first batch."""
         return None if self._train is None else self._train.batch_shardings
@@ -269,6 +270,7 @@ class Trainer:
         start = time.perf_counter()
         self._train = self._build(self._step_for, batch, self.grad_accum)
         self.compile_seconds = time.perf_counter() - start
+        warn_if_float32(self._train.jaxpr, self.precision)
 
     def lower(self, batch: Any) -> Any:
         """The training step for batches shaped like ``batch``, lowered but not compiled.

@@ -35,6 +35,12 @@ def render(report: Report, console: Any, every_row: bool = False) -> None:
         f"[bold]{report.strategy}[/bold] on {report.devices} {report.platform} devices "
         f"({mesh}); step compiled in {report.compile_seconds or 0:.1f} s"
     )
+    flops = report.precision.get("matmul_flops_by_dtype") or {}
+    if flops:
+        total = sum(flops.values())
+        ranked = sorted(flops.items(), key=lambda kv: -kv[1])
+        shares = ", ".join(f"{v / total:.1%} {k}" for k, v in ranked)
+        console.print(f"computes in {report.precision['compute']}: matrix-product FLOPs {shares}")
     rows = groups(report.params)
     grouped = not every_row and len(rows) < len(report.params)
     title = f"parameters ({len(report.params)} in {len(rows)} groups; --all for each)"

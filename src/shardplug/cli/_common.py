@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -28,12 +29,23 @@ def _positive(kind: type) -> Any:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if not value > 0 or not math.isfinite(value):  # NaN is not > 0 either
+            raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
         return value
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def seed(text: str) -> int:
+    """A seed for ``jax.random.key`` and NumPy: a whole number from 0 to 2**32 - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 4294967295, got {text}")
+    return value
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -60,10 +72,11 @@ def _model_arguments(parser: argparse.ArgumentParser, trainer_options: bool = Tr
     task_arguments(parser)
     model_options_arguments(parser)
     parser.add_argument(
-        "--devices", type=_positive(int), default=8, help="devices (simulated CPU ones: 8)"
-    )
+        "--devices", type=_positive(int), default=None,
+        help="devices to use (default: every GPU or TPU; without one, 8 simulated CPU devices)",
+    )  # fmt: skip
     parser.add_argument("--batch-size", type=_positive(int), default=None, help="global batch")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     if trainer_options:
         parser.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                             help="a strategy option (repeatable)")  # fmt: skip

@@ -12,6 +12,7 @@ from shardplug.cli._common import (
     _positive,
     _step_range,
     model_options_arguments,
+    seed,
     task_arguments,
 )
 
@@ -32,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train a reference model with a strategy",
         description="Train a reference model on simulated or real devices. "
-        "With no options: the transformer LM, data parallel, 8 simulated CPU devices.",
+        "With no options: the transformer LM, data parallel, on every GPU (or TPU), or on 8 "
+        "simulated CPU devices where there is none.",
     )
     train.add_argument(
         "--strategy", default="dp",
@@ -65,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--devices",
         type=_positive(int),
-        default=8,
-        help="devices to use; without an accelerator, simulated CPU devices (default 8)",
+        default=None,
+        help="devices to use (default: every GPU or TPU; without one, 8 simulated CPU devices)",
     )
     train.add_argument(
         "--mesh",
@@ -77,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--axis-name", action="append", default=[], metavar="ROLE=NAME",
         help="name a composition's mesh axis as your model does, e.g. model=tp (repeatable)",
     )  # fmt: skip
-    train.add_argument("--seed", type=int, default=None, help="(default 0, or the checkpoint's)")
+    train.add_argument("--seed", type=seed, default=None, help="(default 0, or the checkpoint's)")
     train.add_argument("--lr", type=_positive(float), default=None, help="Adam learning rate")
     train.add_argument("--log-every", type=_positive(int), default=10)
     train.add_argument(
@@ -225,8 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _model_arguments(recommend)
     recommend.add_argument(
-        "--device-memory", type=_memory, required=True, metavar="SIZE",
-        help="each device's memory, e.g. 80GB or 512MiB",
+        "--device-memory", type=_memory, default=None, metavar="SIZE",
+        help="each device's memory, e.g. 80GB or 512MiB (default: what a GPU's backend gives "
+        "this process; needed on CPUs)",
     )  # fmt: skip
     recommend.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

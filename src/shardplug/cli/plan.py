@@ -36,9 +36,20 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_recommend(args: argparse.Namespace) -> int:
     _prepare(args)
-    from shardplug.explain import size
+    import jax
+
+    from shardplug.core.devices import select_devices
+    from shardplug.explain import backend_memory, size
     from shardplug.recommend import recommend
 
+    devices = select_devices(args.devices)
+    if args.device_memory is None:
+        args.device_memory = backend_memory(devices[0])
+    if args.device_memory is None:
+        raise ConfigError(
+            f"--device-memory: the {jax.default_backend().upper()} backend gives no memory "
+            "limit; say how much each device has, e.g. --device-memory 80GB"
+        )
     result = recommend(
         lambda name: _compiled_trainer(args, name, {}, allocate=False), args.device_memory
     )
@@ -49,7 +60,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(
-        title=f"{_title(args)} on {args.devices} devices of {size(args.device_memory)}",
+        title=f"{_title(args)} on {len(devices)} devices of {size(args.device_memory)}",
         title_justify="left",
     )
     for column in ("strategy", "fits", "peak/device", "params+opt/device", "sent/step"):

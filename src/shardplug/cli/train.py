@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.task is None and saved.get("task") and args.model is None:
         args.task = saved["task"]  # resuming a task's run
     if args.task is None:
+        was = saved.get("model") or (saved.get("task") and f"task {saved['task']}")
+        if was and args.model is not None and args.model != saved.get("model"):
+            raise ConfigError(
+                f"--checkpoint-dir {args.checkpoint_dir} holds a run of {was!s}, not of "
+                f"--model {args.model}: drop --model to resume it, or choose an empty directory"
+            )
         for name in RESUMED:
             if getattr(args, name) is None:
                 setattr(args, name, saved.get(name, DEFAULTS.get(name)))
@@ -159,8 +166,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         with _Progress(args.quiet or not primary, args.steps, start) as advance:
 
             def log(rows: list[dict[str, float]]) -> None:
-                if out is not None:
-                    out.writelines(json.dumps(row) + "\n" for row in rows)
+                if out is not None:  # strict JSON: a NaN or infinite value is null
+                    out.writelines(json.dumps(_finite(row), allow_nan=False) + "\n"
+                                   for row in rows)  # fmt: skip
                     out.flush()
                 if board is not None:
                     for row in rows:
@@ -180,8 +188,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             board.close()
     if not primary:
         return 0
+    if not history:
+        raise ConfigError(f"task {task.name}: its data gave no batch, so nothing was trained")
     device = trainer.mesh.devices.flat[0].platform
-    timed = history[min(args.log_every, len(history) - 1) :] or history
+    timed = [r for r in history[min(args.log_every, len(history) - 1) :] if not r.get("skipped")]
+    timed = timed or history
     step_ms = 1000 * sum(r["step_time"] for r in timed) / len(timed)
     resumed = f" from step {start}" if start else ""
     saved_to = f"; saved {trainer.last_checkpoint}" if trainer.checkpoints is not None else ""
@@ -200,6 +211,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         rate += "; held out: " + ", ".join(
             f"{k[5:]} {v:.4f}" for k, v in last.items() if k.startswith("eval_")
         )
+    if trainer.on_nonfinite == "skip" and trainer.skipped_steps:
+        rate += (f"; skipped {trainer.skipped_steps} of {trainer.step} steps whose loss or "
+                 "gradient was not finite")  # fmt: skip
     samples = trainer.batch_shardings and _batch_rows(trainer)
     print(
         f"shardplug: trained {task.name} ({task.adapter.framework}) with {args.strategy} on "
@@ -209,6 +223,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"{step_ms:.1f} ms/step, {samples / step_ms * 1000:.0f} samples/s{rate}{saved_to}"
     )
     return 0
+
+
+def _finite(row: dict[str, float]) -> dict[str, float | None]:
+    return {k: v if math.isfinite(v) else None for k, v in row.items()}
 
 
 def _batch_rows(trainer: Any) -> int:
@@ -268,16 +286,20 @@ def _join_or_simulate(args: argparse.Namespace, simulate: Any) -> None:
     if not args.distributed and all(v is None for v in explicit):
         simulate(args.devices)
         return
+    from shardplug.core.devices import SIMULATED
     from shardplug.distributed import initialize
 
     if args.distributed:
         initialize()
         return
-    if args.num_processes is not None and args.devices % args.num_processes:
+    count = args.devices or SIMULATED  # CPU devices to simulate, over all the processes
+    if args.num_processes is not None and count % args.num_processes:
+        given = f"--devices {count}" if args.devices else f"the {count} simulated CPU devices"
         raise ConfigError(
-            f"--devices {args.devices} does not split over --num-processes {args.num_processes}"
+            f"{given} do{'es' * bool(args.devices)} not split over --num-processes "
+            f"{args.num_processes}: pass --devices N, a multiple of {args.num_processes}"
         )
-    local = None if args.num_processes is None else args.devices // args.num_processes
+    local = None if args.num_processes is None else count // args.num_processes
     initialize(args.coordinator, args.num_processes, args.process_id, local_cpu_devices=local)
 
 

@@ -19,6 +19,30 @@ _MANUAL_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
 _RULES: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
     "shardplug_activation_rules", default=None
 )
+_COMPUTE: contextvars.ContextVar[Any] = contextvars.ContextVar("shardplug_compute", default=None)
+
+
+def compute_dtype() -> Any:
+    """The dtype the step computes in under mixed precision (``jnp.bfloat16`` for
+    ``precision="bf16"``), or None when it computes in the parameters' own dtype.
+
+    The parameters a model sees are already cast; ask for this where a model makes floating
+    arrays of its own (position tables, masks, RoPE angles) so they do not promote its
+    bfloat16 activations back to float32::
+
+        angles = (positions[:, None] * freqs).astype(shardplug.compute_dtype() or x.dtype)
+    """
+    return _COMPUTE.get()
+
+
+@contextlib.contextmanager
+def computing_in(dtype: Any) -> Iterator[None]:
+    """Trace the code inside as a step that computes in ``dtype`` (None: the parameters')."""
+    token = _COMPUTE.set(dtype)
+    try:
+        yield
+    finally:
+        _COMPUTE.reset(token)
 
 
 def batch_axis_name() -> str | tuple[str, ...] | None:

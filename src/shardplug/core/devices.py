@@ -1,17 +1,32 @@
-"""Which devices a run uses, and simulated CPU devices for machines without an accelerator."""
+"""Which devices a run uses, and simulated CPU devices for machines without an accelerator.
+
+The decision is written once: a run uses every device of JAX's default backend. When that
+backend is an accelerator (GPU, TPU) that is all of them; when there is none, the command
+line first asks JAX for :data:`SIMULATED` CPU devices, so every strategy runs on a laptop.
+``--devices N`` (``Trainer(devices=N)``) picks the first N instead.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import glob
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-from shardplug.errors import DeviceError
+from shardplug.errors import DeviceError, ShardplugWarning
+
+#: CPU devices the command line simulates when no --devices is given and there is no GPU
+SIMULATED = 8
+
+CUDA_INSTALL = "pip install -U 'jax[cuda12]' (in a checkout of shardplug: pip install -e '.[cuda]')"
 
 
-def simulate_cpu_devices(count: int) -> None:
-    """Ask JAX for ``count`` CPU devices, so every strategy runs on a machine without a GPU.
+def simulate_cpu_devices(count: int | None = None) -> None:
+    """Ask JAX for ``count`` CPU devices (default :data:`SIMULATED`), so every strategy runs
+    on a machine without a GPU.
 
     Must run before JAX creates its backends (before the first array is made). After that it
     does nothing, and :func:`select_devices` reports if too few devices exist. It only affects
@@ -19,19 +34,49 @@ def simulate_cpu_devices(count: int) -> None:
     """
     # Once backends exist this raises; select_devices then checks what we got.
     with contextlib.suppress(RuntimeError):
-        jax.config.update("jax_num_cpu_devices", count)
+        jax.config.update("jax_num_cpu_devices", count or SIMULATED)
 
 
-def select_devices(count: int | None = None) -> list[Any]:
-    """The first ``count`` devices of the default backend (all of them for None)."""
-    devices = jax.devices()
+def select_devices(count: int | None = None, *, devices: Sequence[Any] | None = None) -> list[Any]:
+    """The first ``count`` of ``devices`` (default: the default backend's), all for None.
+
+    :raises DeviceError: for a count below 1, or above the devices that exist (naming them).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    platform = devices[0].platform
+    if platform == "cpu" and nvidia_gpu_visible():
+        _warn_once(cpu_only_note())
     if count is None:
-        return list(devices)
+        return devices
     if count < 1:
         raise DeviceError(f"the device count must be at least 1, got {count}")
     if count > len(devices):
+        kind = getattr(devices[0], "device_kind", platform)
+        what = f"{len(devices)} {platform.upper()} device{'s' * (len(devices) > 1)} ({kind})"
         raise DeviceError(
-            f"asked for {count} devices but only {len(devices)} "
-            f"{devices[0].platform.upper()} devices exist: ask for fewer"
+            f"asked for {count} devices but this machine has {what}: ask for at most "
+            f"{len(devices)}, or leave --devices out to use them all"
         )
-    return list(devices[:count])
+    return devices[:count]
+
+
+def nvidia_gpu_visible() -> bool:
+    """Whether the system shows an NVIDIA GPU (its device files), whatever JAX sees."""
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def cpu_only_note() -> str:
+    """What to say when the system has a GPU but JAX has only its CPU backend."""
+    return (
+        "an NVIDIA GPU is visible to the system but JAX has only its CPU backend, so this "
+        f"run uses the CPU: install JAX's CUDA plugin with {CUDA_INSTALL}"
+    )
+
+
+_SAID: set[str] = set()
+
+
+def _warn_once(note: str) -> None:
+    if note not in _SAID:
+        _SAID.add(note)
+        warnings.warn(note, ShardplugWarning, stacklevel=3)

@@ -20,7 +20,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core.context import batch_axis_name, manual_axes, per_device_program
+from shardplug.core.context import batch_axis_name, computing_in, manual_axes, per_device_program
 from shardplug.core.pipeline import layer_specs
 from shardplug.core.registry import Strategy
 from shardplug.core.sharding import leading_axes
@@ -75,11 +75,23 @@ def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array], Any]:
             "loss_fn must return a loss, (loss, dict of metrics) or (loss, metrics, new state)"
         )
     loss = parts[0]
+    if not hasattr(loss, "shape") and not isinstance(loss, int | float):
+        raise ConfigError(
+            f"loss_fn must return a scalar array as the loss, got {type(loss).__name__}"
+        )
     if jnp.shape(loss) != ():
         raise ConfigError(
             f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}: average it"
         )
     metrics = dict(parts[1]) if len(parts) > 1 else {}
+    for name, value in metrics.items():
+        if not hasattr(value, "shape") and not isinstance(value, int | float):
+            raise ConfigError(f"metric {name!r} is a {type(value).__name__}: give a scalar array")
+        if jnp.shape(value) != ():
+            raise ConfigError(
+                f"metric {name!r} has shape {jnp.shape(value)}: metrics must be scalars "
+                "(average it)"
+            )
     return loss, metrics, parts[2] if len(parts) == 3 else None
 
 
@@ -147,7 +159,7 @@ def make_step(
         if compute is not None:  # cast before gathering: fsdp's all-gathers move half the bytes
             params, batch = _cast_floats((params, batch), compute)
         params, per_layer = strategy.gather_for_step(params, mesh)
-        with layer_specs(per_layer):
+        with layer_specs(per_layer), computing_in(compute):
             return _forward(adapter, loss_fn, extras, params, model_state, rng, batch, True)
 
     value_and_grad = jax.value_and_grad(loss_of, has_aux=True)

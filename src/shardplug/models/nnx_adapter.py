@@ -9,6 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core.context import compute_dtype
 from shardplug.errors import ConfigError
 from shardplug.models.adapter import Adapter, Rules
 
@@ -68,10 +69,35 @@ class NnxAdapter(Adapter):
         # fresh Variables, owned by the trace the step runs in (BatchStat updates in place)
         model = nnx.merge(self.graphdef, params, state, copy=True)
         model.train() if train else model.eval()
+        dtype = compute_dtype()
+        if dtype is not None:
+            follow_parameters(model, dtype)
         return model
 
     def state_of(self, model, state):
         return nnx.split(model, nnx.Param, ...)[2]
+
+
+def follow_parameters(model: nnx.Module, dtype: jax.typing.DTypeLike) -> None:
+    """Under mixed precision, every stock layer that did not choose a compute dtype computes
+    in ``dtype``, as Flax writes mixed precision (``dtype=bfloat16, param_dtype=float32``).
+
+    Casting the parameters is not enough for NNX: ``nnx.Embed`` fixes its compute dtype when
+    it is built (``dtype or embedding.dtype``: float32), and ``nnx.BatchNorm`` with
+    ``dtype=None`` promotes to its float32 running averages, so either returns float32 and
+    every matrix product downstream promotes to float32. A layer with ``dtype=None``, and an
+    ``nnx.Embed`` whose dtype is its parameters', compute in ``dtype`` (statistics stay
+    float32 inside the norms); a layer built with another explicit dtype keeps it
+    (``explain`` shows where a step computes in float32).
+    """
+    for _, module in nnx.iter_modules(model):
+        if not hasattr(module, "param_dtype") or not hasattr(module, "dtype"):
+            continue
+        chosen = module.dtype is not None and not (
+            isinstance(module, nnx.Embed) and module.dtype == module.param_dtype
+        )
+        if not chosen:
+            module.dtype = dtype
 
 
 def from_nnx(

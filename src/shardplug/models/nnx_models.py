@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardplug import stack
+from shardplug.core.attention import attention as fused_attention
 from shardplug.core.context import batch_axis_name
 from shardplug.models import data
 from shardplug.models.layers import dropout
@@ -66,13 +67,13 @@ def _norm(rngs: nnx.Rngs) -> nnx.LayerNorm:
 def attention(x, wq, wk, wv, wo):
     """Causal multi-head attention on ``x`` (batch, seq, embed); shared by all frameworks.
 
-    ``jax.nn.dot_product_attention`` picks the backend's fused kernel where it has one
-    (cuDNN flash attention on a GPU) and XLA's otherwise.
+    ``shardplug.attention`` runs cuDNN's fused attention on a GPU where the inputs qualify
+    (bfloat16) and XLA's otherwise; a parallelism that splits the sequence replaces it.
     """
     q = jnp.einsum("bse,ehd->bshd", x, wq)
     k = jnp.einsum("bse,ehd->bshd", x, wk)
     v = jnp.einsum("bse,ehd->bshd", x, wv)
-    attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    attended = fused_attention(q, k, v, causal=True)
     return jnp.einsum("bshd,hde->bse", attended, wo)
 
 

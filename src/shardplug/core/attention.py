@@ -1,0 +1,141 @@
+"""Attention as one function: the backend's fused kernel where it qualifies, XLA's otherwise.
+
+``jax.nn.dot_product_attention`` with ``implementation=None`` takes XLA's path everywhere,
+also on a GPU, where cuDNN's fused (flash) attention is several times faster and never
+materialises the ``sequence x sequence`` scores. :func:`attention` asks for cuDNN when the
+devices are NVIDIA GPUs and the inputs qualify (bfloat16 or float16, a head dimension that is
+a multiple of 8 and at most 128, or 256 on Hopper), and says once why when they do not.
+
+It is also the place a parallelism that splits the sequence replaces attention's inside
+(ring attention, all-gathered keys and values): :func:`attention_override` installs another
+implementation for the code traced inside it, so the model's code does not change between
+strategies, the way ``pp`` replaces the layer stack's scan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from shardplug.errors import ShardplugWarning
+
+Implementation = Literal["cudnn", "xla"]
+
+#: what replaces attention's inside while a parallelism's program is traced
+_OVERRIDE: contextvars.ContextVar[Callable[..., jax.Array] | None] = contextvars.ContextVar(
+    "shardplug_attention", default=None
+)
+_SAID: set[str] = set()  # each fallback reason is said once per process
+
+FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    causal: bool = False,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    scale: float | None = None,
+    implementation: Implementation | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention over ``(batch, sequence, heads, head_dim)`` arrays.
+
+    The layout and arguments are ``jax.nn.dot_product_attention``'s (``causal`` is its
+    ``is_causal``); key and value may have fewer heads than the query (grouped-query
+    attention), dividing them. ``implementation=None`` chooses: cuDNN's fused attention on
+    NVIDIA GPUs where the inputs qualify, XLA's otherwise; name one to insist (``"cudnn"``
+    raises where it cannot run). Inside a parallelism that replaces attention (see
+    :func:`attention_override`) that parallelism's implementation runs instead.
+
+    Example, in any framework's forward pass::
+
+        q, k, v = (jnp.einsum("bse,ehd->bshd", x, w) for w in (wq, wk, wv))
+        out = shardplug.attention(q, k, v, causal=True)  # (batch, seq, heads, head_dim)
+    """
+    override = _OVERRIDE.get()
+    if override is not None:
+        return override(query, key, value, causal=causal, bias=bias, mask=mask, scale=scale)
+    if implementation is None:
+        implementation, why = choose(query, key, value, platform=_platform())
+        if why is not None:
+            _say_once(why)
+        if implementation == "cudnn":
+            implementation = _try_cudnn(query, key, value, bias, mask, scale, causal)
+    return jax.nn.dot_product_attention(
+        query, key, value, bias=bias, mask=mask, scale=scale, is_causal=causal,
+        implementation=implementation,
+    )  # fmt: skip
+
+
+def choose(query: Any, key: Any, value: Any, *, platform: str) -> tuple[Implementation, str | None]:
+    """The implementation for these inputs on ``platform`` (``"cpu"``, ``"gpu"``, ...), and
+    why a GPU does not get its fused kernel (None where it does, or where there is none)."""
+    if platform != "gpu":
+        return "xla", None  # XLA's attention is the only one on CPU (and TPU, here)
+    dtype = jnp.result_type(query, key, value)
+    if dtype not in FUSED_DTYPES:
+        return "xla", (
+            f"{jnp.dtype(dtype).name} inputs take XLA's attention: cuDNN's fused attention "
+            "takes bfloat16 or float16 (train with precision='bf16')"
+        )
+    head = query.shape[-1]
+    if head % 8 or head > 256:
+        return "xla", (
+            f"head dimension {head} takes XLA's attention: cuDNN's fused attention needs a "
+            "multiple of 8, at most 128 (256 on Hopper)"
+        )
+    return "cudnn", None
+
+
+def _try_cudnn(query, key, value, bias, mask, scale, causal) -> Implementation:
+    """``"cudnn"`` if cuDNN accepts these inputs when traced, ``"xla"`` (said once) if not."""
+    try:
+        jax.eval_shape(
+            lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, bias=bias, mask=mask, scale=scale, is_causal=causal,
+                implementation="cudnn",
+            ),
+            query, key, value,
+        )  # fmt: skip
+    except (NotImplementedError, ValueError, RuntimeError, TypeError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        _say_once(f"cuDNN's fused attention refused these inputs ({reason}); using XLA's")
+        return "xla"
+    return "cudnn"
+
+
+def _platform() -> str:
+    """The platform of the mesh the step is traced under, else of JAX's default backend."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
+
+
+def _say_once(why: str) -> None:
+    if why not in _SAID:
+        _SAID.add(why)
+        warnings.warn(f"shardplug.attention: {why}", ShardplugWarning, stacklevel=3)
+
+
+@contextlib.contextmanager
+def attention_override(implementation: Callable[..., jax.Array]) -> Iterator[None]:
+    """Trace the code inside with ``implementation`` in place of :func:`attention`'s own.
+
+    ``implementation(query, key, value, *, causal, bias, mask, scale)`` returns what
+    :func:`attention` would. A parallelism that splits the sequence installs its ring (or
+    all-gather) attention this way around the step it traces, and every model that calls
+    :func:`attention` uses it unchanged.
+    """
+    token = _OVERRIDE.set(implementation)
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
