@@ -217,6 +217,30 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_used(tmp_path, where
     assert Checkpoints(tmp_path).steps() == [2, 4, 6]
 
 
+def test_an_unreadable_checkpoint_is_not_damage_and_is_left_alone(tmp_path, monkeypatch):
+    """Permission denied or an I/O error is trouble, not damage: restore stops naming the file
+    and the real cause, and moves nothing (before, it set the newest checkpoint aside and
+    quietly resumed from an older one). Simulated: the suite runs as root, which reads all."""
+    from shardplug import checkpoint
+
+    saved_run(tmp_path, steps=4)
+    files = sorted(p for p in (tmp_path / "4").rglob("*") if p.is_file())
+    locked = files[len(files) // 2]
+    plain = checkpoint._read_one
+
+    def read_one(path):
+        if path == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        plain(path)
+
+    monkeypatch.setattr(checkpoint, "_read_one", read_one)
+    _, trainer = trainer_for("mlp", checkpoint_dir=tmp_path)
+    with pytest.raises(shardplug.CheckpointError) as error:
+        trainer.restore()
+    assert str(error.value).startswith(f"cannot read {locked}: Permission denied; the checkpoint")
+    assert Checkpoints(tmp_path).steps() == [2, 4] and not list(tmp_path.glob("*.damaged"))
+
+
 def test_arrays_that_differ_from_their_fingerprint_are_never_loaded(tmp_path):
     saved_run(tmp_path)
     meta_file = tmp_path / "6" / "meta" / "metadata"
@@ -385,3 +409,15 @@ def test_bad_checkpoint_input_is_one_line_and_exit_2(args, message, with_checkpo
     assert lines[0].startswith("shardplug: error: ") and message.replace("{tmp}", tmp) in lines[0]
     assert metrics.read_text() == "earlier run\n"
     assert sorted(p.name for p in (with_checkpoints / "full").iterdir()) == before
+
+
+def test_resuming_with_other_batch_shapes_is_refused(tmp_path):
+    """The data position counts batches: resumed with another batch size, a plain iterable
+    would read other samples than the uninterrupted run, without a word. Now it is refused."""
+    model, _ = saved_run(tmp_path, steps=2)
+    _, trainer = trainer_for("mlp", checkpoint_dir=tmp_path)
+    assert trainer.restore() == 2
+    half = model.batch_size // 2
+    with pytest.raises(shardplug.BatchError, match=rf"batches of shapes \[\[{model.batch_size},"):
+        trainer.fit(model.batches(half, 0, start=2), 2)
+    assert trainer.fit(model.batches(model.batch_size, 0, start=2), 2)  # the same shapes: on

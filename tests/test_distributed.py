@@ -189,3 +189,127 @@ def _alive(pid: int) -> bool:
         return False
     status = Path(f"/proc/{pid}/status")
     return not (status.exists() and "\nState:\tZ" in status.read_text())
+
+
+FAILING_TASK = """
+import os, jax, optax, shardplug
+
+if os.environ.get("FAIL_AT_IMPORT") and jax.process_index() == 1:
+    raise ImportError("no module named 'my_dataset'")
+
+def task(fail):
+    model = shardplug.get_model("mlp")
+    if fail == "building" and jax.process_index() == 1:
+        raise FileNotFoundError("vocab.json")
+
+    def data():
+        for i, batch in enumerate(model.batches(model.batch_size, 0)):
+            if i == 3 and jax.process_index() == 1:
+                if fail == "raises":
+                    raise OSError("the data server went away")
+                if fail == "exits":
+                    os._exit(0)  # gone without a word, as a user's sys.exit(0) would
+                return  # this process's data ends early
+            yield batch
+
+    return shardplug.Task(model.adapter("nnx"), model.loss_fn, optax.adam(1e-3), data)
+
+def raises():
+    return task("raises")
+
+def ends():
+    return task("ends")
+
+def exits():
+    return task("exits")
+
+def building():
+    return task("building")
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("raises", "the data server went away"),
+        ("ends", "batches ran out after 3 of 40 steps"),
+        ("building", "FileNotFoundError: vocab.json"),
+        ("import", "no module named 'my_dataset'"),
+    ],
+)
+def test_a_failed_worker_ends_the_job_within_seconds(name, why, tmp_path, monkeypatch):
+    """Process 1 fails at import, while building its task, or when its data raises (or ends)
+    at batch 3: it says so in one line and exits; process 0, waiting for it (in the step's
+    collectives, say), stops within a second naming it; the launcher names the first
+    failure and exits non-zero. Before, all three waited forever, or 30 s and more."""
+    task = tmp_path / "failing.py"
+    task.write_text(FAILING_TASK)
+    if name == "import":
+        monkeypatch.setitem(ENV, "FAIL_AT_IMPORT", "1")
+    start = time.monotonic()
+    spec = f"{task}:{'raises' if name == 'import' else name}"
+    done = launch("--task", spec, "--steps", "40", "--strategy", "fsdp", timeout=120)
+    elapsed = time.monotonic() - start
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    assert "[1] shardplug: error: " in out and why in out
+    assert "[0] shardplug: error: process 1 failed (" in out
+    assert "shardplug: error: process 1 exited with code" in done.stderr.splitlines()[-1]
+    assert "Traceback" not in out and elapsed < 60, (elapsed, out[-3000:])
+
+
+def test_a_worker_that_exits_early_without_a_word_ends_the_job(tmp_path):
+    """Process 1 exits with 0 at batch 3 while process 0 waits for it in a collective: the
+    launcher gives the others EARLY_EXIT_S, then stops them, blaming process 1."""
+    from shardplug.launch import EARLY_EXIT_S
+
+    task = tmp_path / "failing.py"
+    task.write_text(FAILING_TASK)
+    start = time.monotonic()
+    done = launch("--task", f"{task}:exits", "--steps", "40", "--strategy", "fsdp", timeout=120)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == (
+        "shardplug: error: process 1 exited with code 0; stopped the others"
+    )
+    assert "while the others were still running" in done.stderr
+    assert EARLY_EXIT_S < elapsed < EARLY_EXIT_S + 40
+
+
+def test_a_coordinator_nobody_serves_is_announced_then_given_up():
+    """Process 1 of a job whose process 0 never started: after JOIN_NOTICE_S a line names the
+    address it waits for; at the join timeout it fails naming it (it was silent for 90 s+)."""
+    from shardplug.launch import free_port
+
+    port = free_port()
+    code = (
+        "from shardplug.distributed import initialize\n"
+        f"initialize('127.0.0.1:{port}', 2, 1, local_cpu_devices=1, join_timeout_s=8)"
+    )
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert done.returncode != 0
+    assert (
+        f"shardplug: waiting for the coordinator at 127.0.0.1:{port} (process 1 of 2); giving up "
+        "after 8 s"
+    ) in done.stderr
+    assert f"could not join the multi-process job at 127.0.0.1:{port} within 8 s" in done.stderr
+    assert elapsed < 40
+
+
+def test_a_second_ctrl_c_stops_every_worker_at_once(tmp_path):
+    launcher, workers = training_launch(tmp_path, "--checkpoint-dir", str(tmp_path / "ckpt"))
+    try:
+        launcher.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        start = time.monotonic()
+        launcher.send_signal(signal.SIGINT)
+        launcher.communicate(timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGINT
+    assert elapsed < 5 and not any(_alive(pid) for pid in workers)

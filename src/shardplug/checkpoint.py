@@ -33,6 +33,7 @@ import numpy as np
 
 from shardplug.core.sharding import path_str
 from shardplug.errors import CheckpointError, ConfigError, ShardplugWarning
+from shardplug.loop.waits import announced
 
 FORMAT = 1
 
@@ -169,8 +170,10 @@ class Checkpoints:
         return self.path(step)
 
     def wait(self) -> None:
-        """Block until every save started has been written and committed."""
-        self._manager.wait_until_finished()
+        """Block until every save started has been written and committed (announced when it
+        takes longer than :data:`shardplug.loop.waits.NOTICE_S`: a slow or hung disk)."""
+        with announced(f"the checkpoint write in {self.directory}"):
+            self._manager.wait_until_finished()
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """The JSON of checkpoint ``step``; :class:`CheckpointError` if it is unreadable."""
@@ -255,7 +258,7 @@ class Checkpoints:
         ]  # fmt: skip
         ocp = self._ocp
         try:
-            with _quiet_when_failing():
+            with _quiet_when_failing(), announced(f"the checkpoint read of {self.path(step)}"):
                 restored = self._manager.restore(
                     step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
                 )
@@ -276,6 +279,7 @@ class Checkpoints:
         return arrays
 
     def _restore(self, step: int, like: Any, shardings: Any) -> tuple[Any, dict[str, Any]]:
+        readable(self.path(step))  # trouble, not damage: stop before anything is moved
         try:
             meta = self.read_meta(step)
         except CheckpointError as exc:
@@ -345,6 +349,35 @@ def saved_config(directory: Path, step: int) -> dict[str, Any]:
     except (OSError, ValueError, AttributeError):
         return {}
     return config if isinstance(config, dict) else {}
+
+
+def readable(root: Path) -> None:
+    """Raise :class:`CheckpointError` naming the first file or folder of a checkpoint that
+    cannot be read for a reason other than damage (permission denied, an I/O error).
+
+    Such a checkpoint is not damaged: setting it aside and resuming from an older one would
+    roll the run back in silence. Missing or corrupt files are left to the fingerprints.
+    """
+    stack = [root]
+    while stack:
+        path = stack.pop()
+        try:
+            if path.is_dir():
+                stack.extend(sorted(path.iterdir()))
+            else:
+                _read_one(path)
+        except FileNotFoundError:
+            continue  # gone: damage, which the restore itself reports
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot read {path}: {exc.strerror or exc}; the checkpoint was left as it is "
+                "(not damaged, unreadable): fix the file's permissions or the disk, and resume"
+            ) from None
+
+
+def _read_one(path: Path) -> None:
+    with open(path, "rb") as file:
+        file.read(1)
 
 
 class _Damaged(Exception):

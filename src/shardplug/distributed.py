@@ -9,12 +9,28 @@ its own rows of the global batch. On CPU the processes reduce over gloo, which i
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import sys
+import threading
+import time
+
 from shardplug.errors import ConfigError, DeviceError
 
 #: how long a process waits for the others to join, and how long the coordinator waits for a
 #: silent process before declaring it dead (seconds); both fail with the cause named
-JOIN_TIMEOUT_S = 120
-HEARTBEAT_TIMEOUT_S = 30
+JOIN_TIMEOUT_S = 60
+HEARTBEAT_TIMEOUT_S = 15
+#: after this long waiting to join, a process says what it waits for (seconds)
+JOIN_NOTICE_S = 5.0
+#: how often each process looks for a peer's failure (seconds)
+WATCH_INTERVAL_S = 0.25
+#: the exit code of a process stopped because another process of its job failed
+EXIT_PEER_FAILED = 1
+
+_FAILED = "shardplug/failed/"  # the coordination service's key for a process's failure
+_joined: list[int] = []  # this process's id, once it has joined a job
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -59,7 +75,15 @@ def initialize(
     if local_cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", local_cpu_devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    where = f"the coordinator at {coordinator}" if coordinator else "the job's coordinator"
+    notice = threading.Timer(JOIN_NOTICE_S, lambda: print(
+        f"shardplug: waiting for {where} (process {process_id} of {num_processes}); giving "
+        f"up after {join_timeout_s} s", file=sys.stderr, flush=True))  # fmt: skip
+    notice.daemon = True
+    notice.start()
     try:
+        if coordinator is not None and process_id:  # JAX's client aborts the process instead
+            _reach(coordinator, join_timeout_s, f"process {process_id} of {num_processes}")
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=num_processes,
@@ -67,6 +91,8 @@ def initialize(
             initialization_timeout=join_timeout_s,
             heartbeat_timeout_seconds=heartbeat_timeout_s,
         )
+    except DeviceError:
+        raise
     except (RuntimeError, ValueError) as exc:
         where = f" at {coordinator}" if coordinator else ""
         first = " ".join(str(exc).split())[:300]
@@ -74,6 +100,81 @@ def initialize(
             f"could not join the multi-process job{where} within {join_timeout_s} s "
             f"(process {process_id} of {num_processes}): {first}"
         ) from None
+    finally:
+        notice.cancel()
+    _joined.append(jax.process_index())
+    threading.Thread(target=_watch_peers, name="shardplug-peers", daemon=True).start()
+
+
+def _reach(coordinator: str, timeout_s: float, who: str) -> None:
+    """Wait until something listens at ``coordinator``; :class:`DeviceError` after
+    ``timeout_s``. (JAX's client, left to find out, ends the process with a C++ abort.)"""
+    host, port = parse_address(coordinator)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise DeviceError(
+                    f"could not join the multi-process job at {coordinator} within "
+                    f"{timeout_s:g} s ({who}): nothing answers there ({exc.strerror or exc}); "
+                    "is process 0 running, and is the address right?"
+                ) from None
+            time.sleep(0.2)
+
+
+def joined() -> bool:
+    """Whether this process has joined a multi-process job (:func:`initialize`)."""
+    return bool(_joined)
+
+
+def _client():
+    from jax._src import distributed  # the coordination service's client (no public name)
+
+    return distributed.global_state.client
+
+
+def _watch_peers() -> None:
+    """End this process within a moment of another one's failure.
+
+    A process that fails tells the coordination service (:func:`leave`); the others are then
+    likely blocked in a collective that will never complete, so this thread, not the loop,
+    notices, says which process failed and why, and exits at once.
+    """
+    me = f"{_FAILED}{_joined[0]}"
+    while True:
+        time.sleep(WATCH_INTERVAL_S)
+        try:
+            failed = [(k, v) for k, v in _client().key_value_dir_get(_FAILED) if k != me]
+        except Exception:  # the service is gone: the job is ending
+            return
+        if failed:
+            key, why = failed[0]
+            print(
+                f"shardplug: error: process {key.rsplit('/', 1)[-1]} failed ({why}); stopping "
+                f"process {_joined[0]} too",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(EXIT_PEER_FAILED)
+
+
+def leave(code: int, why: str = "") -> None:
+    """End a process of a multi-process job with ``code``, at once.
+
+    A failure (``code`` != 0) is first told to the other processes, which stop within a
+    second (:func:`_watch_peers`) instead of waiting in collectives for this one. The normal
+    exit is skipped: ``jax.distributed``'s shutdown would wait at a barrier for processes
+    that are not coming.
+    """
+    if code and _joined:
+        with contextlib.suppress(Exception):  # the service is gone: nobody is left to tell
+            _client().key_value_set(f"{_FAILED}{_joined[0]}", why or f"exit code {code}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def process_rows(global_rows: int) -> slice:

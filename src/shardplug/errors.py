@@ -79,6 +79,17 @@ class NonFiniteError(ShardplugError, FloatingPointError):
         super().__init__(message)
         self.step, self.checkpoint = step, checkpoint
 
+    @classmethod
+    def at(cls, step: int, checkpoint: str | None, what: str = "the loss is") -> NonFiniteError:
+        """The error for ``step``, naming the last good checkpoint and what to do."""
+        last = f"last good checkpoint: {checkpoint}" if checkpoint else "no checkpoint saved"
+        return cls(
+            f"{what} not finite (NaN or inf) at step {step}; {last}. Lower the learning rate, "
+            "or skip such steps with on_nonfinite='skip' (--on-nonfinite skip)",
+            step=step,
+            checkpoint=checkpoint,
+        )
+
 
 class TrainingInterrupted(ShardplugError):
     """SIGINT or SIGTERM stopped training after a step, which was saved; ``signal``,

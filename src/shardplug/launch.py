@@ -26,6 +26,7 @@ from shardplug.errors import ConfigError
 
 GRACE_S = 60.0  # how long workers asked to stop (Ctrl-C) get to agree, save and exit
 FAILED_GRACE_S = 5.0  # after a worker failed, the others only wait in collectives
+EARLY_EXIT_S = 10.0  # a worker that ended well while the others still run this long ended early
 EXIT_WORKER_FAILED = 1
 
 
@@ -111,13 +112,15 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
     signalled: list[tuple[int, float]] = []  # (signal, when)
 
     def forward(signum, frame):
+        again = bool(signalled)  # a second Ctrl-C stops every worker at once, as torchrun does
         signalled.append((signum, time.monotonic()))
         for proc in workers:
             if proc.poll() is None:
-                proc.send_signal(signum)
+                proc.kill() if again else proc.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     failed: tuple[int, int] | None = None  # the first worker to fail, once the others stop
+    ended_well: float | None = None  # when the first worker exited with 0
     try:
         while True:
             # A failure is named before the loop may end: the others can exit within one tick
@@ -127,6 +130,14 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
             if bad and failed is None and not signalled:
                 failed = bad[0]
                 _stop(workers, lock, f"process {failed[0]} {_how(failed[1])}: stopping the others")
+            well = [(r, c) for r, c in list(exits) if c == 0]
+            if well and ended_well is None:
+                ended_well = time.monotonic()
+            if (not done and failed is None and not signalled and ended_well is not None
+                    and time.monotonic() > ended_well + EARLY_EXIT_S):  # fmt: skip
+                failed = well[0]
+                _stop(workers, lock, f"process {failed[0]} {_how(0)} while the others were "
+                      "still running: stopping them")  # fmt: skip
             if done:
                 break
             if signalled and time.monotonic() > signalled[0][1] + GRACE_S:
@@ -141,7 +152,7 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
     if signalled and failed is None:
         return 128 + signalled[0][0]
     bad = [(r, c) for r, c in exits if c != 0]
-    if bad:
+    if failed or bad:
         rank, code = failed or bad[0]
         stopped = "; stopped the others" if failed else ""
         print(f"shardplug: error: process {rank} {_how(code)}{stopped}", file=sys.stderr)

@@ -20,6 +20,7 @@ import optax
 
 from shardplug.core.step import LossFn
 from shardplug.errors import TaskError
+from shardplug.loop.evaluate import ONE_SHOT, one_shot
 from shardplug.models.adapter import Adapter
 
 Data = Iterable[Any] | Callable[[], Iterable[Any]]
@@ -41,7 +42,8 @@ class Task:
         must give the same batches each time it is iterated).
     :param eval_data: held-out batches for ``--eval-every``: an iterable that can be read
         again (a list, a ``Batches``) or a function returning one.
-    :param eval_steps: how many evaluation batches to read (needed for an endless one).
+    :param eval_steps: how many evaluation batches to read (needed for an endless one; a
+        source without a length is otherwise read to at most 1,000 batches).
     :param name: what the command line calls it.
     :param flops_per_sample: training FLOPs of one sample (:mod:`shardplug.flops`), for
         ``model_tflops`` and MFU by the textbook count; the compiled step's count otherwise.
@@ -73,6 +75,9 @@ class Task:
                     f"task {self.name!r}: {field} must be an iterable of batches or a function "
                     f"returning one, got {type(value).__name__}"
                 )
+
+        if one_shot(self.eval_data):
+            raise TaskError(f"task {self.name!r}: {ONE_SHOT}")
 
     def batches(self, start: int = 0) -> Iterable[Any]:
         """The training batches from batch 0 (a stateful ``Batches`` is positioned by the

@@ -32,10 +32,16 @@ from shardplug.core.step import (
     unwrap_keys,
     wrap_keys,
 )
-from shardplug.errors import CheckpointError, ConfigError, NonFiniteError, PluginError
+from shardplug.errors import (
+    CheckpointError,
+    ConfigError,
+    NonFiniteError,
+    PluginError,
+    ShardplugWarning,
+)
 from shardplug.flops import warn_if_float32
 from shardplug.loop import batches as host
-from shardplug.loop.evaluate import evaluate
+from shardplug.loop.evaluate import check_eval, evaluate
 from shardplug.loop.position import SKIP, Tracked, stateful
 from shardplug.loop.run import run
 from shardplug.models.adapter import Adapter
@@ -43,9 +49,8 @@ from shardplug.settings import OnNonFinite, Settings
 
 
 class _Program(NamedTuple):
-    """A compiled step and the batches it was compiled for. It takes and returns the state
-    as its flat list of arrays: the loop never rebuilds the state's pytree (NNX variables,
-    PRNG keys) on the host, which cost more than a small model's whole step."""
+    """A compiled step and its batches; it takes and returns the state as a flat list of
+    arrays (rebuilding the pytree on the host cost more than a small model's step)."""
 
     compiled: Any
     batch_shardings: Any
@@ -171,10 +176,11 @@ class Trainer:
         self.strategy = strategy
         self.history: list[dict[str, float]] = []
         self.compile_seconds: float | None = None
-        #: training FLOPs of one sample by the textbook count (shardplug.flops), for the rows'
-        #: model_tflops and mfu; and the devices' peak TFLOP/s, where they are not known ones
+        #: textbook FLOPs per sample (shardplug.flops, for model_tflops and mfu), peak TFLOP/s
+        #: of unknown devices, seconds to wait for a batch (None: announced, never given up)
         self.flops_per_sample: float | None = None
         self.peak_tflops: float | None = None
+        self.data_timeout: float | None = None
         self._data: Any = None  # the data's position (loop.position.Tracked), when it has one
         self._data_state: Any = None  # a restored checkpoint's data state, not yet applied
 
@@ -267,6 +273,7 @@ class Trainer:
         if self._train is not None:
             host.check(batch, 0, self._train.signature)
             return
+        host.check_resumed(batch, self.restored_meta)  # the data position counts batches
         start = time.perf_counter()
         self._train = self._build(self._step_for, batch, self.grad_accum)
         self.compile_seconds = time.perf_counter() - start
@@ -359,8 +366,10 @@ class Trainer:
 
         Nothing is updated: no optimizer step, and batch statistics are read, not written
         (dropout off, BatchNorm on its running averages). ``steps`` bounds how many batches
-        are read (needed for an endless iterator). Evaluation batches may differ in shape
-        from training batches; they are compiled for once, on the first.
+        are read; without it a source with no length is read to at most
+        :data:`~shardplug.loop.evaluate.EVAL_CAP` batches (an endless one would never end),
+        and the result's ``batches`` says so when the cap stopped it. Evaluation batches
+        may differ in shape from training batches; they are compiled for once, on the first.
         """
         return evaluate(self, batches, steps)
 
@@ -404,10 +413,7 @@ class Trainer:
                 )
         if not self.allocated:
             raise ConfigError("this Trainer plans (allocate=False): it compiles, it does not train")
-        if (eval_data is None) != (eval_every is None):
-            raise ConfigError("eval_data and eval_every go together: give both or neither")
-        if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
-            raise ConfigError(f"eval_every must be a positive integer, got {eval_every!r}")
+        check_eval(eval_data, eval_every)
         iterator = iter(batches)
         if stateful(iterator):  # Grain's: its state goes into every checkpoint
             iterator = self._data = Tracked.resumed(iterator, self._step, self._data_state)
@@ -423,7 +429,7 @@ class Trainer:
         if self._train is None:  # compile on the first batch, in this thread
             first = next(iterator, None)
             if first is None:
-                warnings.warn(f"batches ran out after 0 of {steps} steps", stacklevel=2)
+                warnings.warn(f"batches ran out after 0 of {steps} steps", ShardplugWarning, 2)
                 return []
             self.compile(first)
             iterator = itertools.chain([first], iterator)
@@ -434,7 +440,7 @@ class Trainer:
         if self.checkpoints is None:
             raise ConfigError("this Trainer has no checkpoint_dir to save into")
         if not bool(_finite(self.state.params)):  # never save a broken model
-            raise self._nonfinite(self._step - 1, what="the parameters are")
+            raise NonFiniteError.at(self._step - 1, self.last_checkpoint, "the parameters are")
         from shardplug import __version__
 
         meta = {
@@ -446,6 +452,7 @@ class Trainer:
             "devices": int(self.mesh.size),
             "shardplug": __version__,
             "config": self.config,
+            "batch_shapes": host.global_shapes(self._train.signature) if self._train else None,
         }
         if self._data is not None:  # where the next batch starts
             meta["data_state"] = self._data.state_at(self._step)
@@ -484,17 +491,6 @@ class Trainer:
         if self.checkpoints is None or self._saved_step is None:
             return None
         return str(self.checkpoints.path(self._saved_step))
-
-    def _nonfinite(self, step: int, what: str = "the loss is") -> NonFiniteError:
-        path = self.last_checkpoint
-        last = f"last good checkpoint: {path}" if path else "no checkpoint saved"
-        return NonFiniteError(
-            f"{what} not finite (NaN or inf) at step {step}; {last}. "
-            f"Lower the learning rate, or skip such steps with on_nonfinite='skip' "
-            f"(--on-nonfinite skip)",
-            step=step,
-            checkpoint=path,
-        )
 
 
 __all__ = ["TrainState", "Trainer", "make_step"]

@@ -47,11 +47,35 @@ def _warn_in_one_line(message, category, filename, lineno, file=None, line=None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (also for argparse's own errors)."""
+    """Run the command line; returns the exit code (also for argparse's own errors).
+
+    In a multi-process job a process that fails tells the others and ends at once (they
+    stop within a second, naming it), rather than waiting at ``jax.distributed``'s shutdown.
+    """
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit:
         return int(exit.code or 0)
+    from shardplug.distributed import joined, leave
+
+    errors: list[str] = []
+    try:
+        code = _run(args, errors)
+    except Exception:
+        if not joined():
+            raise
+        traceback.print_exc()
+        leave(EXIT_FAILED, "shardplug raised an exception; its traceback is in its output")
+    if errors and joined():
+        leave(code, errors[-1])
+    return code
+
+
+def _run(args, errors: list[str]) -> int:
+    def error(line: str) -> None:
+        errors.append(line)
+        print(f"shardplug: error: {line}", file=sys.stderr, flush=True)
+
     with warnings.catch_warnings():
         # shardplug's warnings are reports to the user (a damaged checkpoint, a broken
         # plugin): always one line each, whatever filters the caller has set
@@ -63,10 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"shardplug: {exc}", file=sys.stderr)
             return 128 + exc.signal
         except NonFiniteError as exc:
-            print(f"shardplug: error: {exc}", file=sys.stderr)
+            error(str(exc))
             return EXIT_FAILED
         except ShardplugError as exc:
-            print(f"shardplug: error: {exc}", file=sys.stderr)
+            error(str(exc))
             return EXIT_BAD_INPUT
         except KeyboardInterrupt:
             print("shardplug: interrupted", file=sys.stderr)
@@ -75,11 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             where = _in_users_code(exc)
             if where is None or os.environ.get("SHARDPLUG_TRACEBACK"):
                 raise  # shardplug's own failure, or asked for: the whole traceback
-            print(
-                f"shardplug: error: the task's code raised {type(exc).__name__}: "
+            error(
+                f"the task's code raised {type(exc).__name__}: "
                 f"{(str(exc).splitlines() or [''])[0]} ({where}); "
-                f"SHARDPLUG_TRACEBACK=1 shows the traceback",
-                file=sys.stderr,
+                f"SHARDPLUG_TRACEBACK=1 shows the traceback"
             )
             return EXIT_FAILED
 

@@ -29,8 +29,10 @@ def _positive(kind: type) -> Any:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if not value > 0 or not math.isfinite(value):  # NaN is not > 0 either
-            raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
         return value
 
     parse.__name__ = kind.__name__
@@ -138,13 +140,21 @@ def cli_task(args: argparse.Namespace) -> Any:
     return args._task
 
 
-def first_batch(task: Any) -> Any:
+def read_first(data: Any, limit_s: float | None = None) -> Any:
+    """The first batch of ``data`` (None if it has none), the wait announced and bounded."""
+    from shardplug.loop.waits import DataWait
+
+    with DataWait(limit_s) as wait, wait.on("the first batch"):
+        return next(iter(data), None)
+
+
+def first_batch(task: Any, limit_s: float | None = None) -> Any:
     """The task's first batch, to compile for; None when its data can be read only once
     (an iterator, which ``fit`` then compiles for on its own first batch)."""
     data = task.batches()  # a function's data is made afresh each time
     if iter(data) is data and not callable(task.data):
         return None
-    return next(iter(data), None)
+    return read_first(data, limit_s)
 
 
 def model_options_arguments(parser: Any) -> None:
@@ -231,7 +241,7 @@ def _compiled_trainer(
         precision=args.precision,
     )
     if getattr(args, "_plan_batch", None) is None:  # one batch for every strategy planned
-        args._plan_batch = next(iter(task.batches()), None)  # planning trains on nothing
+        args._plan_batch = read_first(task.batches())  # planning trains on nothing
         if args._plan_batch is None:
             raise ConfigError(f"task {task.name}: its data gave no batch to plan for")
     trainer.flops_per_sample = task.flops_per_sample

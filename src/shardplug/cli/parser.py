@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=_positive(float), default=None, help="Adam learning rate")
     train.add_argument("--log-every", type=_positive(int), default=10)
     train.add_argument(
+        "--data-timeout", type=_positive(float), default=None, metavar="SECONDS",
+        help="give up when the data produces no batch for this long (default: wait, saying "
+        "so after 30 s)",
+    )  # fmt: skip
+    train.add_argument(
         "--metrics-out",
         type=Path,
         default=None,

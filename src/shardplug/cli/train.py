@@ -145,17 +145,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         if primary:
             print(f"shardplug: the checkpoint is at step {start}, already at --steps {args.steps}")
         return 0
-    first = first_batch(task)
+    trainer.data_timeout = args.data_timeout
+    first = first_batch(task, args.data_timeout)
     if first is not None:  # a batch that does not split fails here, before any output
         trainer.compile(first if _reads_own_rows(task.batches()) else _own_rows(first))
     batches = _process_share(task.batches(start))
-    evaluation = None
-    if args.eval_every is not None:
-        evaluation = dict(
-            eval_data=lambda: _process_share(task.evaluation()),
-            eval_every=args.eval_every,
-            eval_steps=task.eval_steps,
-        )
     out = (
         _open_metrics(args.metrics_out, resume_from=start if args.resume else None)
         if primary
@@ -164,6 +158,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     board = _tensorboard(args.tensorboard) if primary and args.tensorboard else None
     try:
         with _Progress(args.quiet or not primary, args.steps, start) as advance:
+            evaluation = None
+            if args.eval_every is not None:
+                evaluation = dict(
+                    eval_data=lambda: advance.evaluating(_process_share(task.evaluation())),
+                    eval_every=args.eval_every,
+                    eval_steps=task.eval_steps,
+                )
 
             def log(rows: list[dict[str, float]]) -> None:
                 if out is not None:  # strict JSON: a NaN or infinite value is null
@@ -209,7 +210,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if held_out:
         last = held_out[-1]
         rate += "; held out: " + ", ".join(
-            f"{k[5:]} {v:.4f}" for k, v in last.items() if k.startswith("eval_")
+            f"{k[5:]} {v:.4f}"
+            for k, v in last.items()
+            if k.startswith("eval_") and k != "eval_batches"
         )
     if trainer.on_nonfinite == "skip" and trainer.skipped_steps:
         rate += (f"; skipped {trainer.skipped_steps} of {trainer.step} steps whose loss or "
@@ -345,6 +348,23 @@ def _status(row: dict[str, float]) -> str:
     return text
 
 
+class _Ticking:
+    """``batches``, calling ``tick(k)`` as batch k is read and ``tick(None)`` at the end;
+    as long as ``batches`` is (an evaluation caps sources without a length)."""
+
+    def __init__(self, batches: Any, tick: Any):
+        self.batches, self.tick = batches, tick
+
+    def __iter__(self) -> Any:
+        for k, batch in enumerate(self.batches, 1):
+            self.tick(k)
+            yield batch
+        self.tick(None)
+
+    def __len__(self) -> int:
+        return len(self.batches)  # TypeError for a source without a length, as len() says
+
+
 class _Progress:
     """A rich progress bar on stderr advanced by history rows, or nothing with --quiet."""
 
@@ -353,7 +373,9 @@ class _Progress:
 
     def __enter__(self):
         if self.quiet:
-            return lambda rows: None
+            advance = lambda rows: None  # noqa: E731
+            advance.evaluating = lambda batches: batches
+            return advance
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
@@ -371,6 +393,10 @@ class _Progress:
         def advance(rows):
             self.bar.update(task, advance=len(rows), loss=_status(rows[-1]))
 
+        def tick(k: int | None) -> None:  # the bar says how far an evaluation has read
+            self.bar.update(task, description="training" if k is None else f"evaluating {k}")
+
+        advance.evaluating = lambda batches: _Ticking(batches, tick)
         return advance
 
     def __exit__(self, *exc):

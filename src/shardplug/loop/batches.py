@@ -31,6 +31,24 @@ def check(batch: Any, index: int, expected: Any) -> None:
         )
 
 
+def global_shapes(signature: Any) -> list[list[int]]:
+    """The global batch's leaf shapes (JSON), for a checkpoint to compare a resume against."""
+    return [list(_global_shape(shape)) for shape, _ in signature[1]]
+
+
+def check_resumed(batch: Any, meta: dict[str, Any] | None) -> None:
+    """Refuse to resume a run from a checkpoint whose batches were shaped otherwise: its data
+    position counts batches, so other batches would not continue the same run."""
+    saved = (meta or {}).get("batch_shapes")
+    shapes = global_shapes(signature(batch))
+    if saved is not None and saved != shapes:
+        raise BatchError(
+            f"the checkpoint's run read batches of shapes {saved}, this one reads {shapes}: "
+            "resume with the same batch size (another one would read other samples), or "
+            "start a new run in an empty directory"
+        )
+
+
 def put(batch: Any, shardings: Any) -> Any:
     """This process's rows of the batch as one global array in ``shardings``."""
     if jax.process_count() == 1:

@@ -13,6 +13,40 @@ from shardplug.core.step import make_eval_step
 from shardplug.errors import ConfigError
 from shardplug.loop import batches as host
 
+#: the most batches an evaluation reads from a source without a length when no ``steps``
+#: (``eval_steps``) bound it: an endless one would hang, so the cap is said in the result
+EVAL_CAP = 1000
+
+
+def check_eval(eval_data: Any, eval_every: int | None) -> None:
+    """Refuse evaluation settings that cannot work, before training starts."""
+    if (eval_data is None) != (eval_every is None):
+        raise ConfigError("eval_data and eval_every go together: give both or neither")
+    if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
+        raise ConfigError(f"eval_every must be a positive integer, got {eval_every!r}")
+    if one_shot(eval_data):
+        raise ConfigError(ONE_SHOT)
+
+
+ONE_SHOT = (
+    "eval_data is a one-shot iterator (a generator?), used up by the first evaluation: pass "
+    "a list, a shardplug.data.Batches, or a function returning a fresh iterable (with "
+    "eval_steps if it is endless)"
+)
+
+
+def _has_length(batches: Any) -> bool:
+    try:
+        len(batches)
+    except TypeError:
+        return False
+    return True
+
+
+def one_shot(data: Any) -> bool:
+    """Whether ``data`` is an iterator, which can be read only once."""
+    return data is not None and not callable(data) and iter(data) is data
+
 
 def evaluate(trainer: Any, batches: Iterable[Any], steps: int | None) -> dict[str, float]:
     """See :meth:`shardplug.Trainer.evaluate`. The evaluation step is compiled once, on the
@@ -23,6 +57,9 @@ def evaluate(trainer: Any, batches: Iterable[Any], steps: int | None) -> dict[st
         raise ConfigError("this Trainer plans (allocate=False): it compiles, it does not evaluate")
     totals: dict[str, jax.Array] | None = None
     count = 0
+    capped = steps is None and not _has_length(batches)
+    if capped:
+        steps = EVAL_CAP
     for batch in batches if steps is None else itertools.islice(batches, steps):
         if trainer._eval is None:
             fn = make_eval_step(trainer.adapter, trainer.loss_fn, trainer.strategy, trainer.mesh)
@@ -34,5 +71,6 @@ def evaluate(trainer: Any, batches: Iterable[Any], steps: int | None) -> dict[st
         totals = metrics if totals is None else jax.tree.map(jnp.add, totals, metrics)
         count += 1
     if totals is None:
-        raise ConfigError("evaluate got no batches")
-    return {name: float(value) / count for name, value in jax.device_get(totals).items()}
+        raise ConfigError("evaluate got no batches: the evaluation data is empty (or used up)")
+    means = {name: float(value) / count for name, value in jax.device_get(totals).items()}
+    return {**means, "batches": float(count)} if capped and count == EVAL_CAP else means

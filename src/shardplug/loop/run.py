@@ -13,17 +13,19 @@ from typing import Any, NamedTuple
 import jax
 
 from shardplug.core.step import NONFINITE
-from shardplug.errors import TrainingInterrupted
+from shardplug.errors import BatchError, NonFiniteError, ShardplugWarning, TrainingInterrupted
 from shardplug.loop import batches as host
 from shardplug.loop.metrics import StepFacts, device_rows, peak_tflops
 from shardplug.loop.profile import Trace
 from shardplug.loop.signals import StopSignals
+from shardplug.loop.waits import DataWait, Interrupted
 
 # Steps the loop lets run ahead of the devices. Enough to keep them busy; a deeper queue
 # only holds more batches in memory, and on the CPU backend a deep queue of programs with
 # collectives can starve its thread pool until a rendezvous times out (seen at ~100).
 MAX_IN_FLIGHT = 4
 _END = object()
+_STOPPED = object()  # a signal ended the wait for the next batch
 
 
 class _Failed(NamedTuple):
@@ -71,7 +73,7 @@ def run(
         if callback is not None:
             callback(new)
         if trainer.on_nonfinite == "stop" and True in faults:
-            raise trainer._nonfinite(int(new[-1]["step"]))
+            raise NonFiniteError.at(int(new[-1]["step"]), trainer.last_checkpoint)
         started = time.perf_counter()
 
     program = trainer._train
@@ -85,19 +87,35 @@ def run(
         if i == steps:
             return None
         try:
+            wait.begin(first_step + i)
             batch = next(iterator, _END)
             return None if batch is _END else trainer._place(batch, first_step + i)
+        except Interrupted:  # SIGTERM or Ctrl-C while waiting: stop after the last step
+            return _STOPPED
         except Exception as exc:  # raised at its own step, after the steps before it
             return _Failed(exc)
+        finally:
+            wait.end()
 
-    with StopSignals(enabled=trainer.checkpoints is not None) as stop:
+    with (
+        StopSignals(enabled=trainer.checkpoints is not None) as stop,
+        DataWait(trainer.data_timeout) as wait,
+    ):
+        stop.wait = wait
         try:
             ahead = fetch(0)
             for i in range(steps):
-                if stop.requested:
+                if stop.requested or ahead is _STOPPED:
                     break
                 if ahead is None:
-                    warnings.warn(f"batches ran out after {i} of {steps} steps", stacklevel=2)
+                    if jax.process_count() > 1:  # the others would wait for it forever
+                        raise BatchError(
+                            f"process {jax.process_index()}'s batches ran out after {i} of "
+                            f"{steps} steps: every process of a job must read as many"
+                        )
+                    warnings.warn(
+                        f"batches ran out after {i} of {steps} steps", ShardplugWarning, 2
+                    )
                     break
                 if isinstance(ahead, _Failed):
                     raise ahead.error

@@ -9,6 +9,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardplug.loop.waits import DataWait, Interrupted
+
 
 class StopSignals:
     """While active (in the main thread), SIGINT and SIGTERM ask the loop to stop after the
@@ -26,6 +28,8 @@ class StopSignals:
         self._agreed: int | None = None
         self._multi = jax.process_count() > 1
         self._previous: dict[int, Any] = {}
+        #: the loop's :class:`DataWait`: a signal during a wait for data ends that wait
+        self.wait: DataWait | None = None
 
     @property
     def requested(self) -> int | None:
@@ -46,6 +50,8 @@ class StopSignals:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = signum
+        if self.wait is not None and self.wait.waiting:  # the loop is stuck reading data
+            raise Interrupted
 
     def __enter__(self) -> StopSignals:
         if self.enabled:

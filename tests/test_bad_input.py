@@ -1,0 +1,99 @@
+"""Answers that used to mislead: each is now one line that says what happened."""
+
+import json
+
+import pytest
+
+from shardplug.cli import main
+
+TASKS = """
+import numpy as np, optax, shardplug
+
+model = shardplug.get_model("mlp")
+
+def loss_says(value):
+    def loss_fn(m, batch):
+        out = model.loss_fn(m, batch)
+        return value(out[0] if isinstance(out, tuple) else out)
+    return shardplug.Task(model.adapter("nnx"), loss_fn, optax.adam(1e-3),
+                          data=lambda: model.batches(64, 0))
+
+def text_loss():
+    return loss_says(lambda loss: "low")
+
+def vector_metric():
+    return loss_says(lambda loss: (loss, {"per_row": np.ones(3)}))
+
+def empty():
+    return shardplug.Task(model.adapter("nnx"), model.loss_fn, optax.adam(1e-3), data=[])
+
+def nan_sometimes():
+    def data():
+        for i, batch in enumerate(model.batches(64, 0)):
+            if i in (1, 3):
+                batch = dict(batch, x=np.full_like(batch["x"], np.nan))
+            yield batch
+    return shardplug.Task(model.adapter("nnx"), model.loss_fn, optax.adam(1e-3), data=data)
+"""
+
+
+@pytest.fixture
+def tasks(tmp_path):
+    path = tmp_path / "tasks.py"
+    path.write_text(TASKS)
+    return path
+
+
+def one_line(capsys) -> str:
+    """The last line of stderr (a warning may come before it), with no traceback."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and not any("Traceback" in line for line in err), err
+    return err[-1]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--seed", "-1"], "argument --seed: must be from 0 to 4294967295, got -1"),
+        (["--lr", "nan"], "argument --lr: must be a finite number, got nan"),
+        (
+            ["--task", "{tasks}:text_loss"],
+            "loss_fn must return a scalar array as the loss, got str",
+        ),
+        (["--task", "{tasks}:vector_metric"], "metric 'per_row' has shape (3,): metrics must be"),
+        (["--task", "{tasks}:empty"], "task empty: its data gave no batch, so nothing was trained"),
+    ],
+)
+def test_bad_input_is_one_line(args, says, tasks, capsys):
+    args = [a.format(tasks=tasks) for a in args]
+    assert main(["train", "--steps", "3", "--devices", "2", "--quiet", *args]) == 2
+    line = one_line(capsys)
+    assert line.startswith("shardplug: error: ") and says in line, line
+
+
+def test_resume_names_the_checkpoint_s_model(tmp_path, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    assert main(["train", "--steps", "1", "--devices", "2", "--quiet", "--layers", "1",
+                 "--checkpoint-dir", ckpt]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["train", "--resume", "--model", "mlp", "--checkpoint-dir", ckpt]) == 2
+    assert one_line(capsys) == (
+        f"shardplug: error: --checkpoint-dir {ckpt} holds a run of transformer, not of --model "
+        "mlp: drop --model to resume it, or choose an empty directory"
+    )
+
+
+def test_skipped_steps_are_counted_and_the_metrics_are_strict_json(tasks, tmp_path, capsys):
+    out = tmp_path / "m.jsonl"
+    assert main(["train", "--task", f"{tasks}:nan_sometimes", "--steps", "5", "--devices", "2",
+                 "--quiet", "--on-nonfinite", "skip", "--log-every", "1",
+                 "--metrics-out", str(out)]) == 0  # fmt: skip
+    summary = capsys.readouterr().out
+    assert "skipped 2 of 5 steps whose loss or gradient was not finite" in summary
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    rows = [json.loads(line, parse_constant=refuse) for line in out.read_text().splitlines()]
+    assert [r["loss"] is None for r in rows] == [False, True, False, True, False]
+    assert [r["skipped"] for r in rows] == [0, 1, 0, 1, 0]
