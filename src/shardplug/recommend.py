@@ -92,19 +92,17 @@ def recommend(
             f"fit it is the plainest step (peak {size(best['peak_bytes'])} of "
             f"{size(device_memory)}); it runs unchanged on more devices"
         )
-        if others:
-            reason += f"; {', '.join(others)} do not fit"
-        return {"strategies": rows, "recommended": best["strategy"], "reason": reason}
-    what = (
-        "moves parameters and gradients only, and the least of them"
-        if rank(best)[0] is False
-        else "moves activations too (every strategy that fits does), and sends the least"
-    )
-    reason = (
-        f"of the {len(fitting)} that fit, it {what}: {size(best['sent_bytes'])} per device "
-        f"per step in {best['collectives']} collective(s), at a peak of "
-        f"{size(best['peak_bytes'])} of {size(device_memory)}"
-    )
+    else:
+        what = (
+            "moves parameters and gradients only, and the least of them"
+            if rank(best)[0] is False
+            else "moves activations too (every strategy that fits does), and sends the least"
+        )
+        reason = (
+            f"of the {len(fitting)} that fit, it {what}: {size(best['sent_bytes'])} per device "
+            f"per step in {best['collectives']} collective(s), at a peak of "
+            f"{size(best['peak_bytes'])} of {size(device_memory)}"
+        )
     if others:
         reason += f"; {', '.join(others)} do not fit"
     return {"strategies": rows, "recommended": best["strategy"], "reason": reason}
