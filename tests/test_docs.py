@@ -20,3 +20,17 @@ def test_code_blocks_run(page, capsys):
     for block in blocks:
         exec(compile(block, str(page), "exec"), namespace)
     assert blocks or page.name == "architecture.md"
+
+
+def test_the_architecture_page_names_every_hook_there_is():
+    """The hook list in docs/architecture.md is the one in core/hookspecs.py (it drifted)."""
+    from shardplug.core import hookspecs
+
+    specs = {
+        name for name, value in vars(hookspecs).items()
+        if callable(value) and hasattr(value, f"{hookspecs.PROJECT}_spec")
+    }  # fmt: skip
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    bullet = text[text.index("- **`core/hookspecs.py`**") :].split("\n- ", 1)[0]
+    assert set(re.findall(r"`(\w+)`", bullet)) - {"firstresult"} == specs
+    assert len(specs) == 14

@@ -14,7 +14,9 @@ import shardplug
 from shardplug.core.sharding import leaf_paths
 
 
-def make_trainer(strategy, model_name="transformer", **kwargs):
+def sharded_trainer(strategy, model_name="transformer", **kwargs):
+    """A compiled trainer of a reference model (not conftest's make_trainer: this one compiles
+    and returns the trainer alone)."""
     model, trainer = reference_trainer(model_name, strategy, **kwargs)
     trainer.compile(next(model.batches(model.batch_size, 0)))
     return trainer
@@ -33,7 +35,7 @@ def distinct_shards(array):
 
 
 def test_fsdp_holds_one_eighth_of_every_large_parameter_and_its_adam_moments():
-    trainer = make_trainer("fsdp")
+    trainer = sharded_trainer("fsdp")
     params = by_path(trainer.state.params)
     adam = trainer.state.opt_state[0]
     for moments in (by_path(adam.mu), by_path(adam.nu)):
@@ -54,7 +56,7 @@ def test_fsdp_holds_one_eighth_of_every_large_parameter_and_its_adam_moments():
 
 
 def test_fsdp_follows_annotations_to_the_embed_dimension():
-    specs = by_path(make_trainer("fsdp").param_shardings)
+    specs = by_path(sharded_trainer("fsdp").param_shardings)
     assert specs["blocks/wq"].spec == P(None, "fsdp")  # ("layers", "embed", "heads", "kv")
     assert specs["blocks/wo"].spec == P(None, None, None, "fsdp")  # (.., "heads", "kv", "embed")
     assert specs["blocks/wf"].spec == P(None, None, "fsdp")  # ("layers", "mlp", "embed")
@@ -87,7 +89,7 @@ def test_fsdp_size_rule_without_annotations(min_size):
 
 
 def test_2d_shards_annotated_dimensions_on_model_and_replicates_over_data():
-    trainer = make_trainer("2d", mesh="data=2,model=4")
+    trainer = sharded_trainer("2d", mesh="data=2,model=4")
     params = by_path(trainer.state.params)
     expected = {
         "blocks/wq": (P(None, None, "model"), (2, 64, 1, 16)),  # heads 4 / 4
@@ -109,12 +111,12 @@ def test_2d_shards_annotated_dimensions_on_model_and_replicates_over_data():
 
 
 def test_2d_default_mesh_splits_eight_devices_into_four_by_two():
-    assert dict(make_trainer("2d", model_name="mlp").mesh.shape) == {"data": 4, "model": 2}
+    assert dict(sharded_trainer("2d", model_name="mlp").mesh.shape) == {"data": 4, "model": 2}
 
 
 @pytest.mark.parametrize("strategy", ["dp", "pmap"])
 def test_replicated_strategies_hold_whole_state_on_every_device(strategy):
-    trainer = make_trainer(strategy, model_name="mlp")
+    trainer = sharded_trainer(strategy, model_name="mlp")
     trainer.fit(shardplug.get_model("mlp").batches(64, 0), steps=2)
     for array in jax.tree.leaves(trainer.state):
         assert isinstance(array.sharding, NamedSharding)
@@ -125,7 +127,7 @@ def test_replicated_strategies_hold_whole_state_on_every_device(strategy):
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp", "2d", "pmap"])
 def test_batch_is_split_not_duplicated(strategy):
-    trainer = make_trainer(strategy, model_name="mlp")
+    trainer = sharded_trainer(strategy, model_name="mlp")
     sharding = trainer.batch_shardings["x"]
     data_parallel = {"dp": 8, "fsdp": 8, "2d": 4, "pmap": 8}[strategy]
     assert sharding.shard_shape((64, 16)) == (64 // data_parallel, 16)
@@ -133,7 +135,7 @@ def test_batch_is_split_not_duplicated(strategy):
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp", "2d", "pmap"])
 def test_state_keeps_its_shardings_through_training(strategy):
-    trainer = make_trainer(strategy, model_name="mlp")
+    trainer = sharded_trainer(strategy, model_name="mlp")
     before = jax.tree.map(lambda a: a.sharding, trainer.state)
     trainer.fit(shardplug.get_model("mlp").batches(64, 0), steps=3)
     after = jax.tree.map(lambda a: a.sharding, trainer.state)

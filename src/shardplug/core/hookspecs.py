@@ -162,8 +162,9 @@ def encode_grads(grads: Any, mesh: Any) -> Any:
     Leave it unimplemented and the gradients are reduced as they are, wherever the compiler
     puts the reduction. Once any plugin implements it, the reduction becomes explicit: each
     device's gradient (that of its own rows of the batch) is computed, passed through this
-    hook, summed across the batch's mesh axes in the dtype this hook returns, averaged, and
-    cast back to each parameter's dtype before :func:`reduce_grads` and the optimizer see it.
+    hook, summed across the batch's mesh axes in the dtype this hook returns and averaged,
+    passed to :func:`reduce_grads` (still in that dtype), and then cast back to each
+    parameter's dtype before the optimizer sees it.
     The loss, metrics and batch statistics are still those of the global batch (models that
     use :func:`shardplug.batch_axis_name` see it set while their gradient is computed).
 
@@ -190,19 +191,21 @@ def compile_step(
 ) -> Callable[[Any, Any], tuple[Any, dict[str, Any]]]:
     """Turn the training step into the program that runs on the devices.
 
-    Called each time a training program is built (once per trainer for ``fit``, again by
-    ``lower``, ``explain`` and ``bench``), after the shardings are known; the trainer
-    compiles what it gets for the first batch and reuses it for every step. Evaluation
-    programs are plain ``jax.jit`` and do not pass through here.
+    Called each time a program is built (the training step once per trainer for ``fit``,
+    again by ``lower``, ``explain`` and ``bench``; the evaluation step once, on the first
+    evaluation batch), after the shardings are known. The trainer wraps what it gets in its
+    own ``jax.jit`` over the state's flat list of arrays, lowers and compiles that for the
+    first batch, and reuses it for every step.
 
     :param step_fn: ``step_fn(state, batch) -> (state, metrics)``, one optimizer step written
         for the global batch. It calls :func:`reduce_grads` inside.
     :param mesh: the mesh returned by :func:`make_mesh`.
     :param state_shardings: a ``NamedSharding`` for every leaf of the training state.
     :param batch_shardings: a ``NamedSharding`` for every leaf of the batch.
-    :return: a callable with ``step_fn``'s signature that the trainer can ``.lower()`` (a
-        ``jax.jit`` object). It must keep the state in ``state_shardings``, return scalar
-        metrics that are the same on every device, and should donate the old state.
+    :return: a callable with ``step_fn``'s signature that has ``.lower`` (a ``jax.jit``
+        object; the trainer checks that and calls it inside its own ``jax.jit``). It must
+        keep the state in ``state_shardings``, return scalar metrics that are the same on
+        every device, and should donate the old state.
 
     Core's fallback is ``jax.jit`` with these in- and out-shardings and the state donated.
     Example, an explicit per-device program::
@@ -257,8 +260,9 @@ def compute_grads(
     Called while tracing the training step. Leave it unimplemented (return None) and core
     does it: the whole batch at once, or ``microbatches`` slices in a ``lax.scan`` with the
     gradients summed (``grad_accum``), and the explicit per-shard reduction when a plugin
-    implements :func:`encode_grads`. A parallelism that schedules microbatches itself (a
-    pipeline) implements it.
+    implements :func:`encode_grads`. A strategy that schedules the whole model's microbatches
+    itself implements it (the built-in ``pp`` does not: it pipelines the layer stack from
+    inside the forward pass, through :func:`trace_context`).
 
     :param loss_and_grad: ``loss_and_grad(params, model_state, batch, rng)`` returns
         ``((loss, (metrics, model_state)), grads)`` for one (micro)batch: core's forward
@@ -286,7 +290,8 @@ def compute_grads(
 
 
 # The hooks of a composable parallelism. Core calls each parallelism of a composition on its
-# own (its axis under the name the run gives it), in the order of compose.ORDER.
+# own (its axis under the name the run gives it), in the orders core/compose.py documents:
+# split_param innermost first (model, stage, fsdp, data), gather_param in mesh order.
 
 
 @hookspec(firstresult=True)
@@ -319,8 +324,9 @@ def split_param(
 ) -> int | tuple[int, tuple[str, ...]] | None:
     """Which dimension of one parameter this parallelism splits over its axis, if any.
 
-    Called once per parameter at set-up, parallelisms in the composition's order: those
-    earlier in it have claimed the dimensions in ``taken``. Returning a taken dimension is an
+    Called once per parameter at set-up, parallelisms innermost first (``model``, ``stage``,
+    ``fsdp``, ``data``: tensor parallelism claims first, as in torchtitan): those called
+    before have claimed the dimensions in ``taken``. Returning a taken dimension is an
     error that names both parallelisms.
 
     :param shape: the parameter's shape.
@@ -349,8 +355,8 @@ def split_param(
 def gather_param(spec: Any, axis: str) -> Any:
     """The layout one parameter has where the forward pass uses it, given its stored layout.
 
-    Called while tracing the step, once per parameter, parallelisms in the composition's
-    order, each seeing the previous one's answer. Core constrains the parameter to the final
+    Called while tracing the step, once per parameter, parallelisms in mesh order (outermost
+    first), each seeing the previous one's answer. Core constrains the parameter to the final
     spec when it differs from the stored one (the gradient flows back through it).
 
     :param spec: the parameter's ``PartitionSpec`` so far.
