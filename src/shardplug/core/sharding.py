@@ -114,8 +114,22 @@ def to_named(tree: Any, mesh: Mesh, *, plugin: str, hook: str, like: Any) -> Any
                 f"strategy {plugin!r}: {hook} gave {path} the spec {spec}, naming axes "
                 f"{sorted(unknown)} that the mesh {tuple(mesh.axis_names)} does not have"
             )
+        if hook != "shard_batch":  # a batch that does not split is the user's: BatchError
+            _check_divides(spec, leaf.shape, mesh, f"strategy {plugin!r}: {hook}", path)
         named.append(NamedSharding(mesh, spec))
     return jax.tree.unflatten(jax.tree.structure(like), named)
+
+
+def _check_divides(spec: P, shape: tuple[int, ...], mesh: Mesh, who: str, path: str) -> None:
+    for dim, entry in enumerate(spec):
+        axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        parts = math.prod(mesh.shape[a] for a in axes)
+        if shape[dim] % parts:
+            raise PluginError(
+                f"{who} splits dimension {dim} of {path} (size {shape[dim]}) over {axes} "
+                f"({parts} devices), which does not divide it: split only dimensions the axes "
+                "divide (shardplug.plugin.largest_divisible_dim)"
+            )
 
 
 def mesh_axes(spec: P) -> list[str]:

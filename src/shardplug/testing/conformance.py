@@ -133,29 +133,7 @@ class StrategyConformance:
         )
         np.testing.assert_allclose(losses, expected, rtol=RTOL.get(shardplug_model, 1e-4))
 
-    def test_declared_shardings_are_the_arrays_shardings(self) -> None:
-        import jax
-
-        from shardplug.core.sharding import leaf_paths
-
-        model, trainer = self._trainer(model="transformer")
-        abstract, _ = trainer.adapter.abstract(jax.random.key(self.seed))
-        declared = trainer.strategy.shard_params(abstract, trainer.mesh, trainer.annotations)
-        trainer.fit(model.batches(model.batch_size, self.seed), steps=2)
-        for kind, arrays, shardings in [
-            ("parameter", trainer.state.params, declared),
-            ("optimizer state", trainer.state.opt_state, trainer.state_shardings.opt_state),
-        ]:
-            paths = leaf_paths(arrays)
-            for path, array, sharding in zip(
-                paths, jax.tree.leaves(arrays), jax.tree.leaves(shardings), strict=True
-            ):
-                assert array.sharding.is_equivalent_to(sharding, array.ndim), (
-                    f"{kind} {path}: declared {sharding.spec}, got {array.sharding}"
-                )
-
     def test_uneven_shapes_still_train(self) -> None:
-        import jax
         import jax.numpy as jnp
         import numpy as np
         import optax
@@ -199,7 +177,6 @@ class StrategyConformance:
 
         got = losses(self._strategy(), self.devices, self.mesh)
         np.testing.assert_allclose(got, losses("dp", 1, None), rtol=1e-5)
-        assert jax.device_count() >= self.devices
 
     def test_batch_is_split_not_duplicated(self) -> None:
         self._skip_unless("batch-split")
@@ -212,14 +189,3 @@ class StrategyConformance:
         parts = shape[0] // rows
         distinct = {idx[0].start for idx in sharding.devices_indices_map(shape).values()}
         assert len(distinct) == parts, "the batch rows are not spread over the devices"
-
-    def test_unknown_options_are_refused(self) -> None:
-        import shardplug
-
-        with pytest.raises(shardplug.StrategyOptionError, match="no option"):
-            shardplug.get_strategy(self.strategy, no_such_option_for_conformance=1)
-
-    def test_mesh_spans_the_devices(self) -> None:
-        _, trainer = self._trainer()
-        assert trainer.mesh.size == self.devices
-        assert len({d.id for d in trainer.mesh.devices.flat}) == self.devices

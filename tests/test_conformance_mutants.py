@@ -1,0 +1,99 @@
+"""Every check of the conformance suite can fail: each meets a plugin broken in exactly the
+way it exists to catch, installed as a third-party package would be, and fails it."""
+
+import textwrap
+
+import pytest
+from test_registry import fresh_registry, install  # noqa: F401 (a fixture)
+
+from shardplug.testing import StrategyConformance
+
+MUTANTS = textwrap.dedent(
+    '''
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from shardplug.plugin import build_mesh, hookimpl, shard_largest_dim
+
+
+    class Rows:
+        """Data parallel over 'rows', written plainly: each mutant breaks one thing."""
+
+        @hookimpl
+        def make_mesh(self, devices, mesh_shape):
+            return build_mesh(devices, mesh_shape, default={"rows": -1})
+
+        @hookimpl
+        def shard_params(self, params):
+            return jax.tree.map(lambda _: P(), params)
+
+        @hookimpl
+        def shard_batch(self, batch):
+            return jax.tree.map(lambda x: P("rows") if x.ndim else P(), batch)
+
+
+    class Ascends(Rows):
+        """Its gradient reduction flips the sign: training diverges from one device's."""
+
+        @hookimpl
+        def reduce_grads(self, grads):
+            return jax.tree.map(lambda g: -g, grads)
+
+
+    class Duplicates(Rows):
+        """Gives every device the whole batch, and does not say so."""
+
+        @hookimpl
+        def shard_batch(self, batch):
+            return jax.tree.map(lambda _: P(), batch)
+
+
+    class Uneven(Rows):
+        """Splits the largest dimension whether or not the axis divides it."""
+
+        @hookimpl
+        def shard_params(self, params, mesh):
+            def split(x):
+                dim = max(range(x.ndim), key=lambda d: x.shape[d]) if x.ndim else None
+                return P(*[("rows" if d == dim else None) for d in range(x.ndim)])
+
+            return jax.tree.map(split, params)
+    '''
+)
+
+
+@pytest.fixture
+def mutants(tmp_path, monkeypatch, fresh_registry):  # noqa: F811
+    names = {"ascends": "Ascends", "duplicates": "Duplicates", "uneven": "Uneven", "rows": "Rows"}
+    entry_points = {name: f"mutants:{cls}" for name, cls in names.items()}
+    install(tmp_path, monkeypatch, "mutants", "0.1", entry_points, {"mutants": MUTANTS})
+
+
+def suite(name: str) -> StrategyConformance:
+    return type("Suite", (StrategyConformance,), {"strategy": name})()
+
+
+def test_the_plain_plugin_passes_every_check(mutants):
+    rows = suite("rows")
+    rows.test_trains_like_one_device("nnx", "mlp")
+    rows.test_batch_is_split_not_duplicated()
+    rows.test_uneven_shapes_still_train()
+
+
+def test_a_wrong_gradient_fails_trains_like_one_device(mutants):
+    with pytest.raises(AssertionError, match="Not equal to tolerance"):
+        suite("ascends").test_trains_like_one_device("nnx", "mlp")
+
+
+def test_a_duplicated_batch_fails_batch_is_split(mutants):
+    with pytest.raises(AssertionError, match="every device holds the whole batch"):
+        suite("duplicates").test_batch_is_split_not_duplicated()
+
+
+def test_splitting_what_does_not_divide_fails_uneven_shapes(mutants):
+    """Core refuses the layout in one line naming the plugin and the parameter (JAX's
+    IndivisibleError, a traceback from deep inside device_put, before)."""
+    import shardplug
+
+    with pytest.raises(shardplug.PluginError, match=r"strategy 'uneven': shard_params splits"):
+        suite("uneven").test_uneven_shapes_still_train()
