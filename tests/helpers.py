@@ -13,11 +13,8 @@ def reference_trainer(
     model = shardplug.get_model(model) if isinstance(model, str) else model
     if addons:
         strategy = shardplug.get_strategy(strategy, addons=list(addons))
-    kwargs.setdefault("loss_fn", model.loss_fn)
-    trainer = shardplug.Trainer(
-        model.adapter(adapter),
-        optimizer=optimizer or optax.adam(model.learning_rate),
-        strategy=strategy,
-        **kwargs,
-    )
-    return model, trainer
+    task = shardplug.Task(
+        model.adapter(adapter), kwargs.pop("loss_fn", model.loss_fn),
+        optimizer or optax.adam(model.learning_rate), data=(),
+    )  # fmt: skip
+    return model, task.trainer(strategy=strategy, **kwargs)

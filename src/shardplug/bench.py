@@ -326,10 +326,7 @@ def bench(
     say = progress or (lambda _: None)
 
     def trainer(strategy: str, count: int | None) -> Trainer:
-        return Trainer(
-            task.adapter,
-            loss_fn=task.loss_fn,
-            optimizer=task.optimizer,
+        return task.trainer(
             strategy=get_strategy(strategy),
             devices=count,
             seed=seed,

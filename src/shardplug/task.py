@@ -79,6 +79,22 @@ class Task:
         if one_shot(self.eval_data):
             raise TaskError(f"task {self.name!r}: {ONE_SHOT}")
 
+    def trainer(self, **options: Any) -> Any:
+        """A :class:`shardplug.Trainer` of this task: its adapter, loss and optimizer, and its
+        FLOPs per sample for the rows' ``model_tflops`` and MFU. ``options`` are the
+        trainer's other arguments (``strategy``, ``devices``, ``mesh``, ``precision``, ...)::
+
+            trainer = task.trainer(strategy="fsdp", precision="bf16")
+            trainer.fit(task.batches(), steps=100)
+
+        The one way every command, the benchmark and the conformance suite build a trainer.
+        """
+        from shardplug.trainer import Trainer
+
+        trainer = Trainer(self.adapter, loss_fn=self.loss_fn, optimizer=self.optimizer, **options)
+        trainer.flops_per_sample = self.flops_per_sample
+        return trainer
+
     def batches(self, start: int = 0) -> Iterable[Any]:
         """The training batches from batch 0 (a stateful ``Batches`` is positioned by the
         trainer); an iterable without state skips ``start`` batches."""

@@ -223,13 +223,9 @@ def _compiled_trainer(
     """A trainer of the task with ``strategy`` (planning only, for ``allocate=False``); and
     the batch to compile its step for."""
     from shardplug.core.registry import get_strategy
-    from shardplug.trainer import Trainer
 
     task = cli_task(args)
-    trainer = Trainer(
-        task.adapter,
-        loss_fn=task.loss_fn,
-        optimizer=task.optimizer,
+    trainer = task.trainer(
         allocate=allocate,
         strategy=get_strategy(
             strategy, addons=args.addon, axis_names=axis_names(args.axis_name), **options
@@ -244,7 +240,6 @@ def _compiled_trainer(
         args._plan_batch = read_first(task.batches())  # planning trains on nothing
         if args._plan_batch is None:
             raise ConfigError(f"task {task.name}: its data gave no batch to plan for")
-    trainer.flops_per_sample = task.flops_per_sample
     return trainer, args._plan_batch
 
 

@@ -103,7 +103,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from shardplug.core.mesh import describe
     from shardplug.core.registry import get_strategy
-    from shardplug.trainer import Trainer
 
     task = cli_task(args)  # after the devices: a task file may use JAX as it is imported
     if args.eval_every is not None and task.eval_data is None:
@@ -116,10 +115,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "batch_size": args.batch_size or get_model(args.model).batch_size,
             "lr": args.lr or get_model(args.model).learning_rate, **model_options(args),
         }  # fmt: skip
-    trainer = Trainer(
-        task.adapter,
-        loss_fn=task.loss_fn,
-        optimizer=task.optimizer,
+    trainer = task.trainer(
         strategy=get_strategy(args.strategy, addons=args.addon, axis_names=names, **options),
         devices=args.devices,
         mesh=mesh,
@@ -135,7 +131,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         profile_dir=args.profile,
         profile_steps=args.profile_steps,
     )
-    trainer.flops_per_sample = task.flops_per_sample
     trainer.peak_tflops = args.peak_tflops
     from shardplug.distributed import is_primary
 

@@ -48,10 +48,10 @@ def _trainer(strategy, options, adapter, model_name, seed, devices, mesh, model_
 
     model = shardplug.get_model(model_name)
     taken = {k: v for k, v in (model_options or {}).items() if k in model.options}
-    return model, shardplug.Trainer(
-        model.adapter(adapter, **taken),
-        loss_fn=model.loss_fn,
-        optimizer=optax.adam(model.learning_rate),
+    task = shardplug.Task(
+        model.adapter(adapter, **taken), model.loss_fn, optax.adam(model.learning_rate), data=()
+    )
+    return model, task.trainer(
         strategy=shardplug.get_strategy(strategy, **options),
         devices=devices,
         mesh=mesh,
