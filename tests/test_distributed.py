@@ -313,3 +313,19 @@ def test_a_second_ctrl_c_stops_every_worker_at_once(tmp_path):
             launcher.kill()
     assert launcher.returncode == 128 + signal.SIGINT
     assert elapsed < 5 and not any(_alive(pid) for pid in workers)
+
+
+def test_on_a_gpu_machine_each_worker_gets_its_block_of_gpus(monkeypatch):
+    """launch on 8 GPUs with 2 processes: GPUs 0-3 and 4-7, no simulated --devices; without
+    GPUs, CPU devices as before; a count that does not split is one line."""
+    from shardplug.core.devices import nvidia_gpus
+    from shardplug.errors import ConfigError
+    from shardplug.launch import gpu_blocks, worker_command
+
+    assert gpu_blocks(2, 8) == ["0,1,2,3", "4,5,6,7"] and gpu_blocks(2, 0) is None
+    with pytest.raises(ConfigError, match="--nprocs 3 does not split this machine's 8 GPUs"):
+        gpu_blocks(3, 8)
+    assert "--devices" not in worker_command(["train"], 1, 2, None, 1234)
+    assert worker_command(["train"], 1, 2, 8, 1234)[4:6] == ["--devices", "8"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert nvidia_gpus() == 4  # a worker counts the block it was given

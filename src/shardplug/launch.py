@@ -51,14 +51,17 @@ def _stream(rank: int, pipe: IO[str], out: IO[str], lock: threading.Lock) -> Non
             out.flush()
 
 
-def worker_command(train_args: Sequence[str], rank: int, nprocs: int, devices: int, port: int):
+def worker_command(
+    train_args: Sequence[str], rank: int, nprocs: int, devices: int | None, port: int
+) -> list[str]:
+    """The command of worker ``rank``; ``devices`` (simulated CPU devices of the whole job) is
+    left out on a GPU machine, where each worker uses every GPU it is given."""
     return [
         sys.executable,
         "-m",
         "shardplug",
         *train_args,
-        "--devices",
-        str(devices),
+        *(["--devices", str(devices)] if devices is not None else []),
         "--coordinator",
         f"127.0.0.1:{port}",
         "--num-processes",
@@ -76,22 +79,45 @@ def check_train_args(train_args: Sequence[str]) -> None:
             raise ConfigError(f"launch sets {flag} itself: leave it out of the train arguments")
 
 
+def gpu_blocks(nprocs: int, gpus: int) -> list[str] | None:
+    """Each worker's ``CUDA_VISIBLE_DEVICES`` on a machine with ``gpus`` NVIDIA GPUs (an equal
+    block each), or None without GPUs, where the workers simulate CPU devices."""
+    if not gpus:
+        return None
+    if gpus % nprocs:
+        raise ConfigError(
+            f"--nprocs {nprocs} does not split this machine's {gpus} GPUs evenly: use a "
+            f"divisor of {gpus}"
+        )
+    per = gpus // nprocs
+    return [",".join(str(g) for g in range(r * per, (r + 1) * per)) for r in range(nprocs)]
+
+
 def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int:
-    """Run the job; returns the exit code (0 when every worker succeeded)."""
+    """Run the job; returns the exit code (0 when every worker succeeded).
+
+    On a machine with NVIDIA GPUs each worker gets an equal block of them
+    (``CUDA_VISIBLE_DEVICES``) and uses all of its block; without, each simulates
+    ``devices_per_proc`` CPU devices.
+    """
     check_train_args(train_args)
+    from shardplug.core.devices import nvidia_gpus
+
+    blocks = gpu_blocks(nprocs, nvidia_gpus())
     port = free_port()
     lock = threading.Lock()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     workers: list[subprocess.Popen] = []
     threads = []
     for rank in range(nprocs):
-        cmd = worker_command(train_args, rank, nprocs, nprocs * devices_per_proc, port)
+        devices = None if blocks else nprocs * devices_per_proc
+        cmd = worker_command(train_args, rank, nprocs, devices, port)
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=env,
+            env=env if blocks is None else {**env, "CUDA_VISIBLE_DEVICES": blocks[rank]},
             start_new_session=True,  # Ctrl-C reaches the launcher, which passes it on
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )

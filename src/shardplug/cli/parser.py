@@ -196,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices-per-proc",
         type=_positive(int),
         default=4,
-        help="simulated CPU devices per process (default 4)",
+        help="simulated CPU devices per process (default 4); on a machine with NVIDIA GPUs "
+        "each process gets an equal block of them instead",
     )
     launch.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- train ...")
 

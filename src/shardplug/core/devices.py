@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -60,9 +61,18 @@ def select_devices(count: int | None = None, *, devices: Sequence[Any] | None = 
     return devices[:count]
 
 
+def nvidia_gpus() -> int:
+    """How many NVIDIA GPUs the system shows (their device files), whatever JAX sees; the
+    ``CUDA_VISIBLE_DEVICES`` this process was given, if any, counts instead."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([g for g in visible.split(",") if g.strip() and g.strip() != "-1"])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
 def nvidia_gpu_visible() -> bool:
-    """Whether the system shows an NVIDIA GPU (its device files), whatever JAX sees."""
-    return bool(glob.glob("/dev/nvidia[0-9]*"))
+    """Whether the system shows an NVIDIA GPU, whatever JAX sees."""
+    return nvidia_gpus() > 0
 
 
 def cpu_only_note() -> str:
