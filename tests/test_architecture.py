@@ -1,5 +1,6 @@
 """The layers stay as docs/architecture.md draws them, and no module grows past reading."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -34,3 +35,17 @@ def test_no_module_is_over_500_lines():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"split these modules: {long}"
+
+
+def test_no_module_reaches_into_a_trainer():
+    """The loop, evaluation and the commands take the program and the state as values and
+    read a Trainer's public attributes only (they used to set its private fields)."""
+    private = re.compile(r"\btrainer\._\w+|\bself\._trainer\._\w+")
+    found = [
+        f"{path.relative_to(SRC)}:{number}: {line.strip()}"
+        for path in sorted(SRC.rglob("*.py"))
+        if path.name != "trainer.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if private.search(line)
+    ]
+    assert not found, "\n".join(found)

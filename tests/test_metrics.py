@@ -35,7 +35,7 @@ def test_the_step_count_follows_the_depth_where_xla_counts_a_loop_once(stacks):
     counted, xla = {}, {}
     for layers, trainer in stacks.items():
         trainer.compile(batch)
-        counted[layers] = step_flops(trainer._train.jaxpr)
+        counted[layers] = step_flops(trainer.jaxpr)
         cost = trainer.compiled.cost_analysis()
         xla[layers] = (cost[0] if isinstance(cost, list) else cost)["flops"]
         textbook = TRANSFORMER.flops_per_sample(layers=layers) * 32
@@ -52,7 +52,7 @@ def test_rows_carry_flops_mfu_memory_and_communication(stacks):
     trainer.peak_tflops = 0.5
     rows = trainer.fit(TRANSFORMER.batches(32), steps=3)
     row = rows[-1]
-    facts = StepFacts.of(trainer._train, 8)
+    facts = StepFacts.of(trainer.program, 8)
     assert row["step_tflops"] == pytest.approx(facts.flops / row["step_time"] / 1e12)
     model = TRANSFORMER.flops_per_sample(layers=2) * row["samples_per_sec"] / 1e12
     assert row["model_tflops"] == pytest.approx(model)

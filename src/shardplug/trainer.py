@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import itertools
 import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import optax
@@ -26,36 +24,25 @@ from shardplug.core.step import (
     Precision,
     TrainState,
     _finite,
-    key_impl,
+    make_eval_step,
     make_step,
     step_key,
-    unwrap_keys,
-    wrap_keys,
 )
 from shardplug.errors import (
     CheckpointError,
     ConfigError,
     NonFiniteError,
-    PluginError,
     ShardplugWarning,
 )
 from shardplug.flops import warn_if_float32
 from shardplug.loop import batches as host
+from shardplug.loop import program
 from shardplug.loop.evaluate import check_eval, evaluate
 from shardplug.loop.position import SKIP, Tracked, stateful
+from shardplug.loop.program import Program, RunState
 from shardplug.loop.run import run
 from shardplug.models.adapter import Adapter
 from shardplug.settings import OnNonFinite, Settings
-
-
-class _Program(NamedTuple):
-    """A compiled step and its batches; it takes and returns the state as a flat list of
-    arrays (rebuilding the pytree on the host cost more than a small model's step)."""
-
-    compiled: Any
-    batch_shardings: Any
-    signature: Any
-    jaxpr: Any  # the traced step, for its FLOP count (shardplug.flops.step_flops)
 
 
 class Trainer:
@@ -161,8 +148,6 @@ class Trainer:
             self.checkpoints = Checkpoints(settings.checkpoint_dir, keep=settings.keep)
         self.restored_meta: dict[str, Any] | None = None
         self.skipped_steps = 0
-        self._step = 0  # the host's count of steps taken: the data position
-        self._saved_step: int | None = None
         self.adapter = adapter
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -207,8 +192,8 @@ class Trainer:
         # axes that only the strategy maps onto the mesh.
         self.allocated = allocate
         self.state = create_state(adapter, optimizer, self.state_shardings, rng, allocate=allocate)
-        self._train: _Program | None = None
-        self._eval: _Program | None = None
+        self._train: Program | None = None
+        self._eval: Program | None = None
 
     @property
     def state(self) -> TrainState:
@@ -216,28 +201,23 @@ class Trainer:
         of arrays the compiled step reads and writes; PRNG keys held as their key data)."""
         if not self.allocated:
             return self._planned
-        return jax.tree.unflatten(self._treedef, wrap_keys(self._leaves, self._key_impls))
+        return self._run.state()
 
     @state.setter
     def state(self, state: TrainState) -> None:
         self._planned = None if self.allocated else state
-        leaves, self._treedef = jax.tree.flatten(state)
-        self._key_impls = [key_impl(x) for x in leaves]
-        self._leaves = unwrap_keys(leaves, self._key_impls)
-
-    def _tracing(self) -> Any:
-        """Where every program of this run is traced: under its mesh (so PartitionSpecs in a
-        model's forward pass resolve) and its activation rules (``shardplug.constrain``)."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(jax.set_mesh(self.mesh))
-        for context in self.strategy.trace_contexts(self.mesh):  # activation rules, pipelines
-            stack.enter_context(context)
-        return stack
+        self._run = RunState.of(state, getattr(self, "_run", None))
 
     @property
     def param_shardings(self) -> Any:
         """The ``NamedSharding`` of every parameter, as the strategy chose it."""
         return self.state_shardings.params
+
+    @property
+    def program(self) -> Program | None:
+        """The compiled training step as a value (``compiled``, ``batch_shardings``,
+        ``signature``, ``jaxpr``), or None before the first batch."""
+        return self._train
 
     @property
     def compiled(self) -> Any:
@@ -285,7 +265,7 @@ class Trainer:
         A ``jax.stages.Lowered``: ``.as_text()`` is the program before partitioning,
         ``.compile()`` the program the devices would run (``.as_text()``, ``.memory_analysis()``).
         """
-        return self._lower(self._step_for, batch, self.grad_accum)[0]
+        return program.lower(self._step_for, batch, **self._context(self.grad_accum))[0]
 
     def _step_for(self, batch_shardings: Any) -> Callable:
         return make_step(
@@ -301,65 +281,19 @@ class Trainer:
             precision=self.precision,
         )
 
-    def _lower(
-        self, step_for: Callable[[Any], Callable], batch: Any, microbatches: int = 1
-    ) -> tuple[Any, Any, Any]:
-        """Shard ``batch`` as the strategy says and lower ``step_for(its shardings)``; the
-        batch must cut into ``microbatches`` that each split like it."""
-        abstract = jax.tree.map(host.global_struct, batch)
-        batch_shardings = self.strategy.shard_batch(abstract, self.mesh)
-        if jax.process_count() > 1:
-            jax.tree.map(host.check_process_rows, abstract, batch_shardings)
-        if microbatches > 1:
-            check = functools.partial(host.check_microbatches, microbatches)
-            jax.tree.map(check, abstract, batch_shardings)
-        program = self.strategy.compile_step(
-            step_for(batch_shardings), self.mesh, self.state_shardings, batch_shardings
-        )
-        if not hasattr(program, "lower"):
-            raise PluginError(
-                f"strategy {self.strategy.name!r}: compile_step must return a jax.jit "
-                f"object (something with .lower), got {type(program).__name__}"
-            )
+    def _context(self, microbatches: int = 1) -> dict[str, Any]:
+        return dict(strategy=self.strategy, mesh=self.mesh, state_shardings=self.state_shardings,
+                    run=self._run, microbatches=microbatches)  # fmt: skip
 
-        def with_sharding(x, s):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+    def _build(self, step_for: Callable[[Any], Callable], batch: Any, microbatches: int = 1):
+        return program.build(step_for, batch, **self._context(microbatches))
 
-        treedef, impls = self._treedef, self._key_impls
-        flat_shardings = jax.tree.leaves(self.state_shardings)
-
-        def flat(leaves, batch):
-            state, metrics = program(jax.tree.unflatten(treedef, wrap_keys(leaves, impls)), batch)
-            return unwrap_keys(jax.tree.leaves(state), impls), metrics
-
-        flat = jax.jit(
-            flat,
-            in_shardings=(flat_shardings, batch_shardings),
-            out_shardings=(flat_shardings, None),
-            donate_argnums=0,
-        )
-        with self._tracing():
-            traced = flat.trace(
-                list(map(with_sharding, self._leaves, flat_shardings)),
-                jax.tree.map(with_sharding, abstract, batch_shardings),
-            )
-            return traced.lower(), batch_shardings, traced.jaxpr
-
-    def _build(
-        self, step_for: Callable[[Any], Callable], batch: Any, microbatches: int = 1
-    ) -> _Program:
-        lowered, batch_shardings, jaxpr = self._lower(step_for, batch, microbatches)
-        return _Program(lowered.compile(), batch_shardings, host.signature(batch), jaxpr)
-
-    def _place(self, batch: Any, index: int) -> Any:
-        """Check a training batch against the compiled step's; in many processes, assemble
-        the global batch from this process's rows. One process hands its host arrays to the
-        compiled step, whose C++ dispatch copies them into the batch shardings (jax.device_put
-        in Python cost several times a small model's step)."""
-        host.check(batch, index, self._train.signature)
-        if jax.process_count() == 1:
-            return batch
-        return host.put(batch, self._train.batch_shardings)
+    def _eval_program(self, batch: Any) -> Program:
+        """The evaluation step, compiled once, on the first evaluation batch."""
+        if self._eval is None:
+            fn = make_eval_step(self.adapter, self.loss_fn, self.strategy, self.mesh)
+            self._eval = self._build(lambda _: fn, batch)
+        return self._eval
 
     def evaluate(self, batches: Iterable[Any], steps: int | None = None) -> dict[str, float]:
         """The mean loss and metrics over ``batches``, the model in evaluation mode.
@@ -371,12 +305,16 @@ class Trainer:
         and the result's ``batches`` says so when the cap stopped it. Evaluation batches
         may differ in shape from training batches; they are compiled for once, on the first.
         """
-        return evaluate(self, batches, steps)
+        if not self.allocated:
+            raise ConfigError(
+                "this Trainer plans (allocate=False): it compiles, it does not evaluate"
+            )
+        return evaluate(self._run, self._eval_program, batches, steps)
 
     @property
     def step(self) -> int:
         """Steps taken so far, counting those of a restored checkpoint: the data position."""
-        return self._step
+        return self._run.step
 
     def fit(
         self,
@@ -403,7 +341,7 @@ class Trainer:
         """
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ConfigError(f"steps must be a positive integer, got {steps!r}")
-        if self.checkpoints is not None and self._saved_step is None:
+        if self.checkpoints is not None and self._run.saved_step is None:
             existing = self.checkpoints.steps()
             if existing:
                 raise CheckpointError(
@@ -416,7 +354,7 @@ class Trainer:
         check_eval(eval_data, eval_every)
         iterator = iter(batches)
         if stateful(iterator):  # Grain's: its state goes into every checkpoint
-            iterator = self._data = Tracked.resumed(iterator, self._step, self._data_state)
+            iterator = self._data = Tracked.resumed(iterator, self.step, self._data_state)
             self._data_state = None
         evaluate = None
         if eval_every is not None:
@@ -433,18 +371,18 @@ class Trainer:
                 return []
             self.compile(first)
             iterator = itertools.chain([first], iterator)
-        return run(self, iterator, steps, callback, evaluate)
+        return run(self, self._run, self._train, iterator, steps, callback, evaluate)
 
     def save(self) -> str:
         """Checkpoint the current state now (in the background); returns its path."""
         if self.checkpoints is None:
             raise ConfigError("this Trainer has no checkpoint_dir to save into")
         if not bool(_finite(self.state.params)):  # never save a broken model
-            raise NonFiniteError.at(self._step - 1, self.last_checkpoint, "the parameters are")
+            raise NonFiniteError.at(self.step - 1, self.last_checkpoint, "the parameters are")
         from shardplug import __version__
 
         meta = {
-            "data_position": self._step,
+            "data_position": self.step,
             "skipped_steps": self.skipped_steps,
             "strategy": self.strategy.name,
             "addons": list(self.strategy.addons),
@@ -455,9 +393,9 @@ class Trainer:
             "batch_shapes": host.global_shapes(self._train.signature) if self._train else None,
         }
         if self._data is not None:  # where the next batch starts
-            meta["data_state"] = self._data.state_at(self._step)
-        path = self.checkpoints.save(self._step, self.state, meta)
-        self._saved_step = self._step
+            meta["data_state"] = self._data.state_at(self.step)
+        path = self.checkpoints.save(self.step, self.state, meta)
+        self._run.saved_step = self.step
         return str(path)
 
     def restore(self, step: int | None = None) -> int:
@@ -478,19 +416,18 @@ class Trainer:
             self.state, self.state_shardings, step=step, quarantine=True
         )
         self.state = state
-        self._step = int(meta["data_position"])
-        self._saved_step = int(meta["step"])
+        self._run.step, self._run.saved_step = int(meta["data_position"]), int(meta["step"])
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         self.restored_meta = meta
         self._data_state = meta.get("data_state", SKIP)  # older checkpoints: skip to the step
-        return self._step
+        return self.step
 
     @property
     def last_checkpoint(self) -> str | None:
         """The path of the newest checkpoint saved or restored by this trainer, if any."""
-        if self.checkpoints is None or self._saved_step is None:
+        if self.checkpoints is None or self._run.saved_step is None:
             return None
-        return str(self.checkpoints.path(self._saved_step))
+        return str(self.checkpoints.path(self._run.saved_step))
 
 
 __all__ = ["TrainState", "Trainer", "make_step"]

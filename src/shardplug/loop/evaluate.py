@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from shardplug.core.step import make_eval_step
 from shardplug.errors import ConfigError
 from shardplug.loop import batches as host
+from shardplug.loop.program import Program, RunState
 
 #: the most batches an evaluation reads from a source without a length when no ``steps``
 #: (``eval_steps``) bound it: an endless one would hang, so the cap is said in the result
@@ -48,25 +48,27 @@ def one_shot(data: Any) -> bool:
     return data is not None and not callable(data) and iter(data) is data
 
 
-def evaluate(trainer: Any, batches: Iterable[Any], steps: int | None) -> dict[str, float]:
-    """See :meth:`shardplug.Trainer.evaluate`. The evaluation step is compiled once, on the
-    first batch; it reads the state and writes it back unchanged (the step donates it)."""
+def evaluate(
+    state: RunState,
+    program_for: Callable[[Any], Program],
+    batches: Iterable[Any],
+    steps: int | None,
+) -> dict[str, float]:
+    """See :meth:`shardplug.Trainer.evaluate`. ``program_for(batch)`` is the evaluation step
+    (compiled once, on the first batch); it reads the state and gives it back unchanged (the
+    step donates it, so ``state.leaves`` is replaced by what it returns)."""
     if steps is not None and (not isinstance(steps, int) or steps < 1):
         raise ConfigError(f"steps must be a positive integer or None, got {steps!r}")
-    if not trainer.allocated:
-        raise ConfigError("this Trainer plans (allocate=False): it compiles, it does not evaluate")
     totals: dict[str, jax.Array] | None = None
     count = 0
     capped = steps is None and not _has_length(batches)
     if capped:
         steps = EVAL_CAP
     for batch in batches if steps is None else itertools.islice(batches, steps):
-        if trainer._eval is None:
-            fn = make_eval_step(trainer.adapter, trainer.loss_fn, trainer.strategy, trainer.mesh)
-            trainer._eval = trainer._build(lambda _, fn=fn: fn, batch)
-        host.check(batch, count, trainer._eval.signature)
-        trainer._leaves, metrics = trainer._eval.compiled(
-            trainer._leaves, host.put(batch, trainer._eval.batch_shardings)
+        program = program_for(batch)
+        host.check(batch, count, program.signature)
+        state.leaves, metrics = program.compiled(
+            state.leaves, host.put(batch, program.batch_shardings)
         )
         totals = metrics if totals is None else jax.tree.map(jnp.add, totals, metrics)
         count += 1

@@ -17,6 +17,7 @@ from shardplug.errors import BatchError, NonFiniteError, ShardplugWarning, Train
 from shardplug.loop import batches as host
 from shardplug.loop.metrics import StepFacts, device_rows, peak_tflops
 from shardplug.loop.profile import Trace
+from shardplug.loop.program import Program, RunState, place
 from shardplug.loop.signals import StopSignals
 from shardplug.loop.waits import DataWait, Interrupted
 
@@ -34,12 +35,18 @@ class _Failed(NamedTuple):
 
 def run(
     trainer: Any,
+    state: RunState,
+    program: Program,
     iterator: Iterator[Any],
     steps: int,
     callback: Callable[[list[dict[str, float]]], None] | None,
     evaluate: tuple[int, Callable[[], dict[str, float]]] | None = None,
 ) -> list[dict[str, float]]:
-    """Run ``steps`` compiled steps of ``trainer`` on ``iterator``; the new history rows.
+    """Run ``steps`` steps of ``program`` on ``iterator`` from ``state``; the new rows.
+
+    ``state`` is updated in place (its leaves, step and facts); ``trainer`` is read for its
+    public settings (``log_every``, checkpoints, ``on_nonfinite``, ...) and its ``history``,
+    ``skipped_steps`` and ``save()``.
 
     The loop waits on the devices only to read metrics (every ``log_every`` steps), keeps at
     most :data:`MAX_IN_FLIGHT` steps dispatched, checkpoints on schedule, and turns SIGINT
@@ -54,7 +61,7 @@ def run(
 
     def flush(evaluating: bool = False) -> None:
         nonlocal started
-        new = _rows(trainer, pending, trainer._step - len(pending), started)
+        new = _rows(trainer, state, program, pending, state.step - len(pending), started)
         pending.clear()
         if evaluating:
             new[-1].update({f"eval_{k}": v for k, v in evaluate[1]().items()})
@@ -76,8 +83,7 @@ def run(
             raise NonFiniteError.at(int(new[-1]["step"]), trainer.last_checkpoint)
         started = time.perf_counter()
 
-    program = trainer._train
-    first_step = trainer._step
+    first_step = state.step
     trace = Trace(trainer.profile_dir, trainer.profile_steps)
     in_flight: collections.deque = collections.deque()
 
@@ -89,7 +95,7 @@ def run(
         try:
             wait.begin(first_step + i)
             batch = next(iterator, _END)
-            return None if batch is _END else trainer._place(batch, first_step + i)
+            return None if batch is _END else place(program, batch, first_step + i)
         except Interrupted:  # SIGTERM or Ctrl-C while waiting: stop after the last step
             return _STOPPED
         except Exception as exc:  # raised at its own step, after the steps before it
@@ -123,19 +129,19 @@ def run(
                     oldest = in_flight.popleft()
                     if not oldest.is_ready():
                         oldest.block_until_ready()
-                if trace.wants(trainer._step):
-                    with trace.step(trainer._step, lambda: trainer._leaves):
-                        trainer._leaves, metrics = program.compiled(trainer._leaves, ahead)
+                if trace.wants(state.step):
+                    with trace.step(state.step, lambda: state.leaves):
+                        state.leaves, metrics = program.compiled(state.leaves, ahead)
                 else:
-                    trainer._leaves, metrics = program.compiled(trainer._leaves, ahead)
-                trainer._step += 1
+                    state.leaves, metrics = program.compiled(state.leaves, ahead)
+                state.step += 1
                 pending.append(metrics)
                 in_flight.append(metrics["loss"])
                 ahead = fetch(i + 1)
                 due = trainer.checkpoint_every is not None and (
-                    trainer._step % trainer.checkpoint_every == 0
+                    state.step % trainer.checkpoint_every == 0
                 )
-                evaluating = evaluate is not None and trainer._step % evaluate[0] == 0
+                evaluating = evaluate is not None and state.step % evaluate[0] == 0
                 if len(pending) == trainer.log_every or due or evaluating:
                     flush(evaluating)
                     stop.agree()  # at the same step in every process
@@ -145,37 +151,41 @@ def run(
             if pending:
                 flush()
             stop.agree()
-            if trainer.checkpoints is not None and trainer._saved_step != trainer._step:
+            if trainer.checkpoints is not None and state.saved_step != state.step:
                 trainer.save()
         finally:
-            trace.close(trainer._leaves)
+            trace.close(state.leaves)
             if trainer.checkpoints is not None:
                 trainer.checkpoints.wait()
     if stop.requested:
         name = signal.Signals(stop.requested).name
         path = trainer.last_checkpoint
         raise TrainingInterrupted(
-            f"stopped by {name} after step {trainer._step}; saved {path}: continue with "
+            f"stopped by {name} after step {state.step}; saved {path}: continue with "
             f"restore() (--resume)",
             signal=stop.requested,
-            step=trainer._step,
+            step=state.step,
             checkpoint=path,
         )
     return rows
 
 
 def _rows(
-    trainer: Any, pending: list[dict[str, jax.Array]], first: int, started: float
+    trainer: Any,
+    state: RunState,
+    program: Program,
+    pending: list[dict[str, jax.Array]],
+    first: int,
+    started: float,
 ) -> list[dict[str, float]]:
     values = jax.device_get(pending)  # the loop's only wait on the devices
     step_time = (time.perf_counter() - started) / len(values)
-    samples = host.batch_rows(trainer._train.signature) * jax.process_count()
+    samples = host.batch_rows(program.signature) * jax.process_count()
     rate = samples / step_time if step_time > 0 else math.inf
-    program = trainer._train
-    if getattr(trainer, "_facts", (None,))[0] is not program:
-        trainer._facts = (program, StepFacts.of(program, int(trainer.mesh.size)))
+    if state.facts is None or state.facts[0] is not program:
+        state.facts = (program, StepFacts.of(program, int(trainer.mesh.size)))
     hardware = device_rows(
-        trainer._facts[1], step_time, rate, devices=list(trainer.mesh.devices.flat),
+        state.facts[1], step_time, rate, devices=list(trainer.mesh.devices.flat),
         flops_per_sample=trainer.flops_per_sample,
         peak=trainer.peak_tflops or peak_tflops(trainer.mesh.devices.flat[0]),
     )  # fmt: skip

@@ -1,0 +1,143 @@
+"""A step lowered and compiled into a :class:`Program`, and the state it runs on, as values.
+
+The trainer builds them; the loop (:mod:`shardplug.loop.run`) and evaluation
+(:mod:`shardplug.loop.evaluate`) take them and return new state, and neither reaches into
+the trainer. A program takes and returns the training state as its flat list of arrays
+(PRNG keys as their key data): rebuilding the state's pytree on the host for every step
+cost more than a small model's whole step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+
+from shardplug.core.step import unwrap_keys, wrap_keys
+from shardplug.errors import PluginError
+from shardplug.loop import batches as host
+
+
+class Program(NamedTuple):
+    """A compiled step and the batches it was compiled for."""
+
+    compiled: Any  # jax.stages.Compiled: (leaves, batch) -> (leaves, metrics)
+    batch_shardings: Any
+    signature: Any  # the batches' structure, shapes and dtypes (loop.batches.signature)
+    jaxpr: Any  # the traced step, for its FLOP count (shardplug.flops.step_flops)
+
+
+@dataclasses.dataclass
+class RunState:
+    """The training state as programs take it, and where the run stands.
+
+    The loop and evaluation replace ``leaves`` with what each donating program returns.
+    """
+
+    leaves: list[Any]  # the TrainState's leaves, PRNG keys as key data
+    treedef: Any  # the TrainState's tree structure
+    key_impls: list[Any]  # each leaf's PRNG implementation (None for other arrays)
+    step: int = 0  # steps taken, counting a restored checkpoint's: the data position
+    saved_step: int | None = None  # the step of the newest checkpoint saved or restored
+    facts: tuple[Any, Any] | None = None  # (program, its StepFacts), read once per program
+
+    @classmethod
+    def of(cls, state: Any, like: RunState | None = None) -> RunState:
+        """``state`` (a TrainState) as flat leaves; the step and checkpoint of ``like``."""
+        from shardplug.core.step import key_impl
+
+        leaves, treedef = jax.tree.flatten(state)
+        impls = [key_impl(x) for x in leaves]
+        run = cls(unwrap_keys(leaves, impls), treedef, impls)
+        if like is not None:
+            run.step, run.saved_step = like.step, like.saved_step
+        return run
+
+    def state(self) -> Any:
+        """The TrainState, rebuilt from the leaves."""
+        return jax.tree.unflatten(self.treedef, wrap_keys(self.leaves, self.key_impls))
+
+
+def tracing(mesh: Any, strategy: Any) -> contextlib.ExitStack:
+    """Where every program of a run is traced: under its mesh (so PartitionSpecs in a
+    model's forward pass resolve) and the strategy's contexts (activation rules, pipelines)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(mesh))
+    for context in strategy.trace_contexts(mesh):
+        stack.enter_context(context)
+    return stack
+
+
+def lower(
+    step_for: Callable[[Any], Callable],
+    batch: Any,
+    *,
+    strategy: Any,
+    mesh: Any,
+    state_shardings: Any,
+    run: RunState,
+    microbatches: int = 1,
+) -> tuple[Any, Any, Any]:
+    """Shard ``batch`` as the strategy says and lower ``step_for(its shardings)`` over the
+    flat state; the batch must cut into ``microbatches`` that each split like it.
+
+    :return: the ``jax.stages.Lowered`` program, the batch shardings and the traced jaxpr.
+    """
+    abstract = jax.tree.map(host.global_struct, batch)
+    batch_shardings = strategy.shard_batch(abstract, mesh)
+    if jax.process_count() > 1:
+        jax.tree.map(host.check_process_rows, abstract, batch_shardings)
+    if microbatches > 1:
+        check = functools.partial(host.check_microbatches, microbatches)
+        jax.tree.map(check, abstract, batch_shardings)
+    program = strategy.compile_step(step_for(batch_shardings), mesh, state_shardings,
+                                    batch_shardings)  # fmt: skip
+    if not hasattr(program, "lower"):
+        raise PluginError(
+            f"strategy {strategy.name!r}: compile_step must return a jax.jit object "
+            f"(something with .lower), got {type(program).__name__}"
+        )
+
+    def with_sharding(x, s):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+    treedef, impls = run.treedef, run.key_impls
+    flat_shardings = jax.tree.leaves(state_shardings)
+
+    def flat(leaves, batch):
+        state, metrics = program(jax.tree.unflatten(treedef, wrap_keys(leaves, impls)), batch)
+        return unwrap_keys(jax.tree.leaves(state), impls), metrics
+
+    flat = jax.jit(
+        flat,
+        in_shardings=(flat_shardings, batch_shardings),
+        out_shardings=(flat_shardings, None),
+        donate_argnums=0,
+    )
+    with tracing(mesh, strategy):
+        traced = flat.trace(
+            list(map(with_sharding, run.leaves, flat_shardings)),
+            jax.tree.map(with_sharding, abstract, batch_shardings),
+        )
+        return traced.lower(), batch_shardings, traced.jaxpr
+
+
+def build(step_for: Callable[[Any], Callable], batch: Any, **context: Any) -> Program:
+    """:func:`lower`, compiled: the program for batches shaped like ``batch``."""
+    lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
+    return Program(lowered.compile(), batch_shardings, host.signature(batch), jaxpr)
+
+
+def place(program: Program, batch: Any, index: int) -> Any:
+    """Check a training batch against the program's; in many processes, assemble the global
+    batch from this process's rows. One process hands its host arrays to the compiled step,
+    whose C++ dispatch copies them into the batch shardings (``jax.device_put`` in Python
+    cost several times a small model's step)."""
+    host.check(batch, index, program.signature)
+    if jax.process_count() == 1:
+        return batch
+    return host.put(batch, program.batch_shardings)
