@@ -11,7 +11,7 @@ import pytest
 
 import shardplug
 from shardplug.cli import main
-from shardplug.core.pipeline import Pipeline, circular_order
+from shardplug.core.schedule import Pipeline, circular_order
 from shardplug.errors import ConfigError, MeshError
 from shardplug.explain import explain
 

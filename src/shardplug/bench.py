@@ -29,7 +29,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core.compose import implemented
-from shardplug.core.pipeline import LAYERS, layer_specs
+from shardplug.core.layer_gather import layer_specs
+from shardplug.core.layer_stack import LAYERS
 from shardplug.core.registry import get_strategy
 from shardplug.errors import ConfigError
 from shardplug.explain import peak_bytes

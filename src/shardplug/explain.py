@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardplug.core.hlo import collectives, wire_bytes
-from shardplug.core.pipeline import circular_order
+from shardplug.core.schedule import circular_order
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.errors import ConfigError
 from shardplug.flops import float32_note, product_dtypes

@@ -29,8 +29,9 @@ from shardplug.core.context import (
     per_device_program,
 )
 from shardplug.core.hookspecs import hookimpl, hookspec
+from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh, describe, parse_mesh
-from shardplug.core.pipeline import LAYERS, Pipeline, pipelined
+from shardplug.core.schedule import Pipeline, pipelined
 from shardplug.core.sharding import (
     largest_divisible_dim,
     leaf_paths,

@@ -40,7 +40,8 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from shardplug.core.pipeline import LAYERS, REMAT_POLICIES, run_stack
+from shardplug.core.layer_stack import LAYERS, run_stack
+from shardplug.core.remat import REMAT_POLICIES
 from shardplug.errors import ConfigError
 
 __all__ = ["LAYERS", "REMAT_POLICIES", "LinenLayers", "apply", "equinox_layers",

@@ -33,8 +33,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardplug.core import hookspecs
 from shardplug.core.hookspecs import hookimpl
+from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh
-from shardplug.core.pipeline import LAYERS
 from shardplug.core.sharding import leaf_paths, mesh_axes
 from shardplug.errors import CompositionError, MeshError, PluginError, ShardplugError
 
@@ -329,7 +329,7 @@ class Composition:
 
     def gather(self, params: Any, mesh: Any) -> tuple[Any, dict[int, P]]:
         """The parameters as the step uses them, and the layer stacks' leaves to gather one
-        layer at a time (by id, for :func:`shardplug.core.pipeline.layer_specs`): gathering
+        layer at a time (by id, for :func:`shardplug.core.layer_gather.layer_specs`): gathering
         a whole stack before its scan would hold every layer at once."""
         leaves, treedef = jax.tree.flatten(params)
         stored = self._stored.get((treedef, id(mesh)))

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core.context import batch_axis_name, computing_in, manual_axes, per_device_program
-from shardplug.core.pipeline import layer_specs
+from shardplug.core.layer_gather import layer_specs
 from shardplug.core.registry import Strategy
 from shardplug.core.sharding import leading_axes
 from shardplug.errors import ConfigError

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from shardplug.core.pipeline import REMAT_POLICIES
+from shardplug.core.remat import REMAT_POLICIES
 from shardplug.errors import ConfigError, UnknownModelError
 from shardplug.flops import TransformerShape
 from shardplug.models import data, equinox_models, linen_models, nnx_models

@@ -3,7 +3,7 @@
 A model's layer stack (:mod:`shardplug.stack`) has its leading layer dimension split over
 ``stage``: stage ``s`` holds L/S consecutive layers (GPipe) or R non-adjacent groups of
 L/(R*S) (circular, ``repeats=R``). Every stack call in the step runs the schedule of
-:mod:`shardplug.core.pipeline`: the batch cut into M microbatches, activations passed to
+:mod:`shardplug.core.schedule`: the batch cut into M microbatches, activations passed to
 the next stage with ``ppermute``, the backward pass by autodiff through the schedule. The
 layers before and after the stack (embeddings, head) are replicated over ``stage`` and
 split by the other parallelisms of the composition (``pp+fsdp+tp``: 3D parallelism).

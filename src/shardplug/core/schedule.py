@@ -1,10 +1,9 @@
-"""A layer stack applied by a scan, or by a pipeline schedule over the ``stage`` axis.
+"""pp's pipeline schedule: a layer stack's layers split over the ``stage`` axis.
 
-:func:`run_stack` is what :mod:`shardplug.stack` calls: a ``lax.scan`` over the stack's
-leading (layer) dimension, each block rematerialised by the policy asked for. While a
-pipeline is active (the ``pp`` parallelism enters :func:`pipelined` around every traced
-program) it instead runs the schedule below inside ``jax.shard_map``, manual over the stage
-axis only, so the other axes (``data``, ``fsdp``, ``model``) stay the compiler's.
+While a pipeline is active (the ``pp`` parallelism enters :func:`pipelined` around every
+traced program), :func:`shardplug.core.layer_stack.run_stack` runs :func:`schedule` instead
+of its scan, inside ``jax.shard_map``, manual over the stage axis (and the replica axes)
+only, so the other axes (``data``, ``fsdp``, ``model``) stay the compiler's.
 
 **The schedule.** The batch is cut into M microbatches (rows ``m, m+M, ...``, so each stays
 spread over the batch axes). The L layers are R*S groups of G = L/(R*S) consecutive layers;
@@ -23,21 +22,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from shardplug.errors import ConfigError
-
-REMAT_POLICIES = ("none", "dots", "full")
-#: the name of a stacked parameter's layer where the step uses it (gathered by fsdp)
-GATHERED = "shardplug_gathered_layer"
-#: the logical name of a layer stack's leading dimension
-LAYERS = "layers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +101,6 @@ class Pipeline:
 _PIPELINE: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar(
     "shardplug_pipeline", default=None
 )
-#: id(stacked parameter) -> its layout where one layer is used (set by gather_params)
-_LAYER_SPECS: contextvars.ContextVar[dict[int, P] | None] = contextvars.ContextVar(
-    "shardplug_layer_specs", default=None
-)
 
 
 def active() -> Pipeline | None:
@@ -131,103 +118,6 @@ def pipelined(pipeline: Pipeline | None) -> Iterator[None]:
         _PIPELINE.reset(token)
 
 
-@contextlib.contextmanager
-def layer_specs(specs: dict[int, P]) -> Iterator[None]:
-    """Inside, the stacked parameters named by id are gathered one layer at a time."""
-    token = _LAYER_SPECS.set({**(_LAYER_SPECS.get() or {}), **specs})
-    try:
-        yield
-    finally:
-        _LAYER_SPECS.reset(token)
-
-
-def _saveable(policy: str) -> Callable[..., bool] | None:
-    """The ``jax.checkpoint`` policy of a remat name; None for ``none`` (no checkpoint)."""
-    if policy not in REMAT_POLICIES:
-        raise ConfigError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {policy!r}")
-    return {
-        "none": None,
-        "full": jax.checkpoint_policies.nothing_saveable,
-        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    }[policy]
-
-
-def remat(fn: Callable, policy: str) -> Callable:
-    """``fn`` with its activations kept (``none``), all recomputed in the backward pass
-    (``full``), or all but the outputs of matrix products without batch dimensions
-    (the weight products) recomputed (``dots``)."""
-    saveable = _saveable(policy)
-    return fn if saveable is None else jax.checkpoint(fn, policy=saveable)
-
-
-def _whole(layer: Any) -> Any:
-    return layer
-
-
-def _layer_gather(params: Any) -> Callable[[Any], Any]:
-    """A function constraining one layer's slice of ``params`` where the step uses it."""
-    specs = _LAYER_SPECS.get() or {}
-    leaves, treedef = jax.tree.flatten(params)
-    used = [specs.get(id(leaf)) for leaf in leaves]
-    if not any(s is not None for s in used):
-        return _whole
-
-    def gather(layer):
-        out = [
-            leaf
-            if spec is None
-            else checkpoint_name(jax.lax.with_sharding_constraint(leaf, P(*spec[1:])), GATHERED)
-            for leaf, spec in zip(jax.tree.leaves(layer), used, strict=True)
-        ]
-        return jax.tree.unflatten(treedef, out)
-
-    return gather
-
-
-def _regathered(body: Callable, policy: str) -> Callable:
-    """``body`` (which gathers its layer) whose gathered layer is not kept for the backward
-    pass but gathered again there (ZeRO-3: one layer whole at a time, forward and backward);
-    other residuals are kept as the block's remat policy says."""
-    saveable = _saveable(policy) or jax.checkpoint_policies.everything_saveable
-
-    def keep(prim: Any, *avals: Any, **params: Any) -> bool:
-        if prim.name == "sharding_constraint":
-            return False
-        if prim.name == "name" and params.get("name") == GATHERED:
-            return False
-        return bool(saveable(prim, *avals, **params))
-
-    return jax.checkpoint(body, policy=keep)
-
-
-def layers_of(params: Any) -> int:
-    sizes = {leaf.shape[0] for leaf in jax.tree.leaves(params)}
-    if len(sizes) != 1:
-        raise ConfigError(
-            f"a layer stack's parameters must share their leading (layer) dimension, got "
-            f"sizes {sorted(sizes)}"
-        )
-    return sizes.pop()
-
-
-def run_stack(fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array,
-              policy: str = "none") -> jax.Array:  # fmt: skip
-    """Apply ``fn(layer_params, x)`` for each layer of ``params`` in turn (see the module)."""
-    gather = _layer_gather(params)
-    if gather is _whole:
-        block = remat(fn, policy)
-    else:  # one checkpoint: the gather and the block, the policy of both in one
-        block = _regathered(lambda w, h: fn(gather(w), h), policy)
-    layers = layers_of(params)
-    pipeline = active()
-    if pipeline is None:
-        return jax.lax.scan(lambda h, layer: (block(layer, h), None), x, params)[0]
-    pipeline.seen.append((layers, tuple(x.shape), str(x.dtype)))
-    pipeline = pipeline.resolve(x.shape[0])
-    pipeline.check(layers, x.shape[0])
-    return _pipeline(block, params, x, pipeline, layers)
-
-
 def circular_order(layers: int, stages: int, repeats: int) -> jnp.ndarray:
     """The layer indices in the order the stage axis stores them for the circular schedule:
     stage ``s``'s contiguous share holds groups ``s, s+S, ...`` (identity when R = 1)."""
@@ -236,7 +126,8 @@ def circular_order(layers: int, stages: int, repeats: int) -> jnp.ndarray:
     return idx.transpose(1, 0, 2).reshape(-1)
 
 
-def _pipeline(block, params, x, pl: Pipeline, layers: int) -> jax.Array:
+def schedule(block, params, x, pl: Pipeline, layers: int) -> jax.Array:
+    """Run ``block`` over the stack ``params`` on ``x`` by the schedule (see the module)."""
     s_, m_, r_ = pl.stages, pl.microbatches, pl.repeats
     g_ = layers // (s_ * r_)
     if r_ > 1:  # each stage's share must hold its R non-adjacent groups: reorder the stack

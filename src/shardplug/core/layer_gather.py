@@ -1,0 +1,76 @@
+"""fsdp's per-layer gather: a layer stack's parameters gathered one layer at a time.
+
+fsdp splits a stacked parameter over its axis and, through ``gather_params``, names the
+layout one layer has where the step uses it (:func:`layer_specs`, by the parameter's id).
+The layer stack's scan then constrains each layer's slice to that layout inside the loop
+(:func:`layer_gather`), and :func:`regathered` keeps the gathered layer out of the backward
+pass's residuals, gathering it again there: ZeRO-3, one layer whole at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from shardplug.core.remat import saveable
+
+#: the name of a stacked parameter's layer where the step uses it (gathered by fsdp)
+GATHERED = "shardplug_gathered_layer"
+
+#: id(stacked parameter) -> its layout where one layer is used (set by gather_params)
+_LAYER_SPECS: contextvars.ContextVar[dict[int, P] | None] = contextvars.ContextVar(
+    "shardplug_layer_specs", default=None
+)
+
+
+@contextlib.contextmanager
+def layer_specs(specs: dict[int, P]) -> Iterator[None]:
+    """Inside, the stacked parameters named by id are gathered one layer at a time."""
+    token = _LAYER_SPECS.set({**(_LAYER_SPECS.get() or {}), **specs})
+    try:
+        yield
+    finally:
+        _LAYER_SPECS.reset(token)
+
+
+def layer_gather(params: Any) -> Callable[[Any], Any] | None:
+    """A function constraining one layer's slice of ``params`` where the step uses it; None
+    where no parameter of the stack is gathered by layer."""
+    specs = _LAYER_SPECS.get() or {}
+    leaves, treedef = jax.tree.flatten(params)
+    used = [specs.get(id(leaf)) for leaf in leaves]
+    if not any(s is not None for s in used):
+        return None
+
+    def gather(layer):
+        out = [
+            leaf
+            if spec is None
+            else checkpoint_name(jax.lax.with_sharding_constraint(leaf, P(*spec[1:])), GATHERED)
+            for leaf, spec in zip(jax.tree.leaves(layer), used, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, out)
+
+    return gather
+
+
+def regathered(body: Callable, policy: str) -> Callable:
+    """``body`` (which gathers its layer) whose gathered layer is not kept for the backward
+    pass but gathered again there (ZeRO-3: one layer whole at a time, forward and backward);
+    other residuals are kept as the block's remat policy says."""
+    keeps = saveable(policy) or jax.checkpoint_policies.everything_saveable
+
+    def keep(prim: Any, *avals: Any, **params: Any) -> bool:
+        if prim.name == "sharding_constraint":
+            return False
+        if prim.name == "name" and params.get("name") == GATHERED:
+            return False
+        return bool(keeps(prim, *avals, **params))
+
+    return jax.checkpoint(body, policy=keep)

@@ -1,0 +1,51 @@
+"""A layer stack applied by a scan: what :mod:`shardplug.stack` calls under every strategy.
+
+:func:`run_stack` is a ``lax.scan`` over the stack's leading (layer) dimension, each block
+rematerialised by the policy asked for (:mod:`shardplug.core.remat`); its layers gathered
+one at a time where fsdp split them (:mod:`shardplug.core.layer_gather`); and, while a
+pipeline is active, pp's schedule over the ``stage`` axis instead of the scan
+(:mod:`shardplug.core.schedule`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from shardplug.core import schedule
+from shardplug.core.layer_gather import layer_gather, regathered
+from shardplug.core.remat import remat
+from shardplug.errors import ConfigError
+
+#: the logical name of a layer stack's leading dimension
+LAYERS = "layers"
+
+
+def layers_of(params: Any) -> int:
+    sizes = {leaf.shape[0] for leaf in jax.tree.leaves(params)}
+    if len(sizes) != 1:
+        raise ConfigError(
+            f"a layer stack's parameters must share their leading (layer) dimension, got "
+            f"sizes {sorted(sizes)}"
+        )
+    return sizes.pop()
+
+
+def run_stack(fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array,
+              policy: str = "none") -> jax.Array:  # fmt: skip
+    """Apply ``fn(layer_params, x)`` for each layer of ``params`` in turn (see the module)."""
+    gather = layer_gather(params)
+    if gather is None:
+        block = remat(fn, policy)
+    else:  # one checkpoint: the gather and the block, the policy of both in one
+        block = regathered(lambda w, h: fn(gather(w), h), policy)
+    layers = layers_of(params)
+    pipeline = schedule.active()
+    if pipeline is None:
+        return jax.lax.scan(lambda h, layer: (block(layer, h), None), x, params)[0]
+    pipeline.seen.append((layers, tuple(x.shape), str(x.dtype)))
+    pipeline = pipeline.resolve(x.shape[0])
+    pipeline.check(layers, x.shape[0])
+    return schedule.schedule(block, params, x, pipeline, layers)
