@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardplug.core.hlo import collectives, wire_bytes
-from shardplug.core.schedule import circular_order
+from shardplug.core.schedule import Pipeline, circular_order
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.errors import ConfigError
 from shardplug.flops import float32_note, product_dtypes
@@ -340,20 +340,20 @@ def _pipeline(trainer, params, shardings, found, batch_axes) -> dict[str, Any] |
     compiled against the schedule's own figure: one send forward and one back per tick, each
     a microbatch's stage input per device. The circular schedule also moves the stack's
     shards into its order (and their gradients back): the difference."""
-    composition, mesh = trainer.strategy.composition, trainer.mesh
-    part = next(
-        (p for p in (composition.parts if composition else ()) if getattr(p.plugin, "last", None)),
-        None,
-    )
-    if part is None or not part.plugin.last.seen:
+    mesh = trainer.mesh
+    found_schedule = schedule_of(trainer.jaxpr)
+    if found_schedule is None:
         return None
-    layers, shape, dtype = part.plugin.last.seen[-1]
-    pl = part.plugin.last.resolve(shape[0])
-    s_, m_, r_ = pl.stages, pl.microbatches, pl.repeats
+    axis, ticks, inputs = found_schedule
+    m_, s_ = inputs.shape[0], mesh.shape[axis]
+    r_ = (ticks - s_ + 1) // m_
+    pl = Pipeline(axis, s_, m_, r_)
     stacked = [
         (p, sh) for p, sh in zip(params, shardings, strict=True)
-        if len(sh.spec) and sh.spec[0] == part.axis.name
+        if len(sh.spec) and sh.spec[0] == axis
     ]  # fmt: skip
+    layers = stacked[0][0].shape[0]
+    shape, dtype = (inputs.shape[0] * inputs.shape[1], *inputs.shape[2:]), inputs.dtype
     shards = math.prod(mesh.shape[a] for a in batch_axes) if batch_axes else 1
     send = shape[0] // m_ // shards * math.prod(shape[1:]) * np.dtype(dtype).itemsize
     permutes = [c for c in found if c["kind"] == "collective-permute"]
@@ -375,6 +375,55 @@ def _pipeline(trainer, params, shardings, found, batch_axes) -> dict[str, Any] |
             "textbook_bytes_per_step": 2 * send * pl.ticks,
         },
     }
+
+
+def schedule_of(jaxpr: Any) -> tuple[str, int, Any] | None:
+    """A pipeline schedule as the traced step runs it: its stage axis, its ticks (the loop
+    with a ``ppermute`` inside a ``shard_map``) and its stacked microbatch inputs (the
+    ``shard_map``'s last operand: microbatches x rows x ...); None without one.
+
+    Read from the program, not from the plugin: nothing is recorded while it is traced."""
+
+    def subs(eqn):
+        for value in eqn.params.values():
+            for v in value if isinstance(value, tuple) else (value,):
+                inner = getattr(v, "jaxpr", v)
+                if hasattr(inner, "eqns"):
+                    yield inner
+
+    def permute_axis(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "ppermute":
+                names = eqn.params["axis_name"]
+                return names[0] if isinstance(names, tuple) else names
+            for sub in subs(eqn):
+                if (found := permute_axis(sub)) is not None:
+                    return found
+        return None
+
+    def tick_loop(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                body = eqn.params["jaxpr"]
+                if (axis := permute_axis(getattr(body, "jaxpr", body))) is not None:
+                    return axis, int(eqn.params["length"])
+            for sub in subs(eqn):
+                if (found := tick_loop(sub)) is not None:
+                    return found
+        return None
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "shard_map":
+                body = eqn.params["jaxpr"]
+                if (found := tick_loop(getattr(body, "jaxpr", body))) is not None:
+                    return (*found, eqn.invars[-1].aval)
+            for sub in subs(eqn):
+                if (found := walk(sub)) is not None:
+                    return found
+        return None
+
+    return walk(getattr(jaxpr, "jaxpr", jaxpr))
 
 
 def _picture(name: str, shape: tuple[int, ...], sharding: NamedSharding) -> dict[str, Any]:

@@ -45,8 +45,6 @@ class Pipeline:
     replicas: tuple[str, ...] = ()
     #: their devices, all together
     replica_size: int = 1
-    #: what each traced stack ran on: ``(layers, input shape, input dtype)``, for explain
-    seen: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
     def bubble(self) -> float:

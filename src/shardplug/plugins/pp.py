@@ -58,7 +58,6 @@ class PipelineParallel:
         self.microbatches = microbatches
         self.repeats = repeats
         self.remat = bool(remat)
-        self.last: Pipeline | None = None
 
     @hookimpl
     def parallel_axis(self):
@@ -91,10 +90,8 @@ class PipelineParallel:
 
     @hookimpl
     def trace_context(self, axis, mesh, replicas):
-        # explain reads what the last trace saw
         replicas = tuple(a for a in replicas if mesh.shape[a] > 1)
-        self.last = Pipeline(
+        return pipelined(Pipeline(
             axis, mesh.shape[axis], self.microbatches, self.repeats, self.remat,
             replicas=replicas, replica_size=math.prod(mesh.shape[a] for a in replicas),
-        )  # fmt: skip
-        return pipelined(self.last)
+        ))  # fmt: skip
