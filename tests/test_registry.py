@@ -385,3 +385,21 @@ def test_broken_plugin_on_the_command_line(tmp_path):
         "shardplug: error: strategy 'broken' (brokenplug 0.3) cannot be used: "
         "import failed: ImportError: needs a missing library"
     )
+
+
+def test_a_mistyped_declared_field_is_a_load_error_naming_it(tmp_path, monkeypatch, fresh_registry):
+    """A plugin declares description, unsupported and baseline, and only those; a capability
+    nobody checks for (a typo) would silently skip nothing, so it is refused at load."""
+    source = (
+        PLUGIN
+        + """
+
+class Typo(Rows):
+    unsupported = {"batch_split": "a typo of batch-split"}
+"""
+    )
+    install(tmp_path, monkeypatch, "typoplug", "0.1", {"typo": "rowsplug:Typo"},
+            {"rowsplug": source})  # fmt: skip
+    with pytest.warns(shardplug.ShardplugWarning, match="'typo' .* cannot be used: plugin Typo"):
+        infos = {i.name: i for i in shardplug.list_strategies(include_broken=True)}
+    assert infos["typo"].error.startswith("plugin Typo: unsupported names 'batch_split', which")

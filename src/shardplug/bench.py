@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core.compose import implemented
+from shardplug.core.hookspecs import declared
 from shardplug.core.layer_gather import layer_specs
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.registry import get_strategy
@@ -80,7 +81,7 @@ def hand_written_form(strategy: Any) -> str | None:
         if any("trace_context" in implemented(p.plugin) for p in strategy.composition.parts):
             return None  # it reshapes the traced step (pp): benchmarks/pipeline.py has its twin
         return "jit"
-    return getattr(strategy.plugin, "baseline", None)
+    return declared(strategy.plugin, "baseline")
 
 
 class _Contender:

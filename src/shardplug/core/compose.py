@@ -192,7 +192,7 @@ class Composition:
     def unsupported(self) -> dict[str, str]:
         found: dict[str, str] = {}
         for part in self.parts:
-            found.update(getattr(part.plugin, "unsupported", {}) or {})
+            found.update(hookspecs.declared(part.plugin, "unsupported"))
         if self.batch_axes:
             found.pop("batch-split", None)
         return found

@@ -37,6 +37,54 @@ PROJECT = "shardplug"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
+# Besides its hooks, a plugin may declare three fields, as class attributes. Core reads no
+# other attribute of a plugin, and reads these only through declared():
+#
+#   description: str      one line for `shardplug strategies` (default: the docstring's first)
+#   unsupported: dict[str, str]
+#                         capabilities it lacks, with the reason the conformance suite shows
+#                         when it skips their checks. Capabilities: "nnx", "linen", "equinox"
+#                         (adapters), "model-state" (batch statistics), "uneven-shapes",
+#                         "batch-split" (the batch is split, not replicated),
+#                         "without-layer-stack" (a model without shardplug.stack)
+#   baseline: str         for a whole strategy, how its step is written by hand, for bench:
+#                         "jit" (jax.jit with its shardings) or "shard_map"
+#
+# Example:
+#
+#     class PerDeviceProgram:
+#         """Data parallel as an explicit per-device program."""
+#         baseline = "shard_map"
+#         unsupported = {"uneven-shapes": "every device holds whole parameters"}
+
+CAPABILITIES = ("nnx", "linen", "equinox", "model-state", "uneven-shapes", "batch-split",
+                "without-layer-stack")  # fmt: skip
+BASELINES = ("jit", "shard_map")
+
+
+def declared(plugin: Any, field: str) -> Any:
+    """A plugin's declared ``field`` (``description``, ``unsupported`` or ``baseline``),
+    checked: a mistyped one is a :class:`shardplug.errors.PluginError` naming it."""
+    from shardplug.errors import PluginError
+
+    value = getattr(plugin, field, None)
+    name = getattr(plugin, "__name__", type(plugin).__name__)
+    if field == "unsupported":
+        value = dict(value or {})
+        wrong = [k for k, v in value.items() if k not in CAPABILITIES or not isinstance(v, str)]
+        if wrong:
+            raise PluginError(
+                f"plugin {name}: unsupported names {wrong[0]!r}, which is not a capability "
+                f"({', '.join(CAPABILITIES)}) with a reason (a str)"
+            )
+    elif field == "baseline" and value not in (None, *BASELINES):
+        raise PluginError(f"plugin {name}: baseline must be one of {BASELINES}, got {value!r}")
+    elif field == "description" and value is not None and not isinstance(value, str):
+        raise PluginError(f"plugin {name}: description must be a str, got {value!r}")
+    elif field not in ("unsupported", "baseline", "description"):
+        raise ValueError(f"no declared field {field!r}")
+    return value
+
 
 @hookspec(firstresult=True)
 def make_mesh(devices: Sequence[Any], mesh_shape: dict[str, int] | None) -> Any:

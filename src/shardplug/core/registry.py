@@ -94,7 +94,7 @@ class StrategyInfo:
 
 
 def _describe(plugin: Any) -> str:
-    text = getattr(plugin, "description", None) or inspect.getdoc(plugin) or ""
+    text = hookspecs.declared(plugin, "description") or inspect.getdoc(plugin) or ""
     return text.strip().splitlines()[0] if text.strip() else "(no description)"
 
 
@@ -139,10 +139,14 @@ def _load(ep: importlib.metadata.EntryPoint) -> tuple[StrategyInfo, Any]:
         hooks = _hooks(plugin)
     except pluggy.PluginValidationError as exc:
         return broken(error=f"hooks do not fit the specs: {exc}"), None
+    try:
+        for field in ("unsupported", "baseline"):
+            hookspecs.declared(plugin, field)
+        description = _describe(plugin)
+    except PluginError as exc:
+        return broken(error=str(exc)), None
     kind = "parallelism" if "parallel_axis" in hooks else "strategy"
-    info = StrategyInfo(
-        ep.name, _describe(plugin), package, version, _options(plugin), hooks, kind=kind
-    )
+    info = StrategyInfo(ep.name, description, package, version, _options(plugin), hooks, kind=kind)
     return info, plugin
 
 

@@ -70,6 +70,14 @@ class Strategy:
         return self.info.name
 
     @property
+    def unsupported(self) -> dict[str, str]:
+        """What this strategy (or its parallelisms together) declares it cannot do, and why."""
+        composition = self.composition
+        if composition is not None:
+            return composition.unsupported
+        return hookspecs.declared(self.plugin, "unsupported")
+
+    @property
     def composition(self) -> compose.Composition | None:
         """The parallelisms and their axes, when this strategy composes them."""
         return self.plugin if isinstance(self.plugin, compose.Composition) else None

@@ -89,13 +89,12 @@ class StrategyConformance:
         return shardplug.get_strategy(self.strategy, **self.options)
 
     def _skip_unless(self, capability: str) -> None:
-        unsupported = getattr(self._strategy().plugin, "unsupported", {}) or {}
+        unsupported = self._strategy().unsupported
         if capability in unsupported:
             pytest.skip(f"{self.strategy} does not support {capability}: {unsupported[capability]}")
 
     def _needs_stack(self) -> bool:
-        unsupported = getattr(self._strategy().plugin, "unsupported", {}) or {}
-        return "without-layer-stack" in unsupported
+        return "without-layer-stack" in self._strategy().unsupported
 
     def _trainer(self, adapter: str = "nnx", model: str | None = None):
         model = model or ("transformer" if self._needs_stack() else "mlp")
