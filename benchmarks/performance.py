@@ -44,7 +44,8 @@ def main() -> None:
 
     import shardplug
     from shardplug.bench import bench
-    from shardplug.explain import explain, size
+    from shardplug.explain import explain
+    from shardplug.views import size
 
     model = shardplug.get_model("transformer")
 

@@ -462,14 +462,4 @@ def regions(shape: tuple[int, ...], sharding: NamedSharding) -> tuple[tuple[int,
     return tuple(dims), [(r, c, sorted(ids)) for (r, c), ids in sorted(blocks.items())]
 
 
-def size(n: float | None) -> str:
-    """``1234567`` as ``1.2 MB`` (powers of 1000)."""
-    if n is None:
-        return "unknown"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-__all__ = ["ParamReport", "Report", "explain", "peak_bytes", "regions", "size"]
+__all__ = ["ParamReport", "Report", "explain", "peak_bytes", "regions"]

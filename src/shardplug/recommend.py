@@ -19,7 +19,8 @@ from typing import Any
 
 from shardplug.core.registry import list_strategies
 from shardplug.errors import ShardplugError
-from shardplug.explain import explain, size
+from shardplug.explain import explain
+from shardplug.views import size
 
 
 def candidates() -> list[str]:

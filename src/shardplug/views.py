@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shardplug.explain import ParamReport, Report, size
+if TYPE_CHECKING:
+    from shardplug.explain import ParamReport, Report
 
 
 def groups(params: list[ParamReport]) -> list[dict[str, Any]]:
@@ -205,4 +206,104 @@ def plot(report: Report, path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["groups", "plot", "render"]
+def size(n: float | None) -> str:
+    """``1234567`` as ``1.2 MB`` (powers of 1000)."""
+    if n is None:
+        return "unknown"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def render_bench(report: dict[str, Any], console: Any) -> None:
+    """The bench as a table on a ``rich`` console."""
+    from rich.table import Table
+
+    table = Table(
+        title=f"{report['model']} ({report['adapter']}), batch {report['batch_size']}, "
+        f"{report['devices']} {report['platform']} devices: median of {report['rounds']} "
+        f"interleaved rounds of {report['steps_per_round']} steps",
+        title_justify="left",
+    )
+    for column in ("contender", "compile s", "step ms", "samples/s", "tokens/s", "peak/device",
+                   "vs hand-written", "speedup vs 1 device"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "contender" else "right")
+    for r in report["results"]:
+        strategy = r["strategy"]
+        mine = r["kind"] == "shardplug"
+        table.add_row(
+            r["name"] if r["kind"] != "shardplug" else f"[bold]{r['name']}[/bold]",
+            f"{r['compile_seconds']:.2f}",
+            f"{1000 * r['median_step_seconds']:.2f}",
+            f"{r['samples_per_second']:.0f}",
+            "" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:.0f}",
+            size(r["peak_bytes"]) if r["peak_bytes"] is not None else "",
+            f"{report['ratios'][strategy]:.3f}x" if mine else "",
+            f"{report['speedup'][strategy]:.2f}x" if mine else "",
+        )
+    console.print(table)
+    if report["nnx_jit_ratio"] is not None:
+        console.print(
+            f"shardplug dp / the nnx.jit loop of Flax's documentation: "
+            f"{report['nnx_jit_ratio']:.3f}x"
+        )
+    worst = max(report["max_loss_diff"].values())
+    console.print(f"losses equal the hand-written runs' within {worst:.1e} (relative)")
+
+
+def plot_bench(report: dict[str, Any], path: str) -> None:
+    """Bars of the median step time of every contender, with the figures on them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    names = [r["name"] for r in results]
+    times = [1000 * r["median_step_seconds"] for r in results]
+    colours = {"shardplug": "tab:blue", "hand-written": "tab:gray", "nnx.jit": "tab:orange",
+               "one device": "tab:green"}  # fmt: skip
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(names)), 4.5))
+    bars = ax.bar(names, times, color=[colours[r["kind"]] for r in results])
+    for bar, r, t in zip(bars, results, times, strict=True):
+        text = f"{t:.2f} ms"
+        if r["kind"] == "shardplug":
+            text += f"\n{report['ratios'][r['strategy']]:.3f}x"
+        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)  # fmt: skip
+    ax.set_ylabel("median step (ms)")
+    ax.set_title(
+        f"{report['model']} ({report['adapter']}) on {report['devices']} {report['platform']} "
+        f"devices; x = shardplug / hand-written",
+        fontsize=10,
+    )
+    ax.tick_params(axis="x", rotation=30)
+    ax.margins(y=0.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def render_recommend(result: dict[str, Any], console: Any, title: str) -> None:
+    """``recommend``'s ranking as a table on a ``rich`` console, and its choice."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column in ("strategy", "fits", "peak/device", "params+opt/device", "sent/step"):
+        table.add_column(column, justify="left" if column in ("strategy", "fits") else "right")
+    for r in result["strategies"]:
+        if "error" in r:
+            table.add_row(r["strategy"], "no", "", "", r["error"])
+            continue
+        table.add_row(
+            r["strategy"], "yes" if r["fits"] else "no", size(r["peak_bytes"]),
+            size(r["params_bytes"] + r["opt_state_bytes"]), size(r["sent_bytes"]),
+        )  # fmt: skip
+    console.print(table)
+    choice, reason = result["recommended"], result["reason"]
+    console.print(f"recommended: [bold]{choice}[/bold]: {reason}" if choice
+                  else f"recommended: none: {reason}")  # fmt: skip
+
+
+__all__ = ["groups", "plot", "plot_bench", "render", "render_bench", "render_recommend", "size"]

@@ -39,7 +39,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     import jax
 
     from shardplug.core.devices import select_devices
-    from shardplug.explain import backend_memory, size
+    from shardplug.explain import backend_memory
     from shardplug.recommend import recommend
 
     devices = select_devices(args.devices)
@@ -53,32 +53,13 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     result = recommend(
         lambda name: _compiled_trainer(args, name, {}, allocate=False), args.device_memory
     )
-    rows, choice, reason = result["strategies"], result["recommended"], result["reason"]
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    from rich.table import Table
+    from shardplug.views import render_recommend, size
 
-    table = Table(
-        title=f"{_title(args)} on {len(devices)} devices of {size(args.device_memory)}",
-        title_justify="left",
-    )
-    for column in ("strategy", "fits", "peak/device", "params+opt/device", "sent/step"):
-        table.add_column(column, justify="left" if column in ("strategy", "fits") else "right")
-    for r in rows:
-        if "error" in r:
-            table.add_row(r["strategy"], "no", "", "", r["error"])
-            continue
-        table.add_row(
-            r["strategy"], "yes" if r["fits"] else "no", size(r["peak_bytes"]),
-            size(r["params_bytes"] + r["opt_state_bytes"]), size(r["sent_bytes"]),
-        )  # fmt: skip
-    console = _console()
-    console.print(table)
-    if choice:
-        console.print(f"recommended: [bold]{choice}[/bold]: {reason}")
-    else:
-        console.print(f"recommended: none: {reason}")
+    title = f"{_title(args)} on {len(devices)} devices of {size(args.device_memory)}"
+    render_recommend(result, _console(), title)
     return 0
 
 
@@ -91,7 +72,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for name in strategies:
         get_strategy(name)  # an unknown name fails here, before anything compiles
     _prepare(args)
-    from shardplug.bench import bench, plot, render
+    from shardplug.bench import bench
+    from shardplug.views import plot_bench, render_bench
 
     console = _console()
     quiet = args.json
@@ -103,9 +85,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        render(report, console)
+        render_bench(report, console)
     if args.plot is not None:
-        plot(report, str(args.plot))
+        plot_bench(report, str(args.plot))
         if not quiet:
             print(f"shardplug: wrote {args.plot}")
     return 0
