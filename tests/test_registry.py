@@ -398,8 +398,9 @@ class Typo(Rows):
     unsupported = {"batch_split": "a typo of batch-split"}
 """
     )
-    install(tmp_path, monkeypatch, "typoplug", "0.1", {"typo": "rowsplug:Typo"},
-            {"rowsplug": source})  # fmt: skip
+    install(
+        tmp_path, monkeypatch, "typoplug", "0.1", {"typo": "typoplug:Typo"}, {"typoplug": source}
+    )  # a module of its own: rowsplug may be imported already
     with pytest.warns(shardplug.ShardplugWarning, match="'typo' .* cannot be used: plugin Typo"):
         infos = {i.name: i for i in shardplug.list_strategies(include_broken=True)}
     assert infos["typo"].error.startswith("plugin Typo: unsupported names 'batch_split', which")

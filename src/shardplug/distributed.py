@@ -9,6 +9,7 @@ its own rows of the global batch. On CPU the processes reduce over gloo, which i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import socket
@@ -31,6 +32,7 @@ EXIT_PEER_FAILED = 1
 
 _FAILED = "shardplug/failed/"  # the coordination service's key for a process's failure
 _joined: list[int] = []  # this process's id, once it has joined a job
+_stop = threading.Event()  # set at exit: the watcher lets go of the coordination service
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -103,7 +105,14 @@ def initialize(
     finally:
         notice.cancel()
     _joined.append(jax.process_index())
-    threading.Thread(target=_watch_peers, name="shardplug-peers", daemon=True).start()
+    watcher = threading.Thread(target=_watch_peers, name="shardplug-peers", daemon=True)
+    watcher.start()
+
+    def stop_watching() -> None:  # before jax.distributed's own atexit shutdown (LIFO): a
+        _stop.set()  # thread inside the service's client as it shuts down aborts the process
+        watcher.join(timeout=5)
+
+    atexit.register(stop_watching)
 
 
 def _reach(coordinator: str, timeout_s: float, who: str) -> None:
@@ -144,8 +153,7 @@ def _watch_peers() -> None:
     notices, says which process failed and why, and exits at once.
     """
     me = f"{_FAILED}{_joined[0]}"
-    while True:
-        time.sleep(WATCH_INTERVAL_S)
+    while not _stop.wait(WATCH_INTERVAL_S):
         try:
             failed = [(k, v) for k, v in _client().key_value_dir_get(_FAILED) if k != me]
         except Exception:  # the service is gone: the job is ending
