@@ -70,7 +70,6 @@ def gpt(size: Size, *, dtype: Any = None, attend: Any = None, remat: str = "none
     how a user writes it); ``attend(q, k, v)`` the causal attention (default
     :func:`shardplug.attention`).
     """
-    import jax
     import jax.numpy as jnp
     from flax import nnx
 
@@ -114,7 +113,6 @@ def gpt(size: Size, *, dtype: Any = None, attend: Any = None, remat: str = "none
                 x = _remat(block, remat)(x)
             return self.unembed(self.norm(x))
 
-    del jax
     return GPT
 
 

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from shardplug.core.hlo import collectives, wire_bytes
 from shardplug.core.schedule import Pipeline, circular_order
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
+from shardplug.core.step import PRECISIONS
 from shardplug.errors import ConfigError
 from shardplug.flops import float32_note, product_dtypes
 from shardplug.loop.batches import global_struct
@@ -283,7 +284,8 @@ def explain(
     if from_backend and device_memory and peak and peak > device_memory:
         notes.append(memory_limit_note(device))
     dtypes = product_dtypes(trainer.jaxpr)
-    if trainer.precision in ("bf16", "bfloat16") and (note := float32_note(dtypes)):
+    bf16 = PRECISIONS.get(trainer.precision) is not None
+    if bf16 and (note := float32_note(dtypes)):
         notes.append(note)
     textbook = _textbook(params, flat_shardings, mesh, batch_axes)
     kinds = {c["kind"] for c in found}
@@ -309,7 +311,7 @@ def explain(
         notes=notes,
         pipeline=_pipeline(trainer, params, flat_shardings, found, batch_axes),
         precision={
-            "compute": "bfloat16" if trainer.precision in ("bf16", "bfloat16") else "float32",
+            "compute": "bfloat16" if bf16 else "float32",
             "matmul_flops_by_dtype": dtypes.flops,
             "float32_sites": [{"where": w, "flops": f} for w, f in dtypes.float32_sites[:5]],
         },

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from shardplug.core.step import unwrap_keys, wrap_keys
+from shardplug.core.step import key_impl, unwrap_keys, wrap_keys
 from shardplug.errors import PluginError
 from shardplug.loop import batches as host
 
@@ -48,8 +48,6 @@ class RunState:
     @classmethod
     def of(cls, state: Any, like: RunState | None = None) -> RunState:
         """``state`` (a TrainState) as flat leaves; the step and checkpoint of ``like``."""
-        from shardplug.core.step import key_impl
-
         leaves, treedef = jax.tree.flatten(state)
         impls = [key_impl(x) for x in leaves]
         run = cls(unwrap_keys(leaves, impls), treedef, impls)
