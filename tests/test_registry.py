@@ -404,3 +404,28 @@ class Typo(Rows):
     with pytest.warns(shardplug.ShardplugWarning, match="'typo' .* cannot be used: plugin Typo"):
         infos = {i.name: i for i in shardplug.list_strategies(include_broken=True)}
     assert infos["typo"].error.startswith("plugin Typo: unsupported names 'batch_split', which")
+
+
+def test_a_run_has_one_plugin_manager_holding_each_plugin_once(monkeypatch):
+    import pluggy
+
+    shardplug.list_strategies(), shardplug.list_addons()  # discovery (cached) checks each alone
+    made = []
+    original = pluggy.PluginManager.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(pluggy.PluginManager, "__init__", counting)
+    strategy = shardplug.get_strategy("dp+fsdp+tp", addons=["grad-bf16"])
+    model = shardplug.get_model("mlp")
+    trainer = shardplug.Trainer(
+        model.adapter(), loss_fn=model.loss_fn, optimizer=optax.sgd(0.1), strategy=strategy
+    )
+    trainer.fit(model.batches(64, 0), steps=1)
+    assert made == [strategy.pm]
+    names = [strategy.pm.get_name(p) for p in strategy.pm.get_plugins()]
+    assert sorted(names) == sorted(
+        ["shardplug.core.fallbacks", "dp", "fsdp", "tp", "dp+fsdp+tp (composition)", "grad-bf16"]
+    )

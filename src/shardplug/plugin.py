@@ -28,7 +28,7 @@ from shardplug.core.context import (
     manual_axes,
     per_device_program,
 )
-from shardplug.core.hookspecs import hookimpl, hookspec
+from shardplug.core.hookspecs import Capability, hookimpl, hookspec
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh, describe, parse_mesh
 from shardplug.core.schedule import Pipeline, pipelined
@@ -45,6 +45,7 @@ from shardplug.errors import ConfigError, MeshError, PluginError, StrategyOption
 __all__ = [
     "LAYERS",
     "Axis",
+    "Capability",
     "Composed",
     "ConfigError",
     "MeshError",

@@ -31,7 +31,7 @@ import pluggy
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core import hookspecs
+from shardplug.core import fallbacks, hookspecs
 from shardplug.core.hookspecs import hookimpl
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh
@@ -84,18 +84,6 @@ class Composed:
     description: str = ""
 
 
-class _PartFallbacks:
-    """Core's answers to the part hooks a parallelism leaves out."""
-
-    @hookimpl(trylast=True)
-    def split_param(self):
-        return None
-
-    @hookimpl(trylast=True)
-    def gather_param(self, spec):
-        return spec
-
-
 @dataclasses.dataclass
 class Part:
     """One parallelism of a composition: its plugin, its axis as this run names it."""
@@ -106,8 +94,10 @@ class Part:
     pm: pluggy.PluginManager
 
     def call(self, hook: str, **kwargs: Any) -> Any:
+        """``hook`` asked of this parallelism alone (core's fallback where it has none)."""
+        others = [p for p in self.pm.get_plugins() if p is not self.plugin and p is not fallbacks]
         try:
-            return getattr(self.pm.hook, hook)(**kwargs)
+            return self.pm.subset_hook_caller(hook, remove_plugins=others)(**kwargs)
         except ShardplugError:
             raise
         except Exception as exc:
@@ -126,13 +116,14 @@ def implemented(plugin: Any) -> set[str]:
     return found
 
 
-def make_part(name: str, plugin: Any, renames: Mapping[str, str]) -> Part:
-    """``plugin`` (a parallelism: the registry refuses whole strategies before) as a part,
-    its axis renamed as the run asks."""
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    pm.register(_PartFallbacks(), name="fallbacks")
-    pm.register(plugin, name=name)
+def make_part(name: str, plugin: Any, renames: Mapping[str, str], pm: pluggy.PluginManager) -> Part:
+    """``plugin`` (a parallelism: the registry refuses whole strategies before) registered in
+    the run's plugin manager ``pm`` as a part, its axis renamed as the run asks."""
+    try:
+        pm.register(plugin, name=name)
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"{name!r} does not fit the hook specs: {exc}") from None
     axis = Part(name, plugin, None, pm).call("parallel_axis")  # type: ignore[arg-type]
     if not isinstance(axis, Axis):
         raise PluginError(f"parallelism {name!r}: parallel_axis returned {axis!r}, not an Axis")
@@ -194,7 +185,7 @@ class Composition:
         for part in self.parts:
             found.update(hookspecs.declared(part.plugin, "unsupported"))
         if self.batch_axes:
-            found.pop("batch-split", None)
+            found.pop(hookspecs.Capability.BATCH_SPLIT, None)
         return found
 
     def activation_rules(self) -> dict[str, tuple[str, ...]]:

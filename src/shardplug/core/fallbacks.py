@@ -1,4 +1,5 @@
-"""Core's answers to the hooks a strategy leaves out.
+"""Core's answers to the hooks a strategy or a parallelism leaves out, and the run's one
+plugin manager that holds them.
 
 Registered in every run's plugin manager with ``trylast``, so any strategy's implementation
 is asked first. With only these, a run is data parallel on a one-axis ``data`` mesh.
@@ -6,11 +7,26 @@ is asked first. With only these, a run is data parallel on a one-axis ``data`` m
 
 from __future__ import annotations
 
+import sys
+
 import jax
+import pluggy
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core import hookspecs
 from shardplug.core.hookspecs import hookimpl
 from shardplug.core.mesh import build_mesh
+
+NAME = "shardplug.core.fallbacks"
+
+
+def new_manager() -> pluggy.PluginManager:
+    """A run's plugin manager: the hook specs and these fallbacks; the strategy, its
+    parallelisms and the add-ons are registered into it (one manager per run)."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(sys.modules[__name__], name=NAME)
+    return pm
 
 
 @hookimpl(trylast=True)
@@ -59,3 +75,16 @@ def compile_step(step_fn, state_shardings, batch_shardings):
 @hookimpl(trylast=True)
 def encode_grads(grads):
     return grads
+
+
+# The part hooks (asked of one parallelism of a composition at a time).
+
+
+@hookimpl(trylast=True)
+def split_param():
+    return None
+
+
+@hookimpl(trylast=True)
+def gather_param(spec):
+    return spec

@@ -24,6 +24,7 @@ keyword arguments. There are two kinds:
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -42,11 +43,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 #
 #   description: str      one line for `shardplug strategies` (default: the docstring's first)
 #   unsupported: dict[str, str]
-#                         capabilities it lacks, with the reason the conformance suite shows
-#                         when it skips their checks. Capabilities: "nnx", "linen", "equinox"
-#                         (adapters), "model-state" (batch statistics), "uneven-shapes",
-#                         "batch-split" (the batch is split, not replicated),
-#                         "without-layer-stack" (a model without shardplug.stack)
+#                         capabilities it lacks (a Capability, or its value as a str), with
+#                         the reason the conformance suite shows when it skips their checks
 #   baseline: str         for a whole strategy, how its step is written by hand, for bench:
 #                         "jit" (jax.jit with its shardings) or "shard_map"
 #
@@ -57,8 +55,27 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 #         baseline = "shard_map"
 #         unsupported = {"uneven-shapes": "every device holds whole parameters"}
 
-CAPABILITIES = ("nnx", "linen", "equinox", "model-state", "uneven-shapes", "batch-split",
-                "without-layer-stack")  # fmt: skip
+
+class Capability(enum.StrEnum):
+    """What a plugin may declare it cannot do (its ``unsupported`` keys); each is one group
+    of the conformance suite's checks, skipped with the plugin's reason. Every use of a
+    capability in core and the suite goes through this declaration."""
+
+    #: the adapters: the model's framework
+    NNX = "nnx"
+    LINEN = "linen"
+    EQUINOX = "equinox"
+    #: models with state besides parameters (batch statistics: the ``cnn``)
+    MODEL_STATE = "model-state"
+    #: parameters whose dimensions no mesh axis divides
+    UNEVEN_SHAPES = "uneven-shapes"
+    #: the batch is split over devices, not replicated (a composition with a batch axis has it)
+    BATCH_SPLIT = "batch-split"
+    #: models without a layer stack (``shardplug.stack``)
+    WITHOUT_LAYER_STACK = "without-layer-stack"
+
+
+CAPABILITIES = tuple(c.value for c in Capability)
 BASELINES = ("jit", "shard_map")
 
 

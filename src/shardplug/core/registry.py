@@ -20,7 +20,7 @@ from typing import Any
 
 import pluggy
 
-from shardplug.core import compose, hookspecs
+from shardplug.core import compose, fallbacks, hookspecs
 from shardplug.core.strategy import Strategy as Strategy  # re-exported: the run's manager
 from shardplug.errors import (
     CompositionError,
@@ -321,8 +321,9 @@ def _composition(
             )
         for part in takers:
             per[part][key] = value
+    pm = fallbacks.new_manager()  # the run's one manager: the parts, then the rest
     parts = [
-        compose.make_part(info.name, _instantiate(info, plugin, per[info.name]), renames)
+        compose.make_part(info.name, _instantiate(info, plugin, per[info.name]), renames, pm)
         for info, plugin in infos
     ]
     roles = {p.axis.name for p in parts}
@@ -346,7 +347,7 @@ def _composition(
         kind="composition" if len(infos) > 1 else "parallelism",
         parts="+".join(i.name for i, _ in infos),
     )
-    return Strategy(info, composition, addons, parts=[(p.name, p.plugin) for p in parts])
+    return Strategy(info, composition, addons, parts=[(p.name, p.plugin) for p in parts], pm=pm)
 
 
 def _composed_options(infos: Sequence[tuple[StrategyInfo, Any]]) -> tuple[StrategyOption, ...]:

@@ -18,7 +18,7 @@ from shardplug.errors import PluginError, ShardplugError
 if TYPE_CHECKING:
     from shardplug.core.registry import StrategyInfo
 
-FALLBACKS = "shardplug.core.fallbacks"
+FALLBACKS = fallbacks.NAME
 
 
 def _same_shapes(tree: Any, like: Any) -> bool:
@@ -45,20 +45,22 @@ class Strategy:
         plugin: Any,
         addons: Sequence[tuple[StrategyInfo, Any]] = (),
         parts: Sequence[tuple[str, Any]] = (),
+        pm: pluggy.PluginManager | None = None,
     ):
         self.info = info
         self.plugin = plugin
         #: the configured plugin object of each parallelism (or of the whole strategy), by name
         self.parts: dict[str, Any] = dict(parts) if parts else {info.name: plugin}
         self.addons = tuple(addon_info.name for addon_info, _ in addons)
-        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
-        self.pm.add_hookspecs(hookspecs)
-        self.pm.register(fallbacks, name=FALLBACKS)
+        #: the run's one plugin manager (a composition's parts are registered in it already)
+        self.pm = pm if pm is not None else fallbacks.new_manager()
         # A composition's parallelisms answer the step hooks they implement; add-ons register
         # last, so their wrappers wrap whichever implementation answers.
         own = f"{info.name} (composition)" if parts else info.name
         named = [*parts, (own, plugin), *((i.name, a) for i, a in addons)]
         for name, obj in named:
+            if self.pm.is_registered(obj):
+                continue
             try:
                 self.pm.register(obj, name=name)
                 self.pm.check_pending()

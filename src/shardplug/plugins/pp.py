@@ -21,6 +21,7 @@ from typing import ClassVar
 from shardplug.plugin import (
     LAYERS,
     Axis,
+    Capability,
     ConfigError,
     Pipeline,
     StrategyOptionError,
@@ -41,9 +42,9 @@ class PipelineParallel:
     """
 
     unsupported: ClassVar[dict[str, str]] = {
-        "without-layer-stack": "pipeline stages split a layer stack (shardplug.stack); a "
+        Capability.WITHOUT_LAYER_STACK: "pipeline stages split a layer stack (shardplug.stack); a "
         "model without one has nothing to split",
-        "uneven-shapes": "a model of two plain layers has no layer stack",
+        Capability.UNEVEN_SHAPES: "a model of two plain layers has no layer stack",
     }
 
     def __init__(self, microbatches: int = 0, repeats: int = 1, remat: bool = True):

@@ -12,7 +12,13 @@ import math
 from collections.abc import Mapping
 from typing import ClassVar
 
-from shardplug.plugin import Axis, StrategyOptionError, hookimpl, largest_divisible_dim
+from shardplug.plugin import (
+    Axis,
+    Capability,
+    StrategyOptionError,
+    hookimpl,
+    largest_divisible_dim,
+)
 
 DEFAULT_RULES = ("mlp", "heads", "vocab", "model")
 
@@ -28,7 +34,7 @@ class TensorParallel:
     """
 
     unsupported: ClassVar[dict[str, str]] = {
-        "batch-split": "tensor parallelism alone replicates the batch"
+        Capability.BATCH_SPLIT: "tensor parallelism alone replicates the batch"
     }
 
     def __init__(

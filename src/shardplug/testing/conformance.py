@@ -28,6 +28,8 @@ from typing import Any, ClassVar
 
 import pytest
 
+from shardplug.plugin import Capability
+
 #: per-step loss tolerance against one device, float32 (reductions reorder across devices)
 RTOL = {"mlp": 1e-5, "classifier": 1e-5, "transformer": 1e-4, "cnn": 1e-4}
 
@@ -88,13 +90,14 @@ class StrategyConformance:
 
         return shardplug.get_strategy(self.strategy, **self.options)
 
-    def _skip_unless(self, capability: str) -> None:
+    def _skip_unless(self, capability: Capability | str) -> None:
+        capability = Capability(capability)  # only declared capabilities are checked
         unsupported = self._strategy().unsupported
         if capability in unsupported:
             pytest.skip(f"{self.strategy} does not support {capability}: {unsupported[capability]}")
 
     def _needs_stack(self) -> bool:
-        return "without-layer-stack" in self._strategy().unsupported
+        return Capability.WITHOUT_LAYER_STACK in self._strategy().unsupported
 
     def _trainer(self, adapter: str = "nnx", model: str | None = None):
         model = model or ("transformer" if self._needs_stack() else "mlp")
@@ -108,11 +111,11 @@ class StrategyConformance:
 
         self._skip_unless(shardplug_adapter)
         if shardplug_model == "cnn":
-            self._skip_unless("model-state")
+            self._skip_unless(Capability.MODEL_STATE)
         import shardplug
 
         if "layers" not in shardplug.get_model(shardplug_model).options:
-            self._skip_unless("without-layer-stack")
+            self._skip_unless(Capability.WITHOUT_LAYER_STACK)
         losses = _losses(
             self.strategy,
             self.options,
@@ -140,7 +143,7 @@ class StrategyConformance:
 
         import shardplug
 
-        self._skip_unless("uneven-shapes")
+        self._skip_unless(Capability.UNEVEN_SHAPES)
 
         class Uneven(nnx.Module):  # no dimension divides 8 (or most device counts)
             def __init__(self, rngs):
@@ -178,7 +181,7 @@ class StrategyConformance:
         np.testing.assert_allclose(got, losses("dp", 1, None), rtol=1e-5)
 
     def test_batch_is_split_not_duplicated(self) -> None:
-        self._skip_unless("batch-split")
+        self._skip_unless(Capability.BATCH_SPLIT)
         model, trainer = self._trainer()
         batch = next(model.batches(model.batch_size, self.seed))
         trainer.compile(batch)
