@@ -35,7 +35,7 @@ from shardplug.core.layer_stack import LAYERS
 from shardplug.core.registry import get_strategy
 from shardplug.errors import ConfigError
 from shardplug.explain import peak_bytes
-from shardplug.loop.batches import global_struct
+from shardplug.loop.feed import global_struct
 from shardplug.trainer import Trainer
 
 

@@ -23,7 +23,7 @@ from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.core.step import PRECISIONS
 from shardplug.errors import ConfigError
 from shardplug.flops import float32_note, product_dtypes
-from shardplug.loop.batches import global_struct
+from shardplug.loop.feed import global_struct
 
 
 @dataclasses.dataclass(frozen=True)

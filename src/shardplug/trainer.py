@@ -35,8 +35,7 @@ from shardplug.errors import (
     ShardplugWarning,
 )
 from shardplug.flops import warn_if_float32
-from shardplug.loop import batches as host
-from shardplug.loop import program
+from shardplug.loop import feed, program
 from shardplug.loop.evaluate import check_eval, evaluate
 from shardplug.loop.position import SKIP, Tracked, stateful
 from shardplug.loop.program import Program, RunState
@@ -251,9 +250,9 @@ class Trainer:
         compilation apart from training. Later batches must look alike.
         """
         if self._train is not None:
-            host.check(batch, 0, self._train.signature)
+            feed.check(batch, 0, self._train.signature)
             return
-        host.check_resumed(batch, self.restored_meta)  # the data position counts batches
+        feed.check_resumed(batch, self.restored_meta)  # the data position counts batches
         start = time.perf_counter()
         self._train = self._build(self._step_for, batch, self.grad_accum)
         self.compile_seconds = time.perf_counter() - start
@@ -390,7 +389,7 @@ class Trainer:
             "devices": int(self.mesh.size),
             "shardplug": __version__,
             "config": self.config,
-            "batch_shapes": host.global_shapes(self._train.signature) if self._train else None,
+            "batch_shapes": feed.global_shapes(self._train.signature) if self._train else None,
         }
         if self._data is not None:  # where the next batch starts
             meta["data_state"] = self._data.state_at(self.step)

@@ -217,7 +217,7 @@ def axis_names(pairs: Sequence[str]) -> dict[str, str]:
     return names
 
 
-def _compiled_trainer(
+def _planning_trainer(
     args: argparse.Namespace, strategy: str, options: dict[str, Any], allocate: bool = True
 ):
     """A trainer of the task with ``strategy`` (planning only, for ``allocate=False``); and

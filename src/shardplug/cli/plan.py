@@ -6,8 +6,8 @@ import argparse
 import json
 
 from shardplug.cli._common import (
-    _compiled_trainer,
     _console,
+    _planning_trainer,
     _prepare,
     cli_task,
     parse_options,
@@ -21,7 +21,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from shardplug.explain import explain
     from shardplug.views import plot, render
 
-    trainer, batch = _compiled_trainer(args, args.strategy, options, allocate=False)
+    trainer, batch = _planning_trainer(args, args.strategy, options, allocate=False)
     report = explain(trainer, batch, device_memory=args.device_memory, param=args.param)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
@@ -51,7 +51,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
             "limit; say how much each device has, e.g. --device-memory 80GB"
         )
     result = recommend(
-        lambda name: _compiled_trainer(args, name, {}, allocate=False), args.device_memory
+        lambda name: _planning_trainer(args, name, {}, allocate=False), args.device_memory
     )
     if args.json:
         print(json.dumps(result, indent=1))

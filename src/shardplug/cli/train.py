@@ -228,7 +228,7 @@ def _finite(row: dict[str, float]) -> dict[str, float | None]:
 
 
 def _batch_rows(trainer: Any) -> int:
-    from shardplug.loop.batches import batch_rows
+    from shardplug.loop.feed import batch_rows
 
     return batch_rows(trainer.program.signature) * _processes()
 

@@ -78,7 +78,9 @@ class Axis:
 @dataclasses.dataclass(frozen=True)
 class Composed:
     """An entry point that names a composition: ``2d = "...:TWO_D"`` with
-    ``TWO_D = Composed("dp+tp", "2D mesh ...")`` makes ``--strategy 2d`` mean ``dp+tp``."""
+    ``TWO_D = Composed("dp+tp", "2D mesh ...")`` makes ``--strategy 2d`` mean ``dp+tp``.
+
+    A declaration only; the run's plugin for a composition is :class:`CompositionPlugin`."""
 
     parts: str
     description: str = ""
@@ -143,7 +145,7 @@ def default_sizes(count: int, parts: int) -> list[int]:
     return sizes
 
 
-class Composition:
+class CompositionPlugin:
     """The whole-strategy hooks of a composition, answered from its parallelisms.
 
     Core builds it from names (``get_strategy("fsdp+tp")``); it is the plugin of the run's
@@ -242,7 +244,7 @@ class Composition:
         ]
         return jax.tree.unflatten(treedef, specs)
 
-    def trace_contexts(self, mesh: Any) -> list[Any]:
+    def part_contexts(self, mesh: Any) -> list[Any]:
         """The context managers the parallelisms enter around every traced program."""
         split = {a for key, specs in self._stored.items() if key[1] == id(mesh)
                  for spec in specs for a in mesh_axes(spec)}  # fmt: skip

@@ -333,7 +333,7 @@ def _composition(
             f"axis_names {renames} renames axes that {label!r} does not have "
             f"(its axes: {', '.join(sorted(roles))}): rename one of those"
         )
-    composition = compose.Composition(parts)
+    composition = compose.CompositionPlugin(parts)
     first = _entries(GROUP).get(label, (None,))[0]
     info = StrategyInfo(
         label,

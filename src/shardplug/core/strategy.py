@@ -80,9 +80,9 @@ class Strategy:
         return hookspecs.declared(self.plugin, "unsupported")
 
     @property
-    def composition(self) -> compose.Composition | None:
+    def composition(self) -> compose.CompositionPlugin | None:
         """The parallelisms and their axes, when this strategy composes them."""
-        return self.plugin if isinstance(self.plugin, compose.Composition) else None
+        return self.plugin if isinstance(self.plugin, compose.CompositionPlugin) else None
 
     def activation_rules(self) -> dict[str, tuple[str, ...]]:
         """Logical activation names -> mesh axes (empty for a whole strategy)."""
@@ -158,10 +158,10 @@ class Strategy:
             return self.composition.gather(params, mesh)
         return self.gather_params(params, mesh), {}
 
-    def trace_contexts(self, mesh: Any) -> list[Any]:
+    def contexts_while_tracing(self, mesh: Any) -> list[Any]:
         """The context managers entered around every traced program: the activation rules
         (:func:`shardplug.constrain`) and the parallelisms' own (``pp``'s schedule)."""
-        own = [] if self.composition is None else self.composition.trace_contexts(mesh)
+        own = [] if self.composition is None else self.composition.part_contexts(mesh)
         return [activation_rules(self.activation_rules()), *own]
 
     def reduce_grads(self, grads: Any, mesh: Any) -> Any:

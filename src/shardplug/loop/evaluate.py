@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from shardplug.errors import ConfigError
-from shardplug.loop import batches as host
+from shardplug.loop import feed
 from shardplug.loop.program import Program, RunState
 
 #: the most batches an evaluation reads from a source without a length when no ``steps``
@@ -66,9 +66,9 @@ def evaluate(
         steps = EVAL_CAP
     for batch in batches if steps is None else itertools.islice(batches, steps):
         program = program_for(batch)
-        host.check(batch, count, program.signature)
+        feed.check(batch, count, program.signature)
         state.leaves, metrics = program.compiled(
-            state.leaves, host.put(batch, program.batch_shardings)
+            state.leaves, feed.put(batch, program.batch_shardings)
         )
         totals = metrics if totals is None else jax.tree.map(jnp.add, totals, metrics)
         count += 1

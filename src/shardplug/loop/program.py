@@ -19,7 +19,7 @@ import jax
 
 from shardplug.core.step import key_impl, unwrap_keys, wrap_keys
 from shardplug.errors import PluginError
-from shardplug.loop import batches as host
+from shardplug.loop import feed
 
 
 class Program(NamedTuple):
@@ -27,7 +27,7 @@ class Program(NamedTuple):
 
     compiled: Any  # jax.stages.Compiled: (leaves, batch) -> (leaves, metrics)
     batch_shardings: Any
-    signature: Any  # the batches' structure, shapes and dtypes (loop.batches.signature)
+    signature: Any  # the batches' structure, shapes and dtypes (loop.feed.signature)
     jaxpr: Any  # the traced step, for its FLOP count (shardplug.flops.step_flops)
 
 
@@ -65,7 +65,7 @@ def tracing(mesh: Any, strategy: Any) -> contextlib.ExitStack:
     model's forward pass resolve) and the strategy's contexts (activation rules, pipelines)."""
     stack = contextlib.ExitStack()
     stack.enter_context(jax.set_mesh(mesh))
-    for context in strategy.trace_contexts(mesh):
+    for context in strategy.contexts_while_tracing(mesh):
         stack.enter_context(context)
     return stack
 
@@ -85,12 +85,12 @@ def lower(
 
     :return: the ``jax.stages.Lowered`` program, the batch shardings and the traced jaxpr.
     """
-    abstract = jax.tree.map(host.global_struct, batch)
+    abstract = jax.tree.map(feed.global_struct, batch)
     batch_shardings = strategy.shard_batch(abstract, mesh)
     if jax.process_count() > 1:
-        jax.tree.map(host.check_process_rows, abstract, batch_shardings)
+        jax.tree.map(feed.check_process_rows, abstract, batch_shardings)
     if microbatches > 1:
-        check = functools.partial(host.check_microbatches, microbatches)
+        check = functools.partial(feed.check_microbatches, microbatches)
         jax.tree.map(check, abstract, batch_shardings)
     program = strategy.compile_step(step_for(batch_shardings), mesh, state_shardings,
                                     batch_shardings)  # fmt: skip
@@ -127,7 +127,7 @@ def lower(
 def build(step_for: Callable[[Any], Callable], batch: Any, **context: Any) -> Program:
     """:func:`lower`, compiled: the program for batches shaped like ``batch``."""
     lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
-    return Program(lowered.compile(), batch_shardings, host.signature(batch), jaxpr)
+    return Program(lowered.compile(), batch_shardings, feed.signature(batch), jaxpr)
 
 
 def place(program: Program, batch: Any, index: int) -> Any:
@@ -135,7 +135,7 @@ def place(program: Program, batch: Any, index: int) -> Any:
     batch from this process's rows. One process hands its host arrays to the compiled step,
     whose C++ dispatch copies them into the batch shardings (``jax.device_put`` in Python
     cost several times a small model's step)."""
-    host.check(batch, index, program.signature)
+    feed.check(batch, index, program.signature)
     if jax.process_count() == 1:
         return batch
-    return host.put(batch, program.batch_shardings)
+    return feed.put(batch, program.batch_shardings)

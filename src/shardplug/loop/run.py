@@ -14,7 +14,7 @@ import jax
 
 from shardplug.core.step import NONFINITE
 from shardplug.errors import BatchError, NonFiniteError, ShardplugWarning, TrainingInterrupted
-from shardplug.loop import batches as host
+from shardplug.loop import feed
 from shardplug.loop.metrics import StepFacts, device_rows, peak_tflops
 from shardplug.loop.profile import Trace
 from shardplug.loop.program import Program, RunState, place
@@ -180,7 +180,7 @@ def _rows(
 ) -> list[dict[str, float]]:
     values = jax.device_get(pending)  # the loop's only wait on the devices
     step_time = (time.perf_counter() - started) / len(values)
-    samples = host.batch_rows(program.signature) * jax.process_count()
+    samples = feed.batch_rows(program.signature) * jax.process_count()
     rate = samples / step_time if step_time > 0 else math.inf
     if state.facts is None or state.facts[0] is not program:
         state.facts = (program, StepFacts.of(program, int(trainer.mesh.size)))

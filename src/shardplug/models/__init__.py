@@ -21,7 +21,7 @@ from flax import nnx
 from shardplug.core.remat import REMAT_POLICIES
 from shardplug.errors import ConfigError, UnknownModelError
 from shardplug.flops import TransformerShape
-from shardplug.models import data, equinox_models, linen_models, nnx_models
+from shardplug.models import equinox_models, linen_models, nnx_models, synthetic
 from shardplug.models.adapter import Adapter, Rules, apply_rules
 from shardplug.models.equinox_adapter import from_equinox
 from shardplug.models.linen_adapter import from_linen
@@ -86,9 +86,9 @@ class ReferenceModel:
             return None
         shape = TransformerShape(
             layers=options.get("layers") or nnx_models.LAYERS, width=nnx_models.EMBED,
-            sequence=data.SEQ_LEN, vocab=data.VOCAB, mlp=nnx_models.HIDDEN,
+            sequence=synthetic.SEQ_LEN, vocab=synthetic.VOCAB, mlp=nnx_models.HIDDEN,
         )  # fmt: skip
-        return shape.flops_per_token()["total"] * data.SEQ_LEN
+        return shape.flops_per_token()["total"] * synthetic.SEQ_LEN
 
     def task(
         self,
@@ -113,7 +113,7 @@ class ReferenceModel:
             loss_fn=self.loss_fn,
             optimizer=optax.adam(learning_rate or self.learning_rate),
             data=Batches(
-                data.records(kind, size, seed), size, shuffle=False, name=f"{kind}-{seed}"
+                synthetic.records(kind, size, seed), size, shuffle=False, name=f"{kind}-{seed}"
             ),
             eval_data=lambda: itertools.islice(self.batches(size, held_out), 4),
             name=self.name,
@@ -179,7 +179,7 @@ MODELS: dict[str, ReferenceModel] = {
             equinox_models.MLP_RULES,
             inputs="x",
             head=_mse,
-            batches=data.regression,
+            batches=synthetic.regression,
             learning_rate=3e-3,
         ),
         _reference(
@@ -191,7 +191,7 @@ MODELS: dict[str, ReferenceModel] = {
             equinox_models.MLP_RULES,
             inputs="x",
             head=_cross_entropy,
-            batches=data.clusters,
+            batches=synthetic.clusters,
             learning_rate=3e-3,
         ),
         _reference(
@@ -203,7 +203,7 @@ MODELS: dict[str, ReferenceModel] = {
             equinox_models.TRANSFORMER_RULES,
             inputs="tokens",
             head=_cross_entropy,
-            batches=data.markov,
+            batches=synthetic.markov,
             learning_rate=3e-3,
             batch_size=32,
             options=("layers", "remat"),
@@ -217,7 +217,7 @@ MODELS: dict[str, ReferenceModel] = {
             equinox_models.CNN_RULES,
             inputs="image",
             head=_cross_entropy,
-            batches=data.bars,
+            batches=synthetic.bars,
             learning_rate=3e-3,
         ),
     )

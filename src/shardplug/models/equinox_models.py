@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from shardplug import stack
-from shardplug.models import data
+from shardplug.models import synthetic
 from shardplug.models.layers import batch_moments, dropout
 from shardplug.models.nnx_models import (
     CHANNELS,
@@ -97,11 +97,11 @@ class TransformerLM(eqx.Module):
     def __init__(self, key: jax.Array, layers: int = LAYERS, remat: str = "none"):
         keys = jax.random.split(key, 4)
         normal = jax.nn.initializers.normal(0.02)
-        self.embed = normal(keys[0], (data.VOCAB, EMBED))
-        self.position = normal(keys[1], (data.SEQ_LEN, EMBED))
+        self.embed = normal(keys[0], (synthetic.VOCAB, EMBED))
+        self.position = normal(keys[1], (synthetic.SEQ_LEN, EMBED))
         self.blocks = stack.equinox_layers(Block, layers, keys[2])
         self.norm = (jnp.ones(EMBED), jnp.zeros(EMBED))
-        self.unembed = normal(keys[3], (EMBED, data.VOCAB))
+        self.unembed = normal(keys[3], (EMBED, synthetic.VOCAB))
         self.remat = remat
 
     def __call__(self, tokens, *, key=None, inference=False):
@@ -167,7 +167,8 @@ class CNN(eqx.Module):
         self.norm1 = BatchNorm(CHANNELS)
         self.conv2 = eqx.nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1, use_bias=False, key=k2)
         self.norm2 = BatchNorm(CHANNELS)
-        self.head = eqx.nn.Linear((data.IMAGE // 2) ** 2 * CHANNELS, data.IMAGE_CLASSES, key=k3)
+        pooled = (synthetic.IMAGE // 2) ** 2 * CHANNELS
+        self.head = eqx.nn.Linear(pooled, synthetic.IMAGE_CLASSES, key=k3)
 
     def __call__(self, images, state, *, key=None, inference=False):
         def conv(layer, x):  # Equinox convolutions take one CHW example
@@ -187,11 +188,11 @@ CNN_RULES = {r"conv[12]/weight": ("mlp",), r"head/weight": (None, "embed")}
 
 
 def regressor(key):
-    return MLP(data.REGRESSION_INPUTS, 128, 1, key)
+    return MLP(synthetic.REGRESSION_INPUTS, 128, 1, key)
 
 
 def classifier(key):
-    return MLP(data.CLASSIFICATION_INPUTS, 128, data.CLASSES, key)
+    return MLP(synthetic.CLASSIFICATION_INPUTS, 128, synthetic.CLASSES, key)
 
 
 def transformer(layers: int = LAYERS, remat: str = "none"):

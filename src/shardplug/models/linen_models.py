@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from shardplug import stack
 from shardplug.core.context import batch_axis_name
-from shardplug.models import data
+from shardplug.models import synthetic
 from shardplug.models.layers import dropout
 from shardplug.models.nnx_models import (
     CHANNELS,
@@ -77,11 +77,11 @@ class TransformerLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
-        embed = _param(self, "embed", (data.VOCAB, EMBED), ("vocab", "embed"))
-        position = _param(self, "position", (data.SEQ_LEN, EMBED), (None, "embed"))
+        embed = _param(self, "embed", (synthetic.VOCAB, EMBED), ("vocab", "embed"))
+        position = _param(self, "position", (synthetic.SEQ_LEN, EMBED), (None, "embed"))
         x = embed[tokens] + position[None, : tokens.shape[1]]
         x = stack.LinenLayers(Block, self.layers, self.remat, name="blocks")(x)
-        return _norm()(x) @ _param(self, "unembed", (EMBED, data.VOCAB), ("embed", "vocab"))
+        return _norm()(x) @ _param(self, "unembed", (EMBED, synthetic.VOCAB), ("embed", "vocab"))
 
 
 class CNN(nn.Module):
@@ -99,16 +99,16 @@ class CNN(nn.Module):
         x = nn.avg_pool(x, (2, 2), strides=(2, 2)).reshape(images.shape[0], -1)
         if train:
             x = dropout(x, DROPOUT, self.make_rng("dropout"))
-        return _dense(data.IMAGE_CLASSES, ("embed", None))(x)
+        return _dense(synthetic.IMAGE_CLASSES, ("embed", None))(x)
 
 
 def sample_input(model: str) -> jnp.ndarray:
     """A one-row input of the right shape, for ``module.init``."""
     shapes = {
-        "mlp": ((1, data.REGRESSION_INPUTS), jnp.float32),
-        "classifier": ((1, data.CLASSIFICATION_INPUTS), jnp.float32),
-        "transformer": ((1, data.SEQ_LEN), jnp.int32),
-        "cnn": ((1, data.IMAGE, data.IMAGE, 1), jnp.float32),
+        "mlp": ((1, synthetic.REGRESSION_INPUTS), jnp.float32),
+        "classifier": ((1, synthetic.CLASSIFICATION_INPUTS), jnp.float32),
+        "transformer": ((1, synthetic.SEQ_LEN), jnp.int32),
+        "cnn": ((1, synthetic.IMAGE, synthetic.IMAGE, 1), jnp.float32),
     }
     shape, dtype = shapes[model]
     return jnp.zeros(shape, dtype)
@@ -116,7 +116,7 @@ def sample_input(model: str) -> jnp.ndarray:
 
 MODULES = {
     "mlp": MLP(128, 1),
-    "classifier": MLP(128, data.CLASSES),
+    "classifier": MLP(128, synthetic.CLASSES),
     "transformer": TransformerLM(),
     "cnn": CNN(),
 }

@@ -9,7 +9,7 @@ from flax import nnx
 from shardplug import stack
 from shardplug.core.attention import attention as fused_attention
 from shardplug.core.context import batch_axis_name
-from shardplug.models import data
+from shardplug.models import synthetic
 from shardplug.models.layers import dropout
 
 _lecun = nnx.initializers.lecun_normal()
@@ -38,11 +38,11 @@ class MLP(nnx.Module):
 
 
 def regressor(rngs: nnx.Rngs) -> MLP:
-    return MLP(data.REGRESSION_INPUTS, 128, 1, rngs=rngs)
+    return MLP(synthetic.REGRESSION_INPUTS, 128, 1, rngs=rngs)
 
 
 def classifier(rngs: nnx.Rngs) -> MLP:
-    return MLP(data.CLASSIFICATION_INPUTS, 128, data.CLASSES, rngs=rngs)
+    return MLP(synthetic.CLASSIFICATION_INPUTS, 128, synthetic.CLASSES, rngs=rngs)
 
 
 # The transformer: pre-norm blocks of causal attention and an MLP.
@@ -97,11 +97,11 @@ class TransformerLM(nnx.Module):
     """Token and position embeddings, a stack of blocks, a final norm and an unembedding."""
 
     def __init__(self, *, rngs: nnx.Rngs, layers: int = LAYERS, remat: str = "none"):
-        self.embed = _param(rngs, (data.VOCAB, EMBED), ("vocab", "embed"))
-        self.position = _param(rngs, (data.SEQ_LEN, EMBED), (None, "embed"))
+        self.embed = _param(rngs, (synthetic.VOCAB, EMBED), ("vocab", "embed"))
+        self.position = _param(rngs, (synthetic.SEQ_LEN, EMBED), (None, "embed"))
         self.blocks = stack.nnx_layers(lambda r: Block(rngs=r), layers, rngs)
         self.norm = _norm(rngs)
-        self.unembed = _param(rngs, (EMBED, data.VOCAB), ("embed", "vocab"))
+        self.unembed = _param(rngs, (EMBED, synthetic.VOCAB), ("embed", "vocab"))
         self.remat = remat
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -133,8 +133,8 @@ class CNN(nnx.Module):
             CHANNELS, CHANNELS, (3, 3), use_bias=False, kernel_init=conv, rngs=rngs
         )
         self.norm2 = nnx.BatchNorm(CHANNELS, rngs=rngs)
-        flat = (data.IMAGE // 2) ** 2 * CHANNELS
-        self.head = _dense(flat, data.IMAGE_CLASSES, ("embed", None), rngs)
+        flat = (synthetic.IMAGE // 2) ** 2 * CHANNELS
+        self.head = _dense(flat, synthetic.IMAGE_CLASSES, ("embed", None), rngs)
         self.rngs = rngs
         self.deterministic = False  # set by model.train() / model.eval()
 
