@@ -34,3 +34,13 @@ def test_the_architecture_page_names_every_hook_there_is():
     bullet = text[text.index("- **`core/hookspecs.py`**") :].split("\n- ", 1)[0]
     assert set(re.findall(r"`(\w+)`", bullet)) - {"firstresult"} == specs
     assert len(specs) == 14
+
+
+def test_the_newcomers_tour_names_files_that_exist():
+    """Every file the tour in docs/architecture.md walks through is a module of shardplug."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    tour = text.split("## A newcomer's tour", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"\*\*`([\w/]+\.py)`\*\*", tour)
+    assert len(named) >= 15
+    missing = [f for f in named if not (ROOT / "src" / "shardplug" / f).is_file()]
+    assert not missing, f"the tour names files that do not exist: {missing}"
