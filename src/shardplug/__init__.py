@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "shardplug.core.attention": ("attention",),
-    "shardplug.core.context": ("batch_axis_name", "compute_dtype", "constrain"),
+    "shardplug.core.context": ("batch_axis_name", "compute_dtype", "constrain", "sharding_of"),
     "shardplug.core.devices": ("select_devices", "simulate_cpu_devices"),
     "shardplug.core.hookspecs": ("hookimpl", "hookspec"),
     "shardplug.core.mesh": ("parse_mesh",),

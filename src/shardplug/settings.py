@@ -12,6 +12,7 @@ from shardplug.core.step import Precision, _compute_dtype
 from shardplug.errors import ConfigError
 
 OnNonFinite = Literal["stop", "skip"]
+AxisTypes = Literal["auto", "explicit"]
 
 
 def _positive(name: str, value: Any, optional: bool = False) -> None:
@@ -36,6 +37,7 @@ class Settings:
     precision: Precision = "float32"
     profile_dir: str | None = None
     profile_steps: range = range(3, 6)
+    axis_types: AxisTypes | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, int):
@@ -49,6 +51,11 @@ class Settings:
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         _compute_dtype(self.precision)
+        if self.axis_types not in (None, "auto", "explicit"):
+            raise ConfigError(
+                f"axis_types must be 'auto', 'explicit' or None (chosen for the model), "
+                f"got {self.axis_types!r}"
+            )
         steps = self.profile_steps
         if not isinstance(steps, range) or not steps or steps.step != 1:
             raise ConfigError(f"profile_steps must be a non-empty range of steps, got {steps!r}")

@@ -15,7 +15,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core.devices import select_devices
-from shardplug.core.mesh import parse_mesh
+from shardplug.core.mesh import (
+    explain_axis_types,
+    needs_explicit,
+    needs_mesh,
+    parse_mesh,
+    retyped,
+)
 from shardplug.core.registry import Strategy, get_strategy
 from shardplug.core.sharding import optimizer_shardings
 from shardplug.core.state import create_state
@@ -41,7 +47,7 @@ from shardplug.loop.position import SKIP, Tracked, stateful
 from shardplug.loop.program import Program, RunState
 from shardplug.loop.run import run
 from shardplug.models.adapter import Adapter
-from shardplug.settings import OnNonFinite, Settings
+from shardplug.settings import AxisTypes, OnNonFinite, Settings
 
 
 class Trainer:
@@ -92,6 +98,13 @@ class Trainer:
     :param profile_dir: write a profiler trace (TensorBoard, Perfetto) of the steps
         ``profile_steps`` (a ``range`` of step numbers, default 3 to 5, after compilation)
         into this directory (``process_<i>/`` in it for each process of a multi-process run).
+    :param axis_types: the mesh's axis types: ``"auto"`` (JAX's ``AxisType.Auto``: the
+        compiler propagates shardings), ``"explicit"`` (``AxisType.Explicit``: shardings are
+        part of every array's type, for models that use ``jax.sharding.reshard``, einsums with
+        ``out_sharding`` and the like), or None: explicit when the model's parameters already
+        live on an explicit mesh or its code needs explicit axes (found when the step is
+        first traced), auto otherwise; ``trainer.axis_types`` and ``axis_types_reason`` say
+        which ran and why.
     :param allocate: False plans without allocating: the state is only shapes and shardings
         (``jax.ShapeDtypeStruct``), so the step can be compiled and explained
         (:func:`shardplug.explain.explain`) for a model larger than this machine's memory,
@@ -120,6 +133,7 @@ class Trainer:
         profile_dir: str | os.PathLike | None = None,
         profile_steps: range = range(3, 6),
         allocate: bool = True,
+        axis_types: AxisTypes | None = None,
     ):
         if not isinstance(adapter, Adapter):
             raise ConfigError(
@@ -134,7 +148,7 @@ class Trainer:
             seed=seed, log_every=log_every, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, keep=keep, config=config or {},
             on_nonfinite=on_nonfinite, grad_accum=grad_accum, precision=precision,
-            profile_dir=profile_dir, profile_steps=profile_steps,
+            profile_dir=profile_dir, profile_steps=profile_steps, axis_types=axis_types,
         )  # fmt: skip
         self.grad_accum, self.precision = settings.grad_accum, settings.precision
         self.profile_dir, self.profile_steps = settings.profile_dir, settings.profile_steps
@@ -171,28 +185,74 @@ class Trainer:
         if devices is None or isinstance(devices, int):
             devices = select_devices(devices)
         mesh_shape = parse_mesh(mesh) if isinstance(mesh, str) else mesh
+        #: the mesh's axis types ("auto" or "explicit") and why they were chosen
+        self.axis_types, self.axis_types_reason = explain_axis_types(axis_types, adapter)
         self.mesh = self.strategy.make_mesh(
-            list(devices), None if mesh_shape is None else dict(mesh_shape)
+            list(devices), None if mesh_shape is None else dict(mesh_shape), self.axis_types
         )
 
         rng = jax.random.key(seed)
-        abstract_params, abstract_model_state = adapter.abstract(rng)
-        self.annotations = adapter.annotations(abstract_params)
-        replicated = NamedSharding(self.mesh, P())
-        param_shardings = self.strategy.shard_params(abstract_params, self.mesh, self.annotations)
-        self.state_shardings = TrainState(
-            step=replicated,
-            params=param_shardings,
-            opt_state=optimizer_shardings(optimizer, abstract_params, param_shardings, replicated),
-            model_state=self.strategy.shard_model_state(abstract_model_state, self.mesh),
-            rng=replicated,
-        )
+        self._abstract = self._building(lambda: adapter.abstract(rng))
+        self.annotations = self._building(lambda: adapter.annotations(self._abstract[0]))
+        self._lay_out()
         # Created outside the mesh context: a Flax model's partition metadata names logical
         # axes that only the strategy maps onto the mesh.
         self.allocated = allocate
-        self.state = create_state(adapter, optimizer, self.state_shardings, rng, allocate=allocate)
+        self.state = self._building(
+            lambda: create_state(adapter, optimizer, self.state_shardings, rng, allocate=allocate)
+        )
         self._train: Program | None = None
         self._eval: Program | None = None
+
+    def _building(self, build: Callable[[], Any]) -> Any:
+        """``build()`` the model: on explicit axes under the run's mesh (a model that
+        reshards in its forward pass runs it at initialisation too; no activation rules
+        there: a sample input's rows need not split); when the mode was left to choose and
+        the model's code needs explicit axes, again on them."""
+        if self.axis_types == "explicit":
+            with jax.set_mesh(self.mesh):
+                return build()
+        try:
+            return build()
+        except Exception as exc:
+            need = needs_explicit(exc) or (needs_mesh(exc) and "a mesh to build")
+            if not need or self.settings.axis_types is not None:
+                raise
+        self.strategy.check_explicit()
+        self.axis_types = "explicit"
+        self.axis_types_reason = f"the model's code needs explicit axes ({need})"
+        self.mesh = retyped(self.mesh, "explicit")
+        if hasattr(self, "state_shardings"):
+            self._lay_out()
+        with jax.set_mesh(self.mesh):
+            return build()
+
+    def _lay_out(self) -> None:
+        """The state's shardings on the run's mesh, as the strategy chooses them."""
+        abstract_params, abstract_model_state = self._abstract
+        replicated = NamedSharding(self.mesh, P())
+        params = self.strategy.shard_params(abstract_params, self.mesh, self.annotations)
+        self.state_shardings = TrainState(
+            step=replicated,
+            params=params,
+            opt_state=optimizer_shardings(self.optimizer, abstract_params, params, replicated),
+            model_state=self.strategy.shard_model_state(abstract_model_state, self.mesh),
+            rng=replicated,
+        )
+
+    def _go_explicit(self, reason: str) -> None:
+        """Move the run onto explicit mesh axes (the same devices and layouts)."""
+        self.strategy.check_explicit()
+        self.axis_types, self.axis_types_reason = "explicit", reason
+        self.mesh = retyped(self.mesh, "explicit")
+        self._lay_out()
+        if self.allocated:
+            self.state = jax.device_put(self.state, self.state_shardings)
+        else:
+            self.state = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                self.state, self.state_shardings,
+            )  # fmt: skip
 
     @property
     def state(self) -> TrainState:
@@ -264,7 +324,8 @@ class Trainer:
         A ``jax.stages.Lowered``: ``.as_text()`` is the program before partitioning,
         ``.compile()`` the program the devices would run (``.as_text()``, ``.memory_analysis()``).
         """
-        return program.lower(self._step_for, batch, **self._context(self.grad_accum))[0]
+        lower = self._explicit_if_needed(program.lower, self._step_for, batch, self.grad_accum)
+        return lower[0]
 
     def _step_for(self, batch_shardings: Any) -> Callable:
         return make_step(
@@ -285,7 +346,24 @@ class Trainer:
                     run=self._run, microbatches=microbatches)  # fmt: skip
 
     def _build(self, step_for: Callable[[Any], Callable], batch: Any, microbatches: int = 1):
-        return program.build(step_for, batch, **self._context(microbatches))
+        return self._explicit_if_needed(program.build, step_for, batch, microbatches)
+
+    def _explicit_if_needed(self, how: Callable, step_for: Callable, batch: Any, k: int) -> Any:
+        """``how`` (build or lower) of the step; when the mode was left to choose and the
+        model's code turns out to need explicit axes, again on them."""
+        try:
+            return how(step_for, batch, **self._context(k))
+        except Exception as exc:
+            need = needs_explicit(exc)
+            if need is None or self.settings.axis_types == "explicit":
+                raise
+            if self.settings.axis_types == "auto":
+                raise ConfigError(
+                    f"the model's code needs explicit mesh axes ({need}), and axis_types "
+                    f"'auto' was asked for: leave axis_types out, or ask for 'explicit'"
+                ) from exc
+        self._go_explicit(f"the model's code needs explicit axes ({need})")
+        return how(step_for, batch, **self._context(k))
 
     def _eval_program(self, batch: Any) -> Program:
         """The evaluation step, compiled once, on the first evaluation batch."""

@@ -34,8 +34,8 @@ from jax.sharding import PartitionSpec as P
 from shardplug.core import fallbacks, hookspecs
 from shardplug.core.hookspecs import hookimpl
 from shardplug.core.layer_stack import LAYERS
-from shardplug.core.mesh import build_mesh
-from shardplug.core.sharding import leaf_paths, mesh_axes
+from shardplug.core.mesh import build_mesh, is_explicit
+from shardplug.core.sharding import constraints_lay_out, lay_out, leaf_paths, mesh_axes
 from shardplug.errors import CompositionError, MeshError, PluginError, ShardplugError
 
 #: hooks of the step a parallelism may also implement; one per composition.
@@ -99,7 +99,8 @@ class Part:
         """``hook`` asked of this parallelism alone (core's fallback where it has none)."""
         others = [p for p in self.pm.get_plugins() if p is not self.plugin and p is not fallbacks]
         try:
-            return self.pm.subset_hook_caller(hook, remove_plugins=others)(**kwargs)
+            with constraints_lay_out():
+                return self.pm.subset_hook_caller(hook, remove_plugins=others)(**kwargs)
         except ShardplugError:
             raise
         except Exception as exc:
@@ -238,11 +239,48 @@ class CompositionPlugin:
         ]
         for part in self.parts:
             part.call("check_layout", paths=paths, specs=specs, axis=part.axis.name)
+        if is_explicit(mesh):
+            for path, leaf, logical, spec in zip(paths, leaves, logicals, specs, strict=True):
+                self._check_agrees(path, leaf.shape, logical, spec, mesh)
         self._stored[(treedef, id(mesh))] = specs
         self._stacked[(treedef, id(mesh))] = [
             len(logical) > 0 and logical[0] == LAYERS for logical in logicals
         ]
         return jax.tree.unflatten(treedef, specs)
+
+    def _check_agrees(self, path: str, shape: Any, logical: P, spec: P, mesh: Any) -> None:
+        """On explicit axes the model's annotation decides where a parameter is used: a
+        parallelism that would use it laid out otherwise is refused, naming both."""
+        axes = set(mesh.axis_names)
+
+        def named(entry):
+            entries = entry if isinstance(entry, tuple) else (entry,)
+            kept = tuple(e for e in entries if e in axes)
+            return None if not kept else kept[0] if len(kept) == 1 else kept
+
+        model = [named(e) for e in logical]
+        if not any(e is not None for e in model):
+            return  # the model names no mesh axis here: the parallelisms decide
+        used = list(self.used_spec(spec))
+        width = max(len(model), len(used))
+        model += [None] * (width - len(model))
+        used += [None] * (width - len(used))
+        if model == used:
+            return
+        who = sorted(
+            {
+                p.name
+                for p in self.parts
+                for m, u in zip(model, used, strict=True)
+                if m != u and p.axis.name in mesh_axes(P(m, u))
+            }
+        )
+        raise CompositionError(
+            f"{path} (shape {tuple(shape)}): the model lays it out as {_trimmed(model)}, "
+            f"{' and '.join(map(repr, who)) or 'the parallelisms'} as {_trimmed(used)}: on "
+            f"explicit axes the model's annotation decides; make them agree (the parallelism's rules "
+            f"or options, or the model's annotation), or use axis_types='auto'"
+        )
 
     def part_contexts(self, mesh: Any) -> list[Any]:
         """The context managers the parallelisms enter around every traced program."""
@@ -336,9 +374,17 @@ class CompositionPlugin:
                 if in_stack:
                     per_layer[id(leaf)] = used
                 else:
-                    leaf = jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, used))
+                    leaf = lay_out(leaf, NamedSharding(mesh, used))
             out.append(leaf)
         return jax.tree.unflatten(treedef, out), per_layer
+
+
+def _trimmed(entries: list[Any]) -> P:
+    """``entries`` as a PartitionSpec without its trailing ``None``s."""
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def parse(name: str) -> list[str]:

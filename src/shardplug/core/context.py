@@ -10,6 +10,8 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core.sharding import lay_out
+
 _BATCH_AXIS: contextvars.ContextVar[str | tuple[str, ...] | None] = contextvars.ContextVar(
     "shardplug_batch_axis", default=None
 )
@@ -102,7 +104,9 @@ def logical_spec(names: tuple[str | None, ...]) -> P | None:
     rules = _RULES.get()
     if rules is None or _MANUAL_AXES.get():
         return None
-    used: set[str] = set()
+    mesh = jax.sharding.get_abstract_mesh()  # a schedule's manual axes are not the model's
+    used = {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+            if t == jax.sharding.AxisType.Manual}  # fmt: skip
     out: list[Any] = []
     for name in names:
         axes = rules.get(name) if name is not None else None
@@ -114,6 +118,20 @@ def logical_spec(names: tuple[str | None, ...]) -> P | None:
     if all(entry is None for entry in out):
         return None
     return P(*out)
+
+
+def sharding_of(names: tuple[str | None, ...]) -> P:
+    """The ``PartitionSpec`` that logical dimension ``names`` map to under the current step's
+    rules: what a model on explicit mesh axes passes as ``out_sharding`` (``jnp.einsum``,
+    ``.at[...].get``) or to ``jax.sharding.reshard``, so that it runs under any strategy.
+
+    ``jnp.einsum("bld,df->blf", x, w, out_sharding=shardplug.sharding_of(("batch", None,
+    "mlp")))`` splits the result's rows as the batch and its last dimension over tensor
+    parallelism's axis; a name nothing maps stays whole (``None``), as does every name
+    outside a training step.
+    """
+    spec = logical_spec(tuple(names))
+    return P(*([None] * len(names))) if spec is None else spec
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
@@ -133,4 +151,4 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
             " give one name (or None) per dimension"
         )
     spec = logical_spec(tuple(names))
-    return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+    return x if spec is None else lay_out(x, spec)

@@ -73,6 +73,9 @@ class Capability(enum.StrEnum):
     BATCH_SPLIT = "batch-split"
     #: models without a layer stack (``shardplug.stack``)
     WITHOUT_LAYER_STACK = "without-layer-stack"
+    #: meshes whose axes are ``AxisType.Explicit`` (``axis_types="explicit"``); a plugin that
+    #: declares it unsupported is refused in that mode, with its reason
+    EXPLICIT_AXES = "explicit-axes"
 
 
 CAPABILITIES = tuple(c.value for c in Capability)

@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core.remat import saveable
+from shardplug.core.sharding import lay_out
 
 #: the name of a stacked parameter's layer where the step uses it (gathered by fsdp)
 GATHERED = "shardplug_gathered_layer"
@@ -50,9 +51,7 @@ def layer_gather(params: Any) -> Callable[[Any], Any] | None:
 
     def gather(layer):
         out = [
-            leaf
-            if spec is None
-            else checkpoint_name(jax.lax.with_sharding_constraint(leaf, P(*spec[1:])), GATHERED)
+            leaf if spec is None else checkpoint_name(lay_out(leaf, P(*spec[1:])), GATHERED)
             for leaf, spec in zip(jax.tree.leaves(layer), used, strict=True)
         ]
         return jax.tree.unflatten(treedef, out)

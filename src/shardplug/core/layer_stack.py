@@ -45,6 +45,6 @@ def run_stack(fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Arr
     pipeline = schedule.active()
     if pipeline is None:
         return jax.lax.scan(lambda h, layer: (block(layer, h), None), x, params)[0]
-    pipeline = pipeline.resolve(x.shape[0])
+    pipeline = pipeline.split_over(schedule.rows_split(x)).resolve(x.shape[0])
     pipeline.check(layers, x.shape[0])
     return schedule.schedule(block, params, x, pipeline, layers)

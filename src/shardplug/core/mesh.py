@@ -76,6 +76,72 @@ def build_mesh(
     return Mesh(grid, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
 
 
+#: the mesh modes a run may ask for (``--axis-types``): JAX's ``AxisType.Auto`` (the compiler
+#: propagates shardings; ``with_sharding_constraint`` hints) or ``AxisType.Explicit``
+#: (shardings are part of every array's type; ``jax.sharding.reshard`` moves them)
+AXIS_TYPES = ("auto", "explicit")
+
+
+def retyped(mesh: Mesh, axis_types: str) -> Mesh:
+    """``mesh`` (its devices and axis names unchanged) with every axis of ``axis_types``."""
+    kind = AxisType.Explicit if axis_types == "explicit" else AxisType.Auto
+    if all(t == kind for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(kind,) * len(mesh.axis_names))
+
+
+def is_explicit(mesh: Any) -> bool:
+    """Whether ``mesh`` (a Mesh or an abstract mesh) has explicit axes."""
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def holds_explicit(tree: Any) -> bool:
+    """Whether any array of ``tree`` is laid out on a mesh with explicit axes (a model built
+    under ``jax.set_mesh`` of such a mesh carries them in its parameters' types)."""
+    import jax
+
+    return any(
+        is_explicit(getattr(getattr(leaf, "sharding", None), "mesh", None))
+        for leaf in jax.tree.leaves(tree)
+        if isinstance(leaf, jax.Array)
+    )
+
+
+def explain_axis_types(asked: str | None, adapter: Any) -> tuple[str, str]:
+    """The axis types a run starts with, and why: as asked, or explicit for a model whose
+    parameters already live on an explicit mesh, auto otherwise (until its code says)."""
+    if asked is not None:
+        return asked, "asked for"
+    if holds_explicit(getattr(adapter, "variables", None)):
+        return "explicit", "the model's parameters live on a mesh with explicit axes"
+    return "auto", "the default: the model's code and parameters need no explicit axes"
+
+
+_NEEDS_EXPLICIT = re.compile(r"passed to (\S+) cannot contain axis names that are of type Auto")
+
+
+def needs_explicit(exc: BaseException) -> str | None:
+    """The JAX call that failed for want of explicit axes (``einsum``, ``reshard``, ...) in
+    ``exc`` or its causes, or None when it failed otherwise."""
+    seen = 0
+    while exc is not None and seen < 8:
+        found = _NEEDS_EXPLICIT.search(str(exc))
+        if found:
+            return f"jax {found.group(1)} with a PartitionSpec"
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def needs_mesh(exc: BaseException) -> bool:
+    """Whether ``exc`` (or a cause) is JAX refusing a PartitionSpec outside a mesh context."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if "PartitionSpec when you are not under a mesh context" in str(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 def describe(mesh: Mesh) -> str:
     """``data=2,model=4``: the mesh written the way ``--mesh`` takes it."""
     return ",".join(f"{name}={size}" for name, size in mesh.shape.items())

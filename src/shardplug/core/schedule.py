@@ -22,12 +22,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core.mesh import is_explicit
+from shardplug.core.sharding import lay_out
 from shardplug.errors import ConfigError
 
 
@@ -51,6 +54,13 @@ class Pipeline:
         """The idle fraction of each stage's ticks: (S-1)/(R*M+S-1)."""
         s, m, r = self.stages, self.microbatches, self.repeats
         return (s - 1) / (r * m + s - 1)
+
+    def split_over(self, devices: int) -> Pipeline:
+        """This schedule for a batch whose rows are laid out over ``devices`` by its type
+        (explicit axes): every microbatch's rows must split over them too."""
+        if devices <= self.replica_size:
+            return self
+        return dataclasses.replace(self, replica_size=devices)
 
     def resolve(self, batch: int | None) -> Pipeline:
         """This schedule with its microbatch count chosen for ``batch`` rows where it was
@@ -83,10 +93,11 @@ class Pipeline:
                 f"{m} microbatches do not divide the batch of {batch}: choose -o "
                 f"microbatches=M with M dividing {batch}"
             )
-        if self.replicas and (batch // m) % self.replica_size:
+        if (batch // m) % self.replica_size:
             raise ConfigError(
                 f"a microbatch of {batch // m} rows does not split over the "
-                f"{self.replica_size} devices of {', '.join(self.replicas)}: choose fewer "
+                f"{self.replica_size} devices of {', '.join(self.replicas) or 'the batch'}: "
+                f"choose fewer "
                 f"microbatches (-o microbatches=M) or a larger batch"
             )
         if r > 1 and m % s:
@@ -132,13 +143,14 @@ def schedule(block, params, x, pl: Pipeline, layers: int) -> jax.Array:
 
         def reorder(w):
             w = w.reshape(r_, s_, g_, *w.shape[1:]).swapaxes(0, 1)
-            w = jax.lax.with_sharding_constraint(w, P(pl.axis, *([P.UNCONSTRAINED] * (w.ndim - 1))))
+            w = lay_out(w, P(pl.axis, *([P.UNCONSTRAINED] * (w.ndim - 1))))
             return w.reshape(layers, *w.shape[3:])
 
         params = jax.tree.map(reorder, params)
     batch = x.shape[0]
     # microbatch m is rows m, m+M, ...: each stays spread over the batch's axes
-    xs = x.reshape(batch // m_, m_, *x.shape[1:]).swapaxes(0, 1)
+    split, whole = _microbatch_shardings(x)
+    xs = jnp.reshape(x, (batch // m_, m_, *x.shape[1:]), out_sharding=split).swapaxes(0, 1)
     rows = None if not pl.replicas else pl.replicas[0] if len(pl.replicas) == 1 else pl.replicas
 
     def stage_program(local, xs):
@@ -188,4 +200,25 @@ def schedule(block, params, x, pl: Pipeline, layers: int) -> jax.Array:
         out_specs=P(None, rows),
         axis_names={pl.axis, *pl.replicas},
     )(params, xs)
-    return out.swapaxes(0, 1).reshape(x.shape)
+    return jnp.reshape(out.swapaxes(0, 1), x.shape, out_sharding=whole)
+
+
+def rows_split(x: jax.Array) -> int:
+    """The devices ``x``'s rows are laid out over by its type: 1 on auto axes, where the
+    compiler may lay a microbatch out otherwise."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not is_explicit(mesh) or not x.ndim:
+        return 1
+    lead = jax.typeof(x).sharding.spec
+    lead = lead[0] if len(lead) else None
+    axes = () if lead is None else (lead,) if isinstance(lead, str) else tuple(lead)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _microbatch_shardings(x: jax.Array) -> tuple[P | None, P | None]:
+    """On explicit axes, the layouts of the batch cut into microbatches (rows over the batch's
+    axes, as before) and put back; None on auto axes, where the compiler propagates them."""
+    if not is_explicit(jax.sharding.get_abstract_mesh()):
+        return None, None
+    spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+    return P(spec[0], None, *spec[1 : x.ndim]), P(*spec[: x.ndim])

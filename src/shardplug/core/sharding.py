@@ -2,16 +2,64 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardplug.errors import BatchError, PluginError
+
+_CONSTRAIN = jax.lax.with_sharding_constraint  # JAX's own, whatever a plugin's hook sees
+
+
+def _explicit_now() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+@contextlib.contextmanager
+def constraints_lay_out() -> Iterator[None]:
+    """Inside, on explicit mesh axes, ``jax.lax.with_sharding_constraint`` lays arrays out
+    (:func:`lay_out`) instead of asserting: a plugin's hooks written for auto axes run
+    unchanged on explicit ones. Core enters it around every hook call; it changes nothing
+    outside a program traced on explicit axes."""
+    if not _explicit_now():
+        yield
+        return
+
+    def constrain(x, shardings):
+        if isinstance(shardings, (P, NamedSharding)):
+            return jax.tree.map(lambda leaf: lay_out(leaf, shardings), x)
+        return jax.tree.map(lay_out, x, shardings)
+
+    jax.lax.with_sharding_constraint = constrain
+    try:
+        yield
+    finally:
+        jax.lax.with_sharding_constraint = _CONSTRAIN
+
+
+def lay_out(x: Any, where: P | NamedSharding) -> Any:
+    """``x`` laid out as ``where`` says, inside a traced program, in either mesh mode: under
+    ``AxisType.Explicit`` axes ``jax.sharding.reshard`` (where ``with_sharding_constraint``
+    only asserts), under ``Auto`` axes ``with_sharding_constraint`` (where ``reshard`` is
+    refused). ``P.UNCONSTRAINED`` entries keep what the array's type says under explicit axes.
+    """
+    spec = where.spec if isinstance(where, NamedSharding) else where
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty and isinstance(where, NamedSharding):
+        mesh = where.mesh
+    if not any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return _CONSTRAIN(x, where)
+    if any(entry is P.UNCONSTRAINED for entry in spec):
+        have = tuple(jax.typeof(x).sharding.spec) + (None,) * len(spec)
+        spec = P(*(have[i] if e is P.UNCONSTRAINED else e for i, e in enumerate(spec)))
+    return jax.sharding.reshard(x, spec)
 
 
 def path_str(path: tuple[Any, ...]) -> str:

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from shardplug.core.context import batch_axis_name, computing_in, manual_axes, per_device_program
 from shardplug.core.layer_gather import layer_specs
 from shardplug.core.registry import Strategy
-from shardplug.core.sharding import leading_axes
+from shardplug.core.sharding import lay_out, leading_axes
 from shardplug.errors import ConfigError
 
 LossFn = Callable[..., Any]
@@ -247,7 +247,7 @@ def _accumulate(value_and_grad: Callable, k: int, batch_shardings: Any) -> Calla
             total, model_state = carry
             i, rows = inputs
             if batch_shardings is not None:
-                rows = jax.lax.with_sharding_constraint(rows, batch_shardings)
+                rows = lay_out(rows, batch_shardings)
             key = jax.random.fold_in(rng, i)
             (loss, (metrics, model_state)), grads = value_and_grad(params, model_state, rows, key)
             total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
@@ -311,7 +311,7 @@ def _per_shard_grads(grad_fn, strategy, mesh, state, batch, rng, param_shardings
             return x
         x = x.reshape(n, x.shape[0] // n, *x.shape[1:])
         spec = P(lead, *([None] * (x.ndim - 1)))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        return lay_out(x, NamedSharding(mesh, spec))
 
     shards = jax.tree.map(to_shards, batch, split)
     in_axes = jax.tree.map(lambda s: 0 if s else None, split)
@@ -329,12 +329,12 @@ def _per_shard_grads(grad_fn, strategy, mesh, state, batch, rng, param_shardings
         # each device keeps its own shard's whole gradient until the reduction
         rest = [_without(entry, axes) for entry in sharding.spec]
         rest += [None] * (g.ndim - 1 - len(rest))
-        return jax.lax.with_sharding_constraint(g, NamedSharding(mesh, P(lead, *rest)))
+        return lay_out(g, NamedSharding(mesh, P(lead, *rest)))
 
     def mean_over_shards(g, sharding):
         total = jax.lax.reduce(g, np.zeros((), g.dtype), jax.lax.add, (0,))  # no upcast
         total = total / np.asarray(n, g.dtype)
-        return jax.lax.with_sharding_constraint(total, sharding)
+        return lay_out(total, sharding)
 
     encoded = jax.tree.map(stacked, encoded, param_shardings)
     grads = jax.tree.map(mean_over_shards, encoded, param_shardings)

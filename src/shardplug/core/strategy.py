@@ -12,8 +12,9 @@ import pluggy
 
 from shardplug.core import compose, fallbacks, hookspecs
 from shardplug.core.context import activation_rules
-from shardplug.core.sharding import check_batch, to_named
-from shardplug.errors import PluginError, ShardplugError
+from shardplug.core.mesh import retyped
+from shardplug.core.sharding import check_batch, constraints_lay_out, to_named
+from shardplug.errors import ConfigError, PluginError, ShardplugError
 
 if TYPE_CHECKING:
     from shardplug.core.registry import StrategyInfo
@@ -95,17 +96,31 @@ class Strategy:
     def _call(self, hook: str, **kwargs: Any) -> Any:
         caller: Callable[..., Any] = getattr(self.pm.hook, hook)
         try:
-            return caller(**kwargs)
+            with constraints_lay_out():
+                return caller(**kwargs)
         except ShardplugError:
             raise
         except Exception as exc:
+            hint = ""
+            if "acts as an assert" in str(exc):  # with_sharding_constraint, explicit axes
+                hint = (
+                    " (on explicit mesh axes with_sharding_constraint only asserts: lay "
+                    "arrays out with shardplug.plugin.lay_out or jax.sharding.reshard, or "
+                    "declare 'explicit-axes' unsupported)"
+                )
             raise PluginError(
-                f"strategy {self.name!r}: hook {hook} failed: {type(exc).__name__}: {exc}"
+                f"strategy {self.name!r}: hook {hook} failed: {type(exc).__name__}: {exc}{hint}"
             ) from exc
 
-    def make_mesh(self, devices: list[Any], mesh_shape: dict[str, int] | None) -> Any:
+    def make_mesh(
+        self, devices: list[Any], mesh_shape: dict[str, int] | None, axis_types: str = "auto"
+    ) -> Any:
+        """The plugin's mesh, its axes of ``axis_types`` (``"auto"`` or ``"explicit"``:
+        core retypes the mesh a plugin builds, so a plugin need not know the mode)."""
         from jax.sharding import Mesh
 
+        if axis_types == "explicit":
+            self.check_explicit()
         mesh = self._call("make_mesh", devices=devices, mesh_shape=mesh_shape)
         if not isinstance(mesh, Mesh):
             raise PluginError(f"strategy {self.name!r}: make_mesh returned {mesh!r}, not a Mesh")
@@ -114,7 +129,16 @@ class Strategy:
                 f"strategy {self.name!r}: make_mesh built a mesh over other devices "
                 f"than the {len(devices)} it was given"
             )
-        return mesh
+        return retyped(mesh, axis_types)
+
+    def check_explicit(self) -> None:
+        """Refuse explicit axes where the strategy declares it cannot run on them."""
+        reason = self.unsupported.get(hookspecs.Capability.EXPLICIT_AXES)
+        if reason is not None:
+            raise ConfigError(
+                f"strategy {self.name!r} does not run on explicit mesh axes: {reason}; use "
+                f"axis_types='auto' (--axis-types auto) or another strategy"
+            )
 
     def shard_params(self, params: Any, mesh: Any, annotations: Any | None) -> Any:
         specs = self._call("shard_params", params=params, mesh=mesh, annotations=annotations)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -12,6 +13,19 @@ from jax.sharding import PartitionSpec as P
 
 from shardplug.errors import ConfigError
 from shardplug.models.adapter import Adapter, Rules
+
+
+@contextlib.contextmanager
+def _metadata_unconstrained() -> Iterator[None]:
+    """Initialise without Flax turning partitioning metadata into sharding constraints on
+    whatever mesh is current: the names are logical, and the strategy places the arrays (a
+    module that reshards in its forward pass is initialised under the run's mesh)."""
+    defined = meta.global_mesh_defined
+    meta.global_mesh_defined = lambda: False
+    try:
+        yield
+    finally:
+        meta.global_mesh_defined = defined
 
 
 def _is_box(x: Any) -> bool:
@@ -43,18 +57,27 @@ class LinenAdapter(Adapter):
         self.init_kwargs = dict(init_kwargs)
         self.rng_streams = tuple(rng_streams)
         self.rules = rules
+        self._boxed = None
         if variables is not None:
-            self.boxed = jax.eval_shape(lambda: dict(variables))
+            self._boxed = jax.eval_shape(lambda: dict(variables))
             self.variables = self._split(dict(variables))
-        else:
-            self.boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
+
+    @property
+    def boxed(self) -> Any:
+        """The variables' shapes with their partitioning boxes; traced on first use (inside
+        the trainer: a module that reshards in its forward pass needs the run's mesh)."""
+        if self._boxed is None:
+            self._boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
+        return self._boxed
 
     def _init_boxed(self, rng):
-        return dict(self.module.init(rng, self.sample_input, **self.init_kwargs))
+        with _metadata_unconstrained():
+            return dict(self.module.init(rng, self.sample_input, **self.init_kwargs))
 
     @staticmethod
     def _split(variables):
-        variables = nn.unbox(variables)
+        with _metadata_unconstrained():
+            variables = nn.unbox(variables)
         return variables["params"], {k: v for k, v in variables.items() if k != "params"}
 
     def init(self, rng):

@@ -8,11 +8,13 @@ both alike.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from shardplug.plugin import build_mesh, hookimpl, per_device_program
+from shardplug.plugin import Capability, build_mesh, hookimpl, per_device_program
 
 AXIS = "data"
 
@@ -26,6 +28,10 @@ class PerDeviceProgram:
 
     #: how bench writes this strategy's step by hand: a jax.shard_map per-device program
     baseline = "shard_map"
+    unsupported: ClassVar[dict[str, str]] = {
+        Capability.EXPLICIT_AXES: "its step is a per-device program, in which every mesh axis "
+        "is manual: a model's explicit shardings (reshard, out_sharding) cannot name them"
+    }
 
     @hookimpl
     def make_mesh(self, devices, mesh_shape):
