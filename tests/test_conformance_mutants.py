@@ -11,6 +11,7 @@ from shardplug.testing import StrategyConformance
 MUTANTS = textwrap.dedent(
     '''
     import jax
+    from jax.lax import with_sharding_constraint as constrain  # by name: core cannot adapt it
     from jax.sharding import PartitionSpec as P
 
     from shardplug.plugin import build_mesh, hookimpl, shard_largest_dim
@@ -58,13 +59,27 @@ MUTANTS = textwrap.dedent(
                 return P(*[("rows" if d == dim else None) for d in range(x.ndim)])
 
             return jax.tree.map(split, params)
+
+
+    class AutoOnly(Rows):
+        """Stores parameters split and gathers them with with_sharding_constraint imported
+        by name: on explicit axes that only asserts."""
+
+        @hookimpl
+        def shard_params(self, params, mesh):
+            return jax.tree.map(lambda x: shard_largest_dim(x.shape, "rows", mesh, 256), params)
+
+        @hookimpl
+        def gather_params(self, params, mesh):
+            return jax.tree.map(lambda p: constrain(p, P()), params)
     '''
 )
 
 
 @pytest.fixture
 def mutants(tmp_path, monkeypatch, fresh_registry):  # noqa: F811
-    names = {"ascends": "Ascends", "duplicates": "Duplicates", "uneven": "Uneven", "rows": "Rows"}
+    names = {"ascends": "Ascends", "duplicates": "Duplicates", "uneven": "Uneven", "rows": "Rows",
+             "auto-only": "AutoOnly"}  # fmt: skip
     entry_points = {name: f"mutants:{cls}" for name, cls in names.items()}
     install(tmp_path, monkeypatch, "mutants", "0.1", entry_points, {"mutants": MUTANTS})
 
@@ -78,6 +93,8 @@ def test_the_plain_plugin_passes_every_check(mutants):
     rows.test_trains_like_one_device("nnx", "mlp")
     rows.test_batch_is_split_not_duplicated()
     rows.test_uneven_shapes_still_train()
+    rows.test_trains_like_one_device_on_explicit_axes()
+    suite("auto-only").test_trains_like_one_device("nnx", "mlp")  # on auto axes it is right
 
 
 def test_a_wrong_gradient_fails_trains_like_one_device(mutants):
@@ -97,3 +114,10 @@ def test_splitting_what_does_not_divide_fails_uneven_shapes(mutants):
 
     with pytest.raises(shardplug.PluginError, match=r"strategy 'uneven': shard_params splits"):
         suite("uneven").test_uneven_shapes_still_train()
+
+
+def test_a_hook_that_only_works_on_auto_axes_fails_explicit_axes(mutants):
+    import shardplug
+
+    with pytest.raises(shardplug.PluginError, match=r"acts as an assert.*lay_out"):
+        suite("auto-only").test_trains_like_one_device_on_explicit_axes()

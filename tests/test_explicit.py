@@ -152,3 +152,36 @@ def test_attention_on_explicitly_sharded_inputs_is_xlas():
         assert jax.typeof(out).sharding.spec == P("data", None, "model", None)
     want = jax.nn.dot_product_attention(q, q, q, is_causal=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_explain_says_the_mode_and_who_placed_each_parameter():
+    from shardplug.explain import explain
+
+    adapter = shardplug.from_nnx(lambda rngs: em.DotReluDot(16, rngs))
+    trainer = shardplug.Trainer(
+        adapter, loss_fn=em.regression_loss, optimizer=optax.adam(1e-2),
+        strategy=shardplug.get_strategy("fsdp+tp", min_size=0, axis_names={"fsdp": "data"}),
+    )  # fmt: skip
+    report = explain(trainer, next(em.regression_batches(16)))
+    assert report.axis_types["types"] == "explicit"
+    assert "needs explicit axes" in report.axis_types["why"]
+    placed = {p.path: p.placed_by for p in report.params}
+    assert placed == {
+        "dot1/kernel": "model, stored split by fsdp",
+        "w2": "model, stored split by fsdp",
+    }
+    model = shardplug.get_model("mlp")
+    plain = explain(
+        shardplug.Trainer(model.adapter(), loss_fn=model.loss_fn, optimizer=optax.sgd(0.1),
+                          strategy="fsdp"),
+        next(model.batches(64, 0)),
+    )  # fmt: skip
+    assert plain.axis_types["types"] == "auto"
+    assert {p.placed_by for p in plain.params} == {"fsdp"}
+
+
+def test_the_command_line_offers_the_same_axis_types():
+    from shardplug.cli._common import AXIS_TYPES
+    from shardplug.core.mesh import AXIS_TYPES as CORE
+
+    assert AXIS_TYPES == CORE

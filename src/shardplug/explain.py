@@ -37,6 +37,10 @@ class ParamReport:
     bytes_per_device: int
     replicated: bool
     why: str | None  # why a parameter is whole on every device of a multi-device mesh
+    #: who chose the layout: "model" (its annotation names the run's mesh axes), "model,
+    #: stored split by fsdp" (a parallelism stores it split further, gathered at use), or
+    #: the strategy's name
+    placed_by: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +67,8 @@ class Report:
     #: ``{"compute", "matmul_flops_by_dtype", "float32_sites"}``: the dtypes the step's
     #: matrix products compute in, and where products of float32 operands are
     precision: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: ``{"types": "auto" | "explicit", "why": ...}``: the mesh's axis types and why
+    axis_types: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -138,6 +144,20 @@ def _why(strategy: Any, shape: tuple[int, ...], logical: Any, mesh: Any, seen: d
     if logical is not None and not names:
         return "no logical-axis annotation to split it by"
     return "the strategy's rule left it whole"
+
+
+def _placed_by(strategy: Any, logical: Any, spec: Any, mesh: Any) -> str:
+    """Whether the model's annotation (mesh axis names) or the strategy placed a parameter."""
+    axes = set(mesh.axis_names)
+    named = {a for e in (logical or ()) for a in (e if isinstance(e, tuple) else (e,)) if a in axes}
+    if not named:
+        return strategy.name
+    more = sorted(set(mesh_axes(spec)) - named)
+    if not more:
+        return "model"
+    composition = strategy.composition
+    parts = [p.name for p in composition.parts if p.axis.name in more] if composition else []
+    return f"model, stored split by {', '.join(parts or more)}"
 
 
 def _textbook(params: list[ParamReport], param_shardings: list, mesh, batch_axes) -> list:
@@ -224,9 +244,10 @@ def explain(
             why = _why(trainer.strategy, tuple(p.shape), names, mesh, seen)
         params.append(
             ParamReport(
-                path, tuple(p.shape), str(p.dtype), str(s.spec), _shard_bytes(p, s), replicated, why
+                path, tuple(p.shape), str(p.dtype), str(s.spec), _shard_bytes(p, s), replicated,
+                why, _placed_by(trainer.strategy, names, s.spec, mesh),
             )
-        )
+        )  # fmt: skip
 
     analysis = trainer.compiled.memory_analysis()
     params_bytes = _tree_bytes(state.params, shardings.params)
@@ -310,6 +331,7 @@ def explain(
         pictures=pictures,
         notes=notes,
         pipeline=_pipeline(trainer, params, flat_shardings, found, batch_axes),
+        axis_types={"types": trainer.axis_types, "why": trainer.axis_types_reason},
         precision={
             "compute": "bfloat16" if bf16 else "float32",
             "matmul_flops_by_dtype": dtypes.flops,

@@ -11,20 +11,11 @@ from typing import Any
 
 import jax
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from shardplug.core.devices import select_devices
-from shardplug.core.mesh import (
-    explain_axis_types,
-    needs_explicit,
-    needs_mesh,
-    parse_mesh,
-    retyped,
-)
+from shardplug.core.mesh import explain_axis_types, explicit_need, parse_mesh, retyped
 from shardplug.core.registry import Strategy, get_strategy
-from shardplug.core.sharding import optimizer_shardings
-from shardplug.core.state import create_state
+from shardplug.core.state import create_state, state_shardings
 from shardplug.core.step import (
     LossFn,
     Precision,
@@ -192,67 +183,57 @@ class Trainer:
         )
 
         rng = jax.random.key(seed)
-        self._abstract = self._building(lambda: adapter.abstract(rng))
-        self.annotations = self._building(lambda: adapter.annotations(self._abstract[0]))
-        self._lay_out()
-        # Created outside the mesh context: a Flax model's partition metadata names logical
-        # axes that only the strategy maps onto the mesh.
         self.allocated = allocate
-        self.state = self._building(
-            lambda: create_state(adapter, optimizer, self.state_shardings, rng, allocate=allocate)
+        self._abstract = self._explicit_if_needed(lambda: adapter.abstract(rng), build=True)
+        self.annotations = self._explicit_if_needed(
+            lambda: adapter.annotations(self._abstract[0]), build=True
+        )
+        self._lay_out()
+        self.state = self._explicit_if_needed(
+            lambda: create_state(adapter, optimizer, self.state_shardings, rng, allocate=allocate),
+            build=True,
         )
         self._train: Program | None = None
         self._eval: Program | None = None
 
-    def _building(self, build: Callable[[], Any]) -> Any:
-        """``build()`` the model: on explicit axes under the run's mesh (a model that
-        reshards in its forward pass runs it at initialisation too; no activation rules
-        there: a sample input's rows need not split); when the mode was left to choose and
-        the model's code needs explicit axes, again on them."""
-        if self.axis_types == "explicit":
-            with jax.set_mesh(self.mesh):
-                return build()
+    def _explicit_if_needed(self, fn: Callable[[], Any], *, build: bool = False) -> Any:
+        """``fn()``; when the mode was left to choose and the model's code turns out to need
+        explicit mesh axes, again on them. A model is built (``build``) under the run's mesh
+        on explicit axes: it may reshard in its forward pass (no activation rules there: a
+        sample input's rows need not split). On auto axes it is built outside any mesh: a
+        Flax model's partition metadata names logical axes only the strategy maps."""
+
+        def call() -> Any:
+            if build and self.axis_types == "explicit":
+                with jax.set_mesh(self.mesh):
+                    return fn()
+            return fn()
+
         try:
-            return build()
+            return call()
         except Exception as exc:
-            need = needs_explicit(exc) or (needs_mesh(exc) and "a mesh to build")
-            if not need or self.settings.axis_types is not None:
+            need = explicit_need(exc, self.settings.axis_types)
+            if need is None:
                 raise
-        self.strategy.check_explicit()
+        self.strategy.check_explicit()  # the run's mesh, the same devices and layouts
         self.axis_types = "explicit"
         self.axis_types_reason = f"the model's code needs explicit axes ({need})"
         self.mesh = retyped(self.mesh, "explicit")
         if hasattr(self, "state_shardings"):
             self._lay_out()
-        with jax.set_mesh(self.mesh):
-            return build()
+        if hasattr(self, "_run"):
+            self.state = jax.tree.map(
+                lambda x, s: jax.device_put(x, s) if self.allocated
+                else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                self.state, self.state_shardings,
+            )  # fmt: skip
+        return call()
 
     def _lay_out(self) -> None:
         """The state's shardings on the run's mesh, as the strategy chooses them."""
-        abstract_params, abstract_model_state = self._abstract
-        replicated = NamedSharding(self.mesh, P())
-        params = self.strategy.shard_params(abstract_params, self.mesh, self.annotations)
-        self.state_shardings = TrainState(
-            step=replicated,
-            params=params,
-            opt_state=optimizer_shardings(self.optimizer, abstract_params, params, replicated),
-            model_state=self.strategy.shard_model_state(abstract_model_state, self.mesh),
-            rng=replicated,
+        self.state_shardings = state_shardings(
+            self.strategy, self.mesh, self.optimizer, *self._abstract, self.annotations
         )
-
-    def _go_explicit(self, reason: str) -> None:
-        """Move the run onto explicit mesh axes (the same devices and layouts)."""
-        self.strategy.check_explicit()
-        self.axis_types, self.axis_types_reason = "explicit", reason
-        self.mesh = retyped(self.mesh, "explicit")
-        self._lay_out()
-        if self.allocated:
-            self.state = jax.device_put(self.state, self.state_shardings)
-        else:
-            self.state = jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                self.state, self.state_shardings,
-            )  # fmt: skip
 
     @property
     def state(self) -> TrainState:
@@ -324,8 +305,9 @@ class Trainer:
         A ``jax.stages.Lowered``: ``.as_text()`` is the program before partitioning,
         ``.compile()`` the program the devices would run (``.as_text()``, ``.memory_analysis()``).
         """
-        lower = self._explicit_if_needed(program.lower, self._step_for, batch, self.grad_accum)
-        return lower[0]
+        return self._explicit_if_needed(
+            lambda: program.lower(self._step_for, batch, **self._context(self.grad_accum))
+        )[0]
 
     def _step_for(self, batch_shardings: Any) -> Callable:
         return make_step(
@@ -346,24 +328,9 @@ class Trainer:
                     run=self._run, microbatches=microbatches)  # fmt: skip
 
     def _build(self, step_for: Callable[[Any], Callable], batch: Any, microbatches: int = 1):
-        return self._explicit_if_needed(program.build, step_for, batch, microbatches)
-
-    def _explicit_if_needed(self, how: Callable, step_for: Callable, batch: Any, k: int) -> Any:
-        """``how`` (build or lower) of the step; when the mode was left to choose and the
-        model's code turns out to need explicit axes, again on them."""
-        try:
-            return how(step_for, batch, **self._context(k))
-        except Exception as exc:
-            need = needs_explicit(exc)
-            if need is None or self.settings.axis_types == "explicit":
-                raise
-            if self.settings.axis_types == "auto":
-                raise ConfigError(
-                    f"the model's code needs explicit mesh axes ({need}), and axis_types "
-                    f"'auto' was asked for: leave axis_types out, or ask for 'explicit'"
-                ) from exc
-        self._go_explicit(f"the model's code needs explicit axes ({need})")
-        return how(step_for, batch, **self._context(k))
+        return self._explicit_if_needed(
+            lambda: program.build(step_for, batch, **self._context(microbatches))
+        )
 
     def _eval_program(self, batch: Any) -> Program:
         """The evaluation step, compiled once, on the first evaluation batch."""

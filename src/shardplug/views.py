@@ -16,10 +16,10 @@ def groups(params: list[ParamReport]) -> list[dict[str, Any]]:
     for p in params:
         pattern = re.sub(r"(?<=/)\d+(?=/|$)|^\d+(?=/)", "*", p.path)
         shape = "x".join(map(str, p.shape))
-        key = (pattern, shape, p.spec, p.why)
+        key = (pattern, shape, p.spec, p.why, p.placed_by)
         row = rows.setdefault(
             key, {"path": pattern, "shape": shape, "spec": p.spec, "why": p.why,
-                  "count": 0, "bytes_per_device": 0},
+                  "placed_by": p.placed_by, "count": 0, "bytes_per_device": 0},
         )  # fmt: skip
         row["count"] += 1
         row["bytes_per_device"] += p.bytes_per_device
@@ -36,6 +36,9 @@ def render(report: Report, console: Any, every_row: bool = False) -> None:
         f"[bold]{report.strategy}[/bold] on {report.devices} {report.platform} devices "
         f"({mesh}); step compiled in {report.compile_seconds or 0:.1f} s"
     )
+    if report.axis_types:
+        types = report.axis_types
+        console.print(f"mesh axes {types['types']}: {types['why']}")
     flops = report.precision.get("matmul_flops_by_dtype") or {}
     if flops:
         total = sum(flops.values())
@@ -46,18 +49,18 @@ def render(report: Report, console: Any, every_row: bool = False) -> None:
     grouped = not every_row and len(rows) < len(report.params)
     title = f"parameters ({len(report.params)} in {len(rows)} groups; --all for each)"
     table = Table(title=title if grouped else "parameters", title_justify="left")
-    columns = ("path", "shape", "spec", "per device", "replicated because")
+    columns = ("path", "shape", "spec", "placed by", "per device", "replicated because")
     for column in columns[:1] + (("count",) if grouped else ()) + columns[1:]:
         table.add_column(column, overflow="fold")
     for p in rows if grouped else report.params:
         if grouped:
             table.add_row(
-                p["path"], str(p["count"]), p["shape"], p["spec"],
+                p["path"], str(p["count"]), p["shape"], p["spec"], p["placed_by"],
                 size(p["bytes_per_device"]), p["why"] or "",
             )  # fmt: skip
         else:
             shape = "x".join(map(str, p.shape))
-            table.add_row(p.path, shape, p.spec, size(p.bytes_per_device), p.why or "")
+            table.add_row(p.path, shape, p.spec, p.placed_by, size(p.bytes_per_device), p.why or "")
     console.print(table)
 
     memory = Table(title="memory per device", title_justify="left")

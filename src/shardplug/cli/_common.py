@@ -14,6 +14,11 @@ EXIT_FAILED = 1  # training failed (a non-finite loss)
 
 
 EXIT_BAD_INPUT = 2
+AXIS_TYPES = ("auto", "explicit")  # core.mesh.AXIS_TYPES, without importing JAX here
+AXIS_TYPES_HELP = (
+    "the mesh's axis types: explicit for a model that reshards or gives its einsums "
+    "out_sharding (default: chosen for the model; explain says which and why)"
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -87,6 +92,8 @@ def _model_arguments(parser: argparse.ArgumentParser, trainer_options: bool = Tr
         parser.add_argument("--axis-name", action="append", default=[], metavar="ROLE=NAME",
                             help="name a composition's mesh axis as your model does, "
                             "e.g. model=tp (repeatable)")  # fmt: skip
+        parser.add_argument("--axis-types", choices=AXIS_TYPES, default=None,
+                            help=AXIS_TYPES_HELP)  # fmt: skip
         parser.add_argument("--grad-accum", type=_positive(int), default=1, metavar="K")
         parser.add_argument("--precision", choices=("float32", "bf16"), default="float32")
 
@@ -235,6 +242,7 @@ def _planning_trainer(
         seed=args.seed,
         grad_accum=args.grad_accum,
         precision=args.precision,
+        axis_types=args.axis_types,
     )
     if getattr(args, "_plan_batch", None) is None:  # one batch for every strategy planned
         args._plan_batch = read_first(task.batches())  # planning trains on nothing

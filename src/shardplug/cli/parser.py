@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 
 from shardplug.cli._common import (
+    AXIS_TYPES,
+    AXIS_TYPES_HELP,
     _memory,
     _model_arguments,
     _Parser,
@@ -79,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--axis-name", action="append", default=[], metavar="ROLE=NAME",
         help="name a composition's mesh axis as your model does, e.g. model=tp (repeatable)",
     )  # fmt: skip
+    train.add_argument("--axis-types", choices=AXIS_TYPES, default=None, help=AXIS_TYPES_HELP)
     train.add_argument("--seed", type=seed, default=None, help="(default 0, or the checkpoint's)")
     train.add_argument("--lr", type=_positive(float), default=None, help="Adam learning rate")
     train.add_argument("--log-every", type=_positive(int), default=10)

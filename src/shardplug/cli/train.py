@@ -130,6 +130,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         precision=args.precision,
         profile_dir=args.profile,
         profile_steps=args.profile_steps,
+        axis_types=args.axis_types,
     )
     trainer.peak_tflops = args.peak_tflops
     from shardplug.distributed import is_primary

@@ -278,8 +278,9 @@ class CompositionPlugin:
         raise CompositionError(
             f"{path} (shape {tuple(shape)}): the model lays it out as {_trimmed(model)}, "
             f"{' and '.join(map(repr, who)) or 'the parallelisms'} as {_trimmed(used)}: on "
-            f"explicit axes the model's annotation decides; make them agree (the parallelism's rules "
-            f"or options, or the model's annotation), or use axis_types='auto'"
+            f"explicit axes the model's annotation decides; make them agree (the "
+            f"parallelism's rules or options, or the model's annotation), or use "
+            f"axis_types='auto'"
         )
 
     def part_contexts(self, mesh: Any) -> list[Any]:

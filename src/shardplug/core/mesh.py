@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from shardplug.errors import MeshError
+from shardplug.errors import ConfigError, MeshError
 
 _AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -120,26 +120,25 @@ def explain_axis_types(asked: str | None, adapter: Any) -> tuple[str, str]:
 _NEEDS_EXPLICIT = re.compile(r"passed to (\S+) cannot contain axis names that are of type Auto")
 
 
-def needs_explicit(exc: BaseException) -> str | None:
-    """The JAX call that failed for want of explicit axes (``einsum``, ``reshard``, ...) in
-    ``exc`` or its causes, or None when it failed otherwise."""
-    seen = 0
-    while exc is not None and seen < 8:
+def explicit_need(exc: BaseException, asked: str | None) -> str | None:
+    """What in ``exc`` (or its causes) needs explicit mesh axes (JAX refusing a
+    PartitionSpec on auto axes, or outside any mesh), when the run may still move onto them
+    (``asked`` None); None when ``exc`` is about something else or explicit axes were asked
+    for. Raises :class:`ConfigError` when auto axes were asked for."""
+    need, seen = None, 0
+    while exc is not None and seen < 8 and need is None:
         found = _NEEDS_EXPLICIT.search(str(exc))
         if found:
-            return f"jax {found.group(1)} with a PartitionSpec"
+            need = f"jax {found.group(1)} with a PartitionSpec"
+        elif "PartitionSpec when you are not under a mesh context" in str(exc):
+            need = "a PartitionSpec while the model is built"
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return None
-
-
-def needs_mesh(exc: BaseException) -> bool:
-    """Whether ``exc`` (or a cause) is JAX refusing a PartitionSpec outside a mesh context."""
-    seen = 0
-    while exc is not None and seen < 8:
-        if "PartitionSpec when you are not under a mesh context" in str(exc):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
+    if need is not None and asked == "auto":
+        raise ConfigError(
+            f"the model's code needs explicit mesh axes ({need}), and axis_types 'auto' was "
+            f"asked for: leave axis_types out, or ask for 'explicit'"
+        )
+    return None if asked == "explicit" else need
 
 
 def describe(mesh: Mesh) -> str:

@@ -6,8 +6,27 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from shardplug.core.sharding import optimizer_shardings
 from shardplug.core.step import TrainState
+
+
+def state_shardings(
+    strategy: Any, mesh: Any, optimizer: Any, params: Any, model_state: Any, annotations: Any
+) -> TrainState:
+    """Every state array's ``NamedSharding`` on ``mesh``, as ``strategy`` lays out the
+    (abstract) ``params`` and ``model_state``; the optimizer's state follows its parameter."""
+    replicated = NamedSharding(mesh, P())
+    placed = strategy.shard_params(params, mesh, annotations)
+    return TrainState(
+        step=replicated,
+        params=placed,
+        opt_state=optimizer_shardings(optimizer, params, placed, replicated),
+        model_state=strategy.shard_model_state(model_state, mesh),
+        rng=replicated,
+    )
 
 
 def create_state(

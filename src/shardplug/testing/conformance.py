@@ -16,9 +16,14 @@ skipped with that reason shown::
     class MyStrategy:
         unsupported = {"equinox": "needs NNX metadata", "uneven-shapes": "..."}
 
+A strategy runs on ``Auto`` mesh axes in every check and on ``Explicit`` ones in
+``test_trains_like_one_device_on_explicit_axes`` (unless it declares ``explicit-axes``
+unsupported).
+
 Capabilities: the adapters (``nnx``, ``linen``, ``equinox``), ``model-state`` (models with
-batch statistics: the ``cnn``), ``uneven-shapes`` and ``batch-split`` (a strategy that
-replicates the batch by design, such as pure tensor parallelism).
+batch statistics: the ``cnn``), ``uneven-shapes``, ``batch-split`` (a strategy that
+replicates the batch by design, such as pure tensor parallelism), ``without-layer-stack`` and
+``explicit-axes`` (:class:`shardplug.plugin.Capability`).
 """
 
 from __future__ import annotations
@@ -134,6 +139,31 @@ class StrategyConformance:
             shardplug_adapter, shardplug_model, self.steps, self.seed, taken
         )
         np.testing.assert_allclose(losses, expected, rtol=RTOL.get(shardplug_model, 1e-4))
+
+    def test_trains_like_one_device_on_explicit_axes(self) -> None:
+        """A model written for explicit sharding mode (:mod:`shardplug.testing.explicit`)
+        trains on the strategy's mesh with ``AxisType.Explicit`` axes like one device."""
+        import itertools
+
+        import numpy as np
+        import optax
+
+        import shardplug
+        from shardplug.testing import explicit
+
+        self._skip_unless(Capability.EXPLICIT_AXES)
+
+        def losses(strategy, devices, mesh):
+            trainer = shardplug.Trainer(
+                shardplug.from_nnx(explicit.ResidualMLP), loss_fn=explicit.loss_fn,
+                optimizer=optax.adam(3e-3), strategy=strategy, devices=devices, mesh=mesh,
+                axis_types="explicit", seed=self.seed,
+            )  # fmt: skip
+            data = itertools.islice(explicit.batches(self.seed), self.steps)
+            return [r["loss"] for r in trainer.fit(data, steps=self.steps)]
+
+        got = losses(self._strategy(), self.devices, self.mesh)
+        np.testing.assert_allclose(got, losses("dp", 1, None), rtol=1e-5)
 
     def test_uneven_shapes_still_train(self) -> None:
         import jax.numpy as jnp

@@ -1,0 +1,52 @@
+"""A model written for JAX's explicit sharding mode, for the conformance suite: a stack of
+residual MLP blocks whose products say where their results go (``jnp.einsum(...,
+out_sharding=shardplug.sharding_of(...))``), so it fails on ``Auto`` mesh axes and runs on
+``Explicit`` ones under any strategy; its blocks are a layer stack (``pp`` splits it)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from shardplug import stack
+from shardplug.core.context import sharding_of
+
+DEPTH, HIDDEN, LAYERS, ROWS = 16, 64, 8, 64
+_init = nnx.initializers.lecun_normal()
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        up, down = ("embed", "mlp"), ("mlp", "embed")
+        self.up = nnx.Param(nnx.with_partitioning(_init, up)(rngs.params(), (DEPTH, HIDDEN)))
+        self.down = nnx.Param(nnx.with_partitioning(_init, down)(rngs.params(), (HIDDEN, DEPTH)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jnp.einsum("bd,df->bf", x, self.up[...], out_sharding=sharding_of(("batch", "mlp")))
+        out = sharding_of(("batch", None))
+        return x + jnp.einsum("bf,fd->bd", jax.nn.relu(h), self.down[...], out_sharding=out)
+
+
+class ResidualMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.blocks = stack.nnx_layers(Block, LAYERS, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return stack.apply(self.blocks, x)
+
+
+def loss_fn(model: ResidualMLP, batch: dict[str, jax.Array]) -> jax.Array:
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def batches(seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    """Endless batches of a fixed smooth target: the loss can fall."""
+    rng = np.random.default_rng(seed)
+    target = rng.normal(size=(DEPTH, DEPTH)).astype(np.float32) / DEPTH**0.5
+    while True:
+        x = rng.normal(size=(ROWS, DEPTH)).astype(np.float32)
+        yield {"x": x, "y": np.tanh(x @ target)}
