@@ -34,6 +34,7 @@ from shardplug.core.mesh import build_mesh, describe, parse_mesh
 from shardplug.core.schedule import Pipeline, pipelined
 from shardplug.core.sharding import (
     largest_divisible_dim,
+    lay_out,
     leaf_paths,
     logical_to_mesh,
     mesh_axes,
@@ -65,6 +66,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "largest_divisible_dim",
+    "lay_out",
     "leaf_paths",
     "logical_to_mesh",
     "manual_axes",

@@ -20,6 +20,25 @@ keyword arguments. There are two kinds:
 - a **whole strategy** implements the mesh and placement hooks itself (:func:`make_mesh`,
   :func:`shard_params`, :func:`shard_batch`, ...): it runs alone, as ``pmap`` and strategies
   written before compositions existed do.
+
+**Mesh modes.** A run's mesh has ``Auto`` axes (the default) or ``Explicit`` ones (a model
+written in JAX's explicit sharding mode; ``Trainer(axis_types=...)``). A plugin may assume:
+
+- :func:`make_mesh` builds its mesh as always (``build_mesh`` makes ``Auto`` axes); core
+  retypes it. Every PartitionSpec a hook returns means the same in both modes.
+- Hooks that run inside the traced step (:func:`gather_params`, :func:`reduce_grads`,
+  :func:`encode_grads`, :func:`compute_grads`, :func:`trace_context`'s code, the function
+  :func:`compile_step` wraps) see the current mode in ``jax.sharding.get_abstract_mesh()``
+  and in each array's type (``jax.typeof(x).sharding``). There
+  ``jax.lax.with_sharding_constraint``, looked up as ``jax.lax.with_sharding_constraint``,
+  lays arrays out in both modes (on explicit axes core makes it ``jax.sharding.reshard``,
+  where JAX's would only assert); ``shardplug.plugin.lay_out(x, spec)`` says so directly.
+- On explicit axes a parameter the model annotates with the run's mesh axes is used as the
+  model says: :func:`gather_param` may gather only what its parallelism stores split beyond
+  that; a layout that disagrees is refused, naming the parallelism and the model.
+- A plugin that cannot run on explicit axes declares ``unsupported = {"explicit-axes":
+  reason}`` and is refused there with the reason (``pmap``: a per-device program has no
+  explicit axes). The conformance suite runs every other plugin in both modes.
 """
 
 from __future__ import annotations
