@@ -90,3 +90,21 @@ def test_a_fallback_is_said_once(monkeypatch):
     with pytest.warns(shardplug.ShardplugWarning, match="float32 inputs take XLA's attention"):
         shardplug.attention(q, k, v, causal=True)
     shardplug.attention(q, k, v, causal=True)  # a second warning would fail the suite
+
+
+def test_explicitly_sharded_inputs_cudnn_refuses_fall_back_with_a_line(monkeypatch):
+    """Where cuDNN's wrapper refuses inputs (here: no cuDNN on this machine; on a GPU, an
+    explicit sharding it has no rule for), XLA's attention runs, said once."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    monkeypatch.setattr(attention_module, "_platform", lambda: "gpu")
+    monkeypatch.setattr(attention_module, "_SAID", set())
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    q = jax.random.normal(jax.random.key(0), (4, 8, 4, 16), jnp.bfloat16)
+    with jax.set_mesh(mesh):
+        qs = jax.device_put(q, P("data", None, "model", None))
+        with pytest.warns(shardplug.ShardplugWarning, match="cuDNN's fused attention refused"):
+            out = jax.jit(lambda x: shardplug.attention(x, x, x, causal=True))(qs)
+    want = jax.nn.dot_product_attention(q, q, q, is_causal=True)
+    np.testing.assert_allclose(np.float32(out), np.float32(want), rtol=2e-2, atol=2e-2)

@@ -97,7 +97,8 @@ def choose(query: Any, key: Any, value: Any, *, platform: str) -> tuple[Implemen
 
 
 def _try_cudnn(query, key, value, bias, mask, scale, causal) -> Implementation:
-    """``"cudnn"`` if cuDNN accepts these inputs when traced, ``"xla"`` (said once) if not."""
+    """``"cudnn"`` if cuDNN accepts these inputs when traced, ``"xla"`` (said once) if not:
+    its wrapper may refuse inputs whose explicit shardings it has no rule for."""
     try:
         jax.eval_shape(
             lambda q, k, v: jax.nn.dot_product_attention(
@@ -106,7 +107,7 @@ def _try_cudnn(query, key, value, bias, mask, scale, causal) -> Implementation:
             ),
             query, key, value,
         )  # fmt: skip
-    except (NotImplementedError, ValueError, RuntimeError, TypeError) as exc:
+    except Exception as exc:  # whatever cuDNN's wrapper refuses (dtypes, shapes, shardings)
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         _say_once(f"cuDNN's fused attention refused these inputs ({reason}); using XLA's")
         return "xla"
