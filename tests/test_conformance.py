@@ -48,3 +48,8 @@ class TestPipeline(StrategyConformance):
     strategy = "pp+dp"
     mesh = "stage=4,data=2"
     model_options = {"layers": 4}  # noqa: RUF012 (a class attribute the suite reads)
+
+
+class TestContext(StrategyConformance):
+    strategy = "fsdp+cp+tp"
+    mesh = "fsdp=2,context=2,model=2"

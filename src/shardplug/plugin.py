@@ -32,6 +32,7 @@ from shardplug.core.hookspecs import Capability, hookimpl, hookspec
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh, describe, parse_mesh
 from shardplug.core.schedule import Pipeline, pipelined
+from shardplug.core.sequence import sequence_parallel
 from shardplug.core.sharding import (
     largest_divisible_dim,
     lay_out,
@@ -75,5 +76,6 @@ __all__ = [
     "per_device_program",
     "per_parameter",
     "pipelined",
+    "sequence_parallel",
     "shard_largest_dim",
 ]

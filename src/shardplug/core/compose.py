@@ -36,7 +36,13 @@ from shardplug.core.hookspecs import hookimpl
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh, is_explicit
 from shardplug.core.sharding import constraints_lay_out, lay_out, leaf_paths, mesh_axes
-from shardplug.errors import CompositionError, MeshError, PluginError, ShardplugError
+from shardplug.errors import (
+    CompositionError,
+    ConfigError,
+    MeshError,
+    PluginError,
+    ShardplugError,
+)
 
 #: hooks of the step a parallelism may also implement; one per composition.
 STEP_HOOKS = (
@@ -61,11 +67,14 @@ class Axis:
     :param lends: whether a parameter this parallelism leaves whole may be stored split over
         its axis by another (``fsdp`` stores what ``tp`` leaves whole over ``model`` too, and
         gathers it at use); replicas (``data``) keep whole copies and do not lend.
+    :param sequence: whether every batch leaf's second dimension (the sequence) splits over
+        this axis (``cp``); a leaf without one is refused, naming it.
     """
 
     DATA: ClassVar[int] = 10
     STAGE: ClassVar[int] = 20
     FSDP: ClassVar[int] = 30
+    CONTEXT: ClassVar[int] = 35
     MODEL: ClassVar[int] = 40
 
     name: str
@@ -73,6 +82,7 @@ class Axis:
     batch: bool = False
     logical: tuple[str, ...] = ()
     lends: bool = False
+    sequence: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,11 +353,33 @@ class CompositionPlugin:
             out.pop()
         return P(*out)
 
+    @property
+    def sequence_axes(self) -> tuple[str, ...]:
+        return tuple(p.axis.name for p in self.parts if p.axis.sequence)
+
     @hookimpl
-    def shard_batch(self, batch):
-        axes = self.batch_axes
+    def shard_batch(self, batch, mesh):
+        axes, seq = self.batch_axes, self.sequence_axes
         lead = None if not axes else axes[0] if len(axes) == 1 else axes
-        return jax.tree.map(lambda leaf: P(lead) if leaf.ndim and lead else P(), batch)
+        if not seq:
+            return jax.tree.map(lambda leaf: P(lead) if leaf.ndim and lead else P(), batch)
+        split = seq[0] if len(seq) == 1 else seq
+        parts = math.prod(mesh.shape[a] for a in seq)
+        owner = next(p.name for p in self.parts if p.axis.sequence)
+        for path, leaf in zip(leaf_paths(batch), jax.tree.leaves(batch), strict=True):
+            if leaf.ndim < 2:
+                raise ConfigError(
+                    f"{owner} splits every batch leaf's sequence (its second dimension) over "
+                    f"{seq}, and batch leaf {path!r} of shape {tuple(leaf.shape)} has none: "
+                    f"give {owner} a batch of (rows, sequence, ...) leaves, or leave it out"
+                )
+            if leaf.shape[1] % parts:
+                raise ConfigError(
+                    f"batch leaf {path!r} has a sequence of {leaf.shape[1]}, which does not "
+                    f"split over the {parts} devices of {seq}: use a sequence that is a "
+                    f"multiple of {parts}, or fewer {owner} devices (--mesh)"
+                )
+        return jax.tree.map(lambda leaf: P(lead, split), batch)
 
     def used_spec(self, spec: P) -> P:
         """A parameter's layout where the step uses it, given its stored ``spec``."""

@@ -92,6 +92,9 @@ class Capability(enum.StrEnum):
     BATCH_SPLIT = "batch-split"
     #: models without a layer stack (``shardplug.stack``)
     WITHOUT_LAYER_STACK = "without-layer-stack"
+    #: models whose batch has no sequence dimension (``cp`` splits the sequence; its checks
+    #: then run on the transformer)
+    WITHOUT_SEQUENCE = "without-sequence"
     #: meshes whose axes are ``AxisType.Explicit`` (``axis_types="explicit"``); a plugin that
     #: declares it unsupported is refused in that mode, with its reason
     EXPLICIT_AXES = "explicit-axes"

@@ -35,6 +35,9 @@ import pytest
 
 from shardplug.plugin import Capability
 
+#: what only the transformer among the reference models has: a layer stack and a sequence
+TRANSFORMER_ONLY = (Capability.WITHOUT_LAYER_STACK, Capability.WITHOUT_SEQUENCE)
+
 #: per-step loss tolerance against one device, float32 (reductions reorder across devices)
 RTOL = {"mlp": 1e-5, "classifier": 1e-5, "transformer": 1e-4, "cnn": 1e-4}
 
@@ -79,7 +82,8 @@ class StrategyConformance:
     Set ``strategy`` (its entry-point name); optionally ``options`` (for ``get_strategy``),
     ``devices``, ``mesh`` and ``model_options`` (for the models that take them: the
     transformer's ``layers``). A strategy that needs a layer stack (``pp``) declares
-    ``without-layer-stack`` unsupported, and the checks run on the transformer.
+    ``without-layer-stack`` unsupported (``cp``: ``without-sequence``), and the checks run on
+    the transformer.
     """
 
     strategy: ClassVar[str]
@@ -101,11 +105,12 @@ class StrategyConformance:
         if capability in unsupported:
             pytest.skip(f"{self.strategy} does not support {capability}: {unsupported[capability]}")
 
-    def _needs_stack(self) -> bool:
-        return Capability.WITHOUT_LAYER_STACK in self._strategy().unsupported
+    def _needs_transformer(self) -> bool:
+        unsupported = self._strategy().unsupported
+        return any(c in unsupported for c in TRANSFORMER_ONLY)
 
     def _trainer(self, adapter: str = "nnx", model: str | None = None):
-        model = model or ("transformer" if self._needs_stack() else "mlp")
+        model = model or ("transformer" if self._needs_transformer() else "mlp")
         return _trainer(
             self.strategy, self.options, adapter, model, self.seed, self.devices, self.mesh,
             self.model_options,
@@ -120,7 +125,8 @@ class StrategyConformance:
         import shardplug
 
         if "layers" not in shardplug.get_model(shardplug_model).options:
-            self._skip_unless(Capability.WITHOUT_LAYER_STACK)
+            for capability in TRANSFORMER_ONLY:  # only the transformer has both
+                self._skip_unless(capability)
         losses = _losses(
             self.strategy,
             self.options,
@@ -155,7 +161,7 @@ class StrategyConformance:
 
         def losses(strategy, devices, mesh):
             trainer = shardplug.Trainer(
-                shardplug.from_nnx(explicit.ResidualMLP), loss_fn=explicit.loss_fn,
+                shardplug.from_nnx(explicit.ResidualNet), loss_fn=explicit.loss_fn,
                 optimizer=optax.adam(3e-3), strategy=strategy, devices=devices, mesh=mesh,
                 axis_types="explicit", seed=self.seed,
             )  # fmt: skip

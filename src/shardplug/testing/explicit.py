@@ -1,7 +1,9 @@
 """A model written for JAX's explicit sharding mode, for the conformance suite: a stack of
-residual MLP blocks whose products say where their results go (``jnp.einsum(...,
+residual blocks over a sequence (attention through :func:`shardplug.attention`, then an MLP)
+whose products say where their results go (``jnp.einsum(...,
 out_sharding=shardplug.sharding_of(...))``), so it fails on ``Auto`` mesh axes and runs on
-``Explicit`` ones under any strategy; its blocks are a layer stack (``pp`` splits it)."""
+``Explicit`` ones under any strategy: its blocks are a layer stack (``pp`` splits it) and its
+batch has a sequence (``cp`` splits that)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ import numpy as np
 from flax import nnx
 
 from shardplug import stack
+from shardplug.core.attention import attention
 from shardplug.core.context import sharding_of
 
-DEPTH, HIDDEN, LAYERS, ROWS = 16, 64, 8, 64
+DEPTH, HIDDEN, LAYERS, ROWS, LENGTH = 16, 64, 8, 16, 16
 _init = nnx.initializers.lecun_normal()
 
 
@@ -26,12 +29,15 @@ class Block(nnx.Module):
         self.down = nnx.Param(nnx.with_partitioning(_init, down)(rngs.params(), (HIDDEN, DEPTH)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jnp.einsum("bd,df->bf", x, self.up[...], out_sharding=sharding_of(("batch", "mlp")))
-        out = sharding_of(("batch", None))
-        return x + jnp.einsum("bf,fd->bd", jax.nn.relu(h), self.down[...], out_sharding=out)
+        heads = x[:, :, None, :]  # one head: the tokens attend to those before them
+        x = x + attention(heads, heads, heads, causal=True)[:, :, 0, :]
+        hidden = sharding_of(("batch", "length", "mlp"))
+        h = jnp.einsum("bld,df->blf", x, self.up[...], out_sharding=hidden)
+        out = sharding_of(("batch", "length", None))
+        return x + jnp.einsum("blf,fd->bld", jax.nn.relu(h), self.down[...], out_sharding=out)
 
 
-class ResidualMLP(nnx.Module):
+class ResidualNet(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         self.blocks = stack.nnx_layers(Block, LAYERS, rngs)
 
@@ -39,14 +45,14 @@ class ResidualMLP(nnx.Module):
         return stack.apply(self.blocks, x)
 
 
-def loss_fn(model: ResidualMLP, batch: dict[str, jax.Array]) -> jax.Array:
+def loss_fn(model: ResidualNet, batch: dict[str, jax.Array]) -> jax.Array:
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
 def batches(seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
-    """Endless batches of a fixed smooth target: the loss can fall."""
+    """Endless batches of a fixed smooth target over sequences: the loss can fall."""
     rng = np.random.default_rng(seed)
     target = rng.normal(size=(DEPTH, DEPTH)).astype(np.float32) / DEPTH**0.5
     while True:
-        x = rng.normal(size=(ROWS, DEPTH)).astype(np.float32)
-        yield {"x": x, "y": np.tanh(x @ target)}
+        x = rng.normal(size=(ROWS, LENGTH, DEPTH)).astype(np.float32)
+        yield {"x": x, "y": np.tanh(np.cumsum(x, axis=1) @ target / LENGTH**0.5)}

@@ -1,0 +1,36 @@
+"""Context parallel over the `context` axis: the sequence split across devices.
+
+Every batch leaf's second dimension (the sequence) is split over ``context`` in contiguous
+blocks, and so is every activation along it; parameters are replicated over ``context`` (an
+``fsdp`` of the same composition stores them split over it too, as torchtitan shards over
+dp_shard x cp). Attention sees the whole sequence through :func:`shardplug.attention`: while
+the step is traced, :mod:`shardplug.core.sequence` puts in its place an attention whose
+keys and values are all-gathered over ``context`` and whose queries stay split. Positions
+and targets are those of the sequence as it is: nothing is reordered. A model that computes
+attention otherwise is warned of once: it trains right, through the compiler's own gathers.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from shardplug.plugin import Axis, Capability, hookimpl, sequence_parallel
+
+
+class ContextParallel:
+    """Context parallel: the sequence split over `context`, keys and values gathered."""
+
+    unsupported: ClassVar[dict[str, str]] = {
+        Capability.WITHOUT_SEQUENCE: "context parallelism splits the batch's sequence; a "
+        "model whose batch has none has nothing to split",
+        Capability.UNEVEN_SHAPES: "a model of two plain layers has no sequence",
+        Capability.BATCH_SPLIT: "context parallelism alone splits the sequence, not the rows",
+    }
+
+    @hookimpl
+    def parallel_axis(self):
+        return Axis("context", rank=Axis.CONTEXT, logical=("length",), lends=True, sequence=True)
+
+    @hookimpl
+    def trace_context(self, axis, mesh):
+        return sequence_parallel(axis, "cp") if mesh.shape[axis] > 1 else None

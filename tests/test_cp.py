@@ -1,0 +1,109 @@
+"""Context parallelism: the sequence split over `context`, composed with the others, trains
+like one device; its compiled step gathers keys and values and keeps the scores split."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import shardplug
+from shardplug.core.hlo import collectives
+from shardplug.testing.conformance import _losses, one_device_losses
+
+STEPS = 3
+
+
+@pytest.mark.parametrize(
+    ("name", "mesh", "adapter"),
+    [
+        ("cp", None, "nnx"),
+        ("dp+cp", "data=2,context=4", "nnx"),
+        ("fsdp+cp", "fsdp=2,context=4", "linen"),
+        ("cp+tp", "context=4,model=2", "equinox"),
+        ("fsdp+cp+tp", "fsdp=2,context=2,model=2", "nnx"),
+        ("fsdp+cp+tp", "fsdp=2,context=2,model=2", "linen"),
+        ("fsdp+cp+tp", "fsdp=2,context=2,model=2", "equinox"),
+        ("pp+cp", "stage=2,context=4", "nnx"),
+        ("pp+fsdp+cp+tp", "stage=2,fsdp=2,context=2,model=1", "equinox"),
+    ],
+)
+def test_compositions_with_cp_train_like_one_device(name, mesh, adapter):
+    options = {"min_size": 0} if "fsdp" in name or "tp" in name else {}
+    losses = _losses(name, options, adapter, "transformer", STEPS, 0, 8, mesh, {})
+    want = one_device_losses(adapter, "transformer", STEPS, 0, ())
+    np.testing.assert_allclose(losses, want, rtol=1e-4)
+
+
+def _transformer_trainer(strategy, mesh, **kwargs):
+    model = shardplug.get_model("transformer")
+    task = model.task("nnx", **kwargs)
+    return model, task.trainer(strategy=strategy, mesh=mesh)
+
+
+def test_the_sequence_is_split_and_keys_and_values_gathered():
+    """dp+cp's step gathers each layer's keys and values over `context` (2 layers x 2, each
+    a (16, 32, 4, 16) float32 array once gathered) and nothing of the size of the scores."""
+    model, trainer = _transformer_trainer("dp+cp", "data=2,context=4")
+    batch = next(model.batches(model.batch_size, 0))
+    trainer.compile(batch)
+    assert trainer.batch_shardings["tokens"].spec == P("data", "context")
+    found = {c.kind: c for c in collectives(trainer.compiled.as_text())}
+    keys_values = 2 * 2 * (16 * 32 * 4 * 16) * 4
+    assert keys_values <= found["all-gather"].bytes <= keys_values * 1.05, found
+    scores = 16 * 4 * 32 * 32 * 4  # one layer's (rows, heads, L, L) on a data shard
+    assert found["all-gather"].bytes < keys_values + scores
+
+
+def test_a_batch_cp_cannot_split_is_one_line():
+    model, trainer = _transformer_trainer("cp", None)
+    batch = next(model.batches(model.batch_size, 0))
+    with pytest.raises(shardplug.ConfigError, match="sequence of 30, which does not split"):
+        trainer.compile({k: v[:, :30] for k, v in batch.items()})
+    classifier = shardplug.get_model("classifier")
+    task = classifier.task("nnx")
+    with pytest.raises(
+        shardplug.ConfigError, match=r"batch leaf 'label' of shape \(64,\) has none"
+    ):
+        task.trainer(strategy="dp+cp").compile(next(classifier.batches(64, 0)))
+    with pytest.raises(shardplug.CompositionError, match="'pmap' is a whole strategy"):
+        shardplug.get_strategy("pmap+cp")
+
+
+class HandWritten(nnx.Module):
+    """Attention written by hand with jax.nn.dot_product_attention, not shardplug's."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(64, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 64, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)[:, :, None, :]
+        x = x + jnp.asarray(jax_attention(x, x, x, is_causal=True))
+        return self.out(x[:, :, 0, :])
+
+
+def jax_attention(*args, **kwargs):
+    import jax
+
+    return jax.nn.dot_product_attention(*args, **kwargs)
+
+
+def test_attention_written_by_hand_trains_right_and_is_said():
+    model = shardplug.get_model("transformer")
+
+    def loss_fn(m, batch):
+        logits = m(batch["tokens"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    def losses(strategy, devices):
+        trainer = shardplug.Trainer(
+            shardplug.from_nnx(HandWritten), loss_fn=loss_fn, optimizer=optax.adam(1e-2),
+            strategy=strategy, devices=devices,
+        )  # fmt: skip
+        return [r["loss"] for r in trainer.fit(model.batches(16, 0), steps=STEPS)]
+
+    with pytest.warns(shardplug.ShardplugWarning, match="never called shardplug.attention"):
+        got = losses("cp", 8)
+    np.testing.assert_allclose(got, losses("dp", 1), rtol=1e-4)
