@@ -114,7 +114,7 @@ def task_arguments(parser: Any) -> None:
     )
 
 
-MODEL_ONLY = ("model", "adapter", "layers", "remat", "batch_size", "lr")
+MODEL_ONLY = ("model", "adapter", "layers", "remat", "sequence", "batch_size", "lr")
 
 
 def check_task_flags(args: argparse.Namespace) -> None:
@@ -176,11 +176,14 @@ def model_options_arguments(parser: Any) -> None:
     parser.add_argument("--remat", choices=("none", "dots", "full"), default=None,
                         help="what each transformer block recomputes in the backward pass "
                         "(default none)")  # fmt: skip
+    parser.add_argument("--sequence", type=_positive(int), default=None, metavar="N",
+                        help="the transformer's sequence length (default 32)")  # fmt: skip
 
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:
     """The reference model's options the command line gave (``layers``, ``remat``)."""
-    return {k: getattr(args, k, None) for k in ("layers", "remat") if getattr(args, k, None)}
+    names = ("layers", "remat", "sequence")
+    return {k: getattr(args, k, None) for k in names if getattr(args, k, None)}
 
 
 def _step_range(text: str) -> range:

@@ -30,6 +30,7 @@ RESUMED = (
     "lr",
     "layers",
     "remat",
+    "sequence",
 )  # taken from the checkpoint (a reference model's run; a task's keeps its --task)
 
 

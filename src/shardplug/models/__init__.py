@@ -8,6 +8,7 @@ set whose loss can truly fall.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -71,8 +72,9 @@ class ReferenceModel:
     def adapter(self, framework: str = "nnx", **options: Any) -> Adapter:
         """This model in ``framework`` (``nnx``, ``linen`` or ``equinox``), adapted.
 
-        The transformer takes ``layers`` (its depth, default 2) and ``remat`` (``none``,
-        ``dots`` or ``full``: what each block recomputes in the backward pass).
+        The transformer takes ``layers`` (its depth, default 2), ``remat`` (``none``,
+        ``dots`` or ``full``: what each block recomputes in the backward pass) and
+        ``sequence`` (its length, default 32: the position table and the data).
         """
         check_adapter(framework)
         given = {k: v for k, v in options.items() if v is not None}
@@ -84,11 +86,12 @@ class ReferenceModel:
         transformer's; None for the models that are not transformers."""
         if self.name != "transformer":
             return None
+        sequence = options.get("sequence") or synthetic.SEQ_LEN
         shape = TransformerShape(
             layers=options.get("layers") or nnx_models.LAYERS, width=nnx_models.EMBED,
-            sequence=synthetic.SEQ_LEN, vocab=synthetic.VOCAB, mlp=nnx_models.HIDDEN,
+            sequence=sequence, vocab=synthetic.VOCAB, mlp=nnx_models.HIDDEN,
         )  # fmt: skip
-        return shape.flops_per_token()["total"] * synthetic.SEQ_LEN
+        return shape.flops_per_token()["total"] * sequence
 
     def task(
         self,
@@ -108,14 +111,19 @@ class ReferenceModel:
         size = batch_size or self.batch_size
         kind = self.batches.__name__
         held_out = seed + 1_000_003
+        length = {"sequence": options["sequence"]} if options.get("sequence") else {}
+        batches = functools.partial(self.batches, **length)
         return Task(
             adapter=self.adapter(framework, **options),
             loss_fn=self.loss_fn,
             optimizer=optax.adam(learning_rate or self.learning_rate),
             data=Batches(
-                synthetic.records(kind, size, seed), size, shuffle=False, name=f"{kind}-{seed}"
+                synthetic.records(kind, size, seed, **length),
+                size,
+                shuffle=False,
+                name=f"{kind}-{seed}" + (f"-{length['sequence']}" if length else ""),
             ),
-            eval_data=lambda: itertools.islice(self.batches(size, held_out), 4),
+            eval_data=lambda: itertools.islice(batches(size, held_out), 4),
             name=self.name,
             flops_per_sample=self.flops_per_sample(**options),
         )
@@ -129,10 +137,10 @@ class ReferenceModel:
                 takes = ", ".join(self.options) or "none"
                 raise ConfigError(
                     f"model {self.name!r} takes no option {key!r} (it takes: {takes}); "
-                    f"the transformer has layers and remat"
+                    f"the transformer has layers, remat and sequence"
                 )
-            if key == "layers" and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"layers must be a positive integer, got {value!r}")
+            if key in ("layers", "sequence") and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{key} must be a positive integer, got {value!r}")
             if key == "remat" and value not in REMAT_POLICIES:
                 raise ConfigError(
                     f"remat must be one of {', '.join(REMAT_POLICIES)}, got {value!r}"
@@ -161,7 +169,9 @@ def _reference(name, description, nnx_build, linen_module, eqx_build, eqx_rules,
 
     builders = {
         "nnx": lambda **o: from_nnx(made(nnx_build, o)),
-        "linen": lambda **o: from_linen(made(linen_module, o), linen_models.sample_input(name)),
+        "linen": lambda **o: from_linen(
+            made(linen_module, o), linen_models.sample_input(name, o.get("sequence"))
+        ),
         "equinox": lambda **o: from_equinox(made(eqx_build, o), rules=eqx_rules),
     }
     return ReferenceModel(name, description, builders, **kwargs)
@@ -206,7 +216,7 @@ MODELS: dict[str, ReferenceModel] = {
             batches=synthetic.markov,
             learning_rate=3e-3,
             batch_size=32,
-            options=("layers", "remat"),
+            options=("layers", "remat", "sequence"),
         ),
         _reference(
             "cnn",

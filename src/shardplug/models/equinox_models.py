@@ -94,11 +94,17 @@ class TransformerLM(eqx.Module):
     unembed: jax.Array
     remat: str = eqx.field(static=True, default="none")
 
-    def __init__(self, key: jax.Array, layers: int = LAYERS, remat: str = "none"):
+    def __init__(
+        self,
+        key: jax.Array,
+        layers: int = LAYERS,
+        remat: str = "none",
+        sequence: int = synthetic.SEQ_LEN,
+    ):
         keys = jax.random.split(key, 4)
         normal = jax.nn.initializers.normal(0.02)
         self.embed = normal(keys[0], (synthetic.VOCAB, EMBED))
-        self.position = normal(keys[1], (synthetic.SEQ_LEN, EMBED))
+        self.position = normal(keys[1], (sequence, EMBED))
         self.blocks = stack.equinox_layers(Block, layers, keys[2])
         self.norm = (jnp.ones(EMBED), jnp.zeros(EMBED))
         self.unembed = normal(keys[3], (EMBED, synthetic.VOCAB))
@@ -195,9 +201,9 @@ def classifier(key):
     return MLP(synthetic.CLASSIFICATION_INPUTS, 128, synthetic.CLASSES, key)
 
 
-def transformer(layers: int = LAYERS, remat: str = "none"):
+def transformer(layers: int = LAYERS, remat: str = "none", sequence: int = synthetic.SEQ_LEN):
     """A function ``key -> TransformerLM`` of this depth and remat policy."""
-    return lambda key: TransformerLM(key, layers, remat)
+    return lambda key: TransformerLM(key, layers, remat, sequence)
 
 
 def cnn(key):

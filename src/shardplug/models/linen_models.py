@@ -74,11 +74,12 @@ class Block(nn.Module):
 class TransformerLM(nn.Module):
     layers: int = LAYERS
     remat: str = "none"
+    sequence: int = synthetic.SEQ_LEN
 
     @nn.compact
     def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
         embed = _param(self, "embed", (synthetic.VOCAB, EMBED), ("vocab", "embed"))
-        position = _param(self, "position", (synthetic.SEQ_LEN, EMBED), (None, "embed"))
+        position = _param(self, "position", (self.sequence, EMBED), (None, "embed"))
         x = embed[tokens] + position[None, : tokens.shape[1]]
         x = stack.LinenLayers(Block, self.layers, self.remat, name="blocks")(x)
         return _norm()(x) @ _param(self, "unembed", (EMBED, synthetic.VOCAB), ("embed", "vocab"))
@@ -102,12 +103,12 @@ class CNN(nn.Module):
         return _dense(synthetic.IMAGE_CLASSES, ("embed", None))(x)
 
 
-def sample_input(model: str) -> jnp.ndarray:
+def sample_input(model: str, sequence: int | None = None) -> jnp.ndarray:
     """A one-row input of the right shape, for ``module.init``."""
     shapes = {
         "mlp": ((1, synthetic.REGRESSION_INPUTS), jnp.float32),
         "classifier": ((1, synthetic.CLASSIFICATION_INPUTS), jnp.float32),
-        "transformer": ((1, synthetic.SEQ_LEN), jnp.int32),
+        "transformer": ((1, sequence or synthetic.SEQ_LEN), jnp.int32),
         "cnn": ((1, synthetic.IMAGE, synthetic.IMAGE, 1), jnp.float32),
     }
     shape, dtype = shapes[model]

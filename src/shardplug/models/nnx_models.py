@@ -96,9 +96,16 @@ class Block(nnx.Module):
 class TransformerLM(nnx.Module):
     """Token and position embeddings, a stack of blocks, a final norm and an unembedding."""
 
-    def __init__(self, *, rngs: nnx.Rngs, layers: int = LAYERS, remat: str = "none"):
+    def __init__(
+        self,
+        *,
+        rngs: nnx.Rngs,
+        layers: int = LAYERS,
+        remat: str = "none",
+        sequence: int = synthetic.SEQ_LEN,
+    ):
         self.embed = _param(rngs, (synthetic.VOCAB, EMBED), ("vocab", "embed"))
-        self.position = _param(rngs, (synthetic.SEQ_LEN, EMBED), (None, "embed"))
+        self.position = _param(rngs, (sequence, EMBED), (None, "embed"))
         self.blocks = stack.nnx_layers(lambda r: Block(rngs=r), layers, rngs)
         self.norm = _norm(rngs)
         self.unembed = _param(rngs, (EMBED, synthetic.VOCAB), ("embed", "vocab"))
@@ -110,9 +117,9 @@ class TransformerLM(nnx.Module):
         return self.norm(x) @ self.unembed[...]
 
 
-def transformer(layers: int = LAYERS, remat: str = "none"):
-    """A function ``rngs -> TransformerLM`` of this depth and remat policy."""
-    return lambda rngs: TransformerLM(rngs=rngs, layers=layers, remat=remat)
+def transformer(layers: int = LAYERS, remat: str = "none", sequence: int = synthetic.SEQ_LEN):
+    """A function ``rngs -> TransformerLM`` of this depth, remat policy and length."""
+    return lambda rngs: TransformerLM(rngs=rngs, layers=layers, remat=remat, sequence=sequence)
 
 
 # The CNN: convolutions with BatchNorm, then dropout and a linear head.

@@ -72,16 +72,16 @@ def clusters(
     return _batches(batch_size, seed, start, rows, _clusters_row())
 
 
-def _markov_row():
+def _markov_row(sequence: int = SEQ_LEN):
     table = np.random.default_rng(4321)
     successors = np.stack([table.permutation(VOCAB)[:3] for _ in range(VOCAB)])
     cumulative = np.array([0.6, 0.9, 1.0])
 
     def row(rng):
-        seq = np.empty(SEQ_LEN + 1, dtype=np.int32)
+        seq = np.empty(sequence + 1, dtype=np.int32)
         seq[0] = rng.integers(0, VOCAB)
-        choice = np.searchsorted(cumulative, rng.random(SEQ_LEN), side="right")
-        for t in range(SEQ_LEN):
+        choice = np.searchsorted(cumulative, rng.random(sequence), side="right")
+        for t in range(sequence):
             seq[t + 1] = successors[seq[t], choice[t]]
         return {"tokens": seq[:-1], "targets": seq[1:]}
 
@@ -89,14 +89,19 @@ def _markov_row():
 
 
 def markov(
-    batch_size: int, seed: int = 0, start: int = 0, rows: slice | None = None
+    batch_size: int,
+    seed: int = 0,
+    start: int = 0,
+    rows: slice | None = None,
+    sequence: int = SEQ_LEN,
 ) -> Iterator[Batch]:
-    """``{"tokens", "targets"}`` from a sparse Markov chain (the same for every seed).
+    """``{"tokens", "targets"}`` of ``sequence`` tokens from a sparse Markov chain (the same
+    for every seed); the targets are the tokens shifted by one, made before any split.
 
     Each token is followed by one of three tokens with probabilities 0.6, 0.3 and 0.1, so
     next-token loss can fall from ln(64) = 4.16 towards the chain's entropy, 0.90 nats.
     """
-    return _batches(batch_size, seed, start, rows, _markov_row())
+    return _batches(batch_size, seed, start, rows, _markov_row(sequence))
 
 
 def _bars_row():
@@ -127,10 +132,11 @@ ROWS = {"regression": _regression_row, "clusters": _clusters_row, "markov": _mar
         "bars": _bars_row}  # fmt: skip
 
 
-def records(kind: str, batch_size: int, seed: int = 0) -> grain.MapDataset:
+def records(kind: str, batch_size: int, seed: int = 0, **options: int) -> grain.MapDataset:
     """The same rows as ``kind``'s batches, as an endless Grain data set in batch order:
-    record ``r`` is row ``r % batch_size`` of batch ``r // batch_size``."""
-    row = ROWS[kind]()
+    record ``r`` is row ``r % batch_size`` of batch ``r // batch_size``; ``options`` are the
+    rows' (``markov``'s ``sequence``)."""
+    row = ROWS[kind](**options)
     return grain.MapDataset.range(2**62).map(
         lambda r: row(np.random.default_rng((seed, r // batch_size, r % batch_size)))
     )
