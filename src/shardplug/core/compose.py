@@ -4,11 +4,14 @@ Each parallelism owns one mesh axis (:func:`~shardplug.core.hookspecs.parallel_a
 composes them in one fixed order, written down here once:
 
 - **the mesh** lays the axes out by ``Axis.rank``, outermost first: ``data`` (replicas, the
-  least traffic, across nodes), ``stage`` (pipeline), ``fsdp``, ``model`` (tensor parallel,
-  the most traffic, on the fastest links), as MaxText lays out its mesh;
+  least traffic, across nodes), ``stage`` (pipeline), ``fsdp``, ``context`` (the sequence),
+  ``model`` (tensor parallel, the most traffic, on the fastest links), as MaxText lays out
+  its mesh;
 - **parameters** are split in the reverse order, innermost first, like torchtitan's
   ``parallelize`` (tensor parallel, then pipeline stages, then sharding of what remains):
   ``model`` claims its dimensions, then ``stage``, then ``fsdp`` among the dimensions left;
+- **the batch** splits its second dimension (the sequence) over every axis whose
+  parallelism says ``sequence=True`` (``cp``);
 - **the batch** splits its leading dimension over every axis whose parallelism says
   ``batch=True``, in mesh order (``P(("data", "fsdp"))`` for ``dp+fsdp``);
 - **the step** sees each parameter as every parallelism's
