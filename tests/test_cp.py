@@ -1,6 +1,8 @@
 """Context parallelism: the sequence split over `context`, composed with the others, trains
 like one device; its compiled step gathers keys and values and keeps the scores split."""
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -136,3 +138,28 @@ def test_the_command_line_sets_the_sequence(tmp_path):
     assert code == 0
     assert len([json.loads(line) for line in metrics.read_text().splitlines()]) >= 1
     assert main(["train", "--model", "mlp", "--sequence", "64", "--steps", "1"]) == 2
+
+
+LLAMA = __import__("pathlib").Path(__file__).resolve().parent.parent / "examples/tasks/llama.py"
+
+
+@functools.cache
+def _llama_losses(strategy: str, mesh: str | None, devices: int) -> tuple[float, ...]:
+    task = shardplug.load_task(f"{LLAMA}:long_context")
+    options = {"min_size": 0} if "fsdp" in strategy or "tp" in strategy else {}
+    trainer = task.trainer(
+        strategy=shardplug.get_strategy(strategy, **options), mesh=mesh, devices=devices
+    )
+    return tuple(r["loss"] for r in trainer.fit(task.batches(), steps=2))
+
+
+@pytest.mark.parametrize(
+    ("name", "mesh"),
+    [("fsdp+cp+tp", "fsdp=2,context=2,model=2"), ("pp+cp", "stage=2,context=4")],
+)
+def test_a_llama_with_rope_at_1024_trains_like_one_device(name, mesh):
+    """examples/tasks/llama.py at sequence 1024 (RoPE, causal, next-token targets shifted
+    before the split) on 8 devices, against one device."""
+    np.testing.assert_allclose(
+        _llama_losses(name, mesh, 8), _llama_losses("dp", None, 1), rtol=1e-4
+    )

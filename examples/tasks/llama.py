@@ -106,15 +106,18 @@ class Llama(nnx.Module):
 
 
 def loss_fn(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
-    logits = model(batch["tokens"][:, :-1]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+    logits = model(batch["tokens"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
 def random_tokens(c: Config, seed: int = 0):
-    """Endless batches of random tokens, ``sequence + 1`` long (inputs and next tokens)."""
+    """Endless batches of ``sequence`` random tokens and their next tokens, shifted here,
+    before any split of the sequence (under ``cp`` a shard's last target is the next
+    shard's first token)."""
     rng = np.random.default_rng(seed)
     while True:
-        yield {"tokens": rng.integers(0, c.vocab, (c.batch, c.sequence + 1), dtype=np.int32)}
+        tokens = rng.integers(0, c.vocab, (c.batch, c.sequence + 1), dtype=np.int32)
+        yield {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
 def task_of(c: Config, name: str) -> shardplug.Task:
@@ -132,6 +135,12 @@ def task_of(c: Config, name: str) -> shardplug.Task:
 
 def llama2_7b() -> shardplug.Task:
     return task_of(Config(), "llama2-7b")
+
+
+def long_context() -> shardplug.Task:
+    """The tiny model at a sequence of 1024, for context parallelism (``--strategy dp+cp``)."""
+    c = Config(layers=2, width=64, heads=4, mlp=172, vocab=256, sequence=1024, batch=8)
+    return task_of(dataclasses.replace(c, remat="none"), "long-context")
 
 
 def tiny() -> shardplug.Task:

@@ -76,6 +76,28 @@ def _losses(strategy, options, adapter, model_name, steps, seed, devices, mesh, 
     return [r["loss"] for r in trainer.fit(model.batches(model.batch_size, seed), steps=steps)]
 
 
+def _explicit_losses(strategy, devices, mesh, steps, seed) -> list[float]:
+    import itertools
+
+    import optax
+
+    import shardplug
+    from shardplug.testing import explicit
+
+    trainer = shardplug.Trainer(
+        shardplug.from_nnx(explicit.ResidualNet), loss_fn=explicit.loss_fn,
+        optimizer=optax.adam(3e-3), strategy=strategy, devices=devices, mesh=mesh,
+        axis_types="explicit", seed=seed,
+    )  # fmt: skip
+    data = itertools.islice(explicit.batches(seed), steps)
+    return [r["loss"] for r in trainer.fit(data, steps=steps)]
+
+
+@functools.cache
+def _explicit_one_device(steps: int, seed: int) -> tuple[float, ...]:
+    return tuple(_explicit_losses("dp", 1, None, steps, seed))
+
+
 class StrategyConformance:
     """Checks that a strategy trains exactly like one device and places arrays as it says.
 
@@ -149,27 +171,16 @@ class StrategyConformance:
     def test_trains_like_one_device_on_explicit_axes(self) -> None:
         """A model written for explicit sharding mode (:mod:`shardplug.testing.explicit`)
         trains on the strategy's mesh with ``AxisType.Explicit`` axes like one device."""
-        import itertools
 
         import numpy as np
-        import optax
-
-        import shardplug
-        from shardplug.testing import explicit
 
         self._skip_unless(Capability.EXPLICIT_AXES)
 
         def losses(strategy, devices, mesh):
-            trainer = shardplug.Trainer(
-                shardplug.from_nnx(explicit.ResidualNet), loss_fn=explicit.loss_fn,
-                optimizer=optax.adam(3e-3), strategy=strategy, devices=devices, mesh=mesh,
-                axis_types="explicit", seed=self.seed,
-            )  # fmt: skip
-            data = itertools.islice(explicit.batches(self.seed), self.steps)
-            return [r["loss"] for r in trainer.fit(data, steps=self.steps)]
+            return _explicit_losses(strategy, devices, mesh, self.steps, self.seed)
 
         got = losses(self._strategy(), self.devices, self.mesh)
-        np.testing.assert_allclose(got, losses("dp", 1, None), rtol=1e-5)
+        np.testing.assert_allclose(got, _explicit_one_device(self.steps, self.seed), rtol=1e-5)
 
     def test_uneven_shapes_still_train(self) -> None:
         import jax.numpy as jnp
