@@ -185,3 +185,17 @@ def test_the_command_line_offers_the_same_axis_types():
     from shardplug.core.mesh import AXIS_TYPES as CORE
 
     assert AXIS_TYPES == CORE
+
+
+def test_a_hook_inside_a_hook_leaves_with_sharding_constraint_laying_out():
+    from shardplug.core.sharding import constraints_lay_out
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    original = jax.lax.with_sharding_constraint
+    with jax.set_mesh(mesh), constraints_lay_out():
+        outer = jax.lax.with_sharding_constraint
+        with constraints_lay_out():
+            pass
+        assert jax.lax.with_sharding_constraint is outer
+        assert outer is not original
+    assert jax.lax.with_sharding_constraint is original

@@ -9,17 +9,13 @@ from typing import Any
 
 import jax
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core.mesh import is_explicit
 from shardplug.errors import BatchError, PluginError
 
 _CONSTRAIN = jax.lax.with_sharding_constraint  # JAX's own, whatever a plugin's hook sees
-
-
-def _explicit_now() -> bool:
-    mesh = jax.sharding.get_abstract_mesh()
-    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
 @contextlib.contextmanager
@@ -28,7 +24,7 @@ def constraints_lay_out() -> Iterator[None]:
     (:func:`lay_out`) instead of asserting: a plugin's hooks written for auto axes run
     unchanged on explicit ones. Core enters it around every hook call; it changes nothing
     outside a program traced on explicit axes."""
-    if not _explicit_now():
+    if not is_explicit(jax.sharding.get_abstract_mesh()):
         yield
         return
 
@@ -37,11 +33,12 @@ def constraints_lay_out() -> Iterator[None]:
             return jax.tree.map(lambda leaf: lay_out(leaf, shardings), x)
         return jax.tree.map(lay_out, x, shardings)
 
+    previous = jax.lax.with_sharding_constraint  # ours, when hooks call hooks
     jax.lax.with_sharding_constraint = constrain
     try:
         yield
     finally:
-        jax.lax.with_sharding_constraint = _CONSTRAIN
+        jax.lax.with_sharding_constraint = previous
 
 
 def lay_out(x: Any, where: P | NamedSharding) -> Any:
@@ -54,7 +51,7 @@ def lay_out(x: Any, where: P | NamedSharding) -> Any:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty and isinstance(where, NamedSharding):
         mesh = where.mesh
-    if not any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+    if not is_explicit(mesh):
         return _CONSTRAIN(x, where)
     if any(entry is P.UNCONSTRAINED for entry in spec):
         have = tuple(jax.typeof(x).sharding.spec) + (None,) * len(spec)
