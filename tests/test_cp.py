@@ -44,18 +44,34 @@ def _transformer_trainer(strategy, mesh, **kwargs):
     return model, task.trainer(strategy=strategy, mesh=mesh)
 
 
-def test_the_sequence_is_split_and_keys_and_values_gathered():
-    """dp+cp's step gathers each layer's keys and values over `context` (2 layers x 2, each
-    a (16, 32, 4, 16) float32 array once gathered) and nothing of the size of the scores."""
-    model, trainer = _transformer_trainer("dp+cp", "data=2,context=4")
-    batch = next(model.batches(model.batch_size, 0))
-    trainer.compile(batch)
+def _dp_cp_collectives(scheme):
+    model = shardplug.get_model("transformer")
+    strategy = shardplug.get_strategy("dp+cp", **{"cp.attention": scheme})
+    trainer = model.task("nnx").trainer(strategy=strategy, mesh="data=2,context=4")
+    trainer.compile(next(model.batches(model.batch_size, 0)))
     assert trainer.batch_shardings["tokens"].spec == P("data", "context")
-    found = {c.kind: c for c in collectives(trainer.compiled.as_text())}
-    keys_values = 2 * 2 * (16 * 32 * 4 * 16) * 4
+    return {c.kind: c for c in collectives(trainer.compiled.as_text())}
+
+
+BLOCK = 16 * 8 * 4 * 16 * 4  # one device's keys (or values): rows, L/4, heads, head dim, f32
+
+
+def test_the_ring_passes_each_block_context_minus_one_times_each_way():
+    """dp+cp (data=2, context=4), 2 layers: forward, each layer's key and value blocks go
+    round the ring 3 times; backward, their gradients come back 3 times; nothing is
+    all-gathered but a 16 kB parameter's gradient."""
+    found = _dp_cp_collectives("ring")
+    assert found["collective-permute"].bytes == 2 * 2 * 3 * 2 * BLOCK
+    assert found["all-gather"].bytes < BLOCK
+
+
+def test_the_gather_scheme_gathers_keys_and_values_once_per_layer():
+    """The same with attention="gather": each layer's keys and values all-gathered (4 x the
+    block), nothing of the size of the scores, no ring."""
+    found = _dp_cp_collectives("gather")
+    keys_values = 2 * 2 * 4 * BLOCK
     assert keys_values <= found["all-gather"].bytes <= keys_values * 1.05, found
-    scores = 16 * 4 * 32 * 32 * 4  # one layer's (rows, heads, L, L) on a data shard
-    assert found["all-gather"].bytes < keys_values + scores
+    assert "collective-permute" not in found
 
 
 def test_a_batch_cp_cannot_split_is_one_line():
@@ -113,8 +129,8 @@ def test_attention_written_by_hand_trains_right_and_is_said():
 
 def test_four_context_devices_hold_under_a_third_of_the_activations():
     """Compiled memory of a sequence-1024 step (nothing allocated): at context=4 a device's
-    temporaries are ~0.26x those of one device (the scores split four ways; the gathered
-    keys and values are each layer's whole sequence)."""
+    temporaries are under 0.3x those of one device, with either scheme (ring: one block pair
+    of scores at a time; gather: the scores of its queries against the whole sequence)."""
     model = shardplug.get_model("transformer")
     batch = next(model.batches(4, 0, sequence=1024))
     temp = {}

@@ -4,8 +4,9 @@ Every batch leaf's second dimension (the sequence) is split over ``context`` in 
 blocks, and so is every activation along it; parameters are replicated over ``context`` (an
 ``fsdp`` of the same composition stores them split over it too, as torchtitan shards over
 dp_shard x cp). Attention sees the whole sequence through :func:`shardplug.attention`: while
-the step is traced, :mod:`shardplug.core.sequence` puts in its place an attention whose
-keys and values are all-gathered over ``context`` and whose queries stay split. Positions
+the step is traced, :mod:`shardplug.core.sequence` puts in its place ring attention (the
+key/value blocks passed round ``context``; ``attention="ring"``, the default by measurement)
+or an attention whose keys and values are all-gathered (``attention="gather"``). Positions
 and targets are those of the sequence as it is: nothing is reordered. A model that computes
 attention otherwise is warned of once: it trains right, through the compiler's own gathers.
 """
@@ -14,11 +15,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from shardplug.plugin import Axis, Capability, hookimpl, sequence_parallel
+from shardplug.plugin import Axis, Capability, StrategyOptionError, hookimpl, sequence_parallel
 
 
 class ContextParallel:
-    """Context parallel: the sequence split over `context`, keys and values gathered."""
+    """Context parallel: the sequence split over `context`, ring attention over it."""
 
     unsupported: ClassVar[dict[str, str]] = {
         Capability.WITHOUT_SEQUENCE: "context parallelism splits the batch's sequence; a "
@@ -27,10 +28,20 @@ class ContextParallel:
         Capability.BATCH_SPLIT: "context parallelism alone splits the sequence, not the rows",
     }
 
+    def __init__(self, attention: str = "ring"):
+        if attention not in ("gather", "ring"):
+            raise StrategyOptionError(
+                f"cp option attention must be 'gather' (keys and values all-gathered) or "
+                f"'ring' (passed round the ring), got {attention!r}"
+            )
+        self.attention = attention
+
     @hookimpl
     def parallel_axis(self):
         return Axis("context", rank=Axis.CONTEXT, logical=("length",), lends=True, sequence=True)
 
     @hookimpl
     def trace_context(self, axis, mesh):
-        return sequence_parallel(axis, "cp") if mesh.shape[axis] > 1 else None
+        if mesh.shape[axis] == 1:
+            return None
+        return sequence_parallel(axis, "cp", self.attention)
