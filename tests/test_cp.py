@@ -179,3 +179,12 @@ def test_a_llama_with_rope_at_1024_trains_like_one_device(name, mesh):
     np.testing.assert_allclose(
         _llama_losses(name, mesh, 8), _llama_losses("dp", None, 1), rtol=1e-4
     )
+
+
+def test_explain_takes_the_ring_for_no_pipeline():
+    from shardplug.explain import explain
+
+    model, trainer = _transformer_trainer("dp+cp", "data=2,context=4")
+    report = explain(trainer, next(model.batches(model.batch_size, 0)))
+    assert report.pipeline is None
+    assert "collective-permute" in {c["kind"] for c in report.collectives}

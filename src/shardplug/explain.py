@@ -376,6 +376,8 @@ def _pipeline(trainer, params, shardings, found, batch_axes) -> dict[str, Any] |
         (p, sh) for p, sh in zip(params, shardings, strict=True)
         if len(sh.spec) and sh.spec[0] == axis
     ]  # fmt: skip
+    if not stacked:  # a ring over another axis (cp's attention), not a pipeline's stages
+        return None
     layers = stacked[0][0].shape[0]
     shape, dtype = (inputs.shape[0] * inputs.shape[1], *inputs.shape[2:]), inputs.dtype
     shards = math.prod(mesh.shape[a] for a in batch_axes) if batch_axes else 1
