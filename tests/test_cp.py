@@ -188,3 +188,9 @@ def test_explain_takes_the_ring_for_no_pipeline():
     report = explain(trainer, next(model.batches(model.batch_size, 0)))
     assert report.pipeline is None
     assert "collective-permute" in {c["kind"] for c in report.collectives}
+
+
+def test_an_unknown_attention_scheme_is_one_line():
+    expected = r"'gather' .* or 'ring' .* got 'bogus'"
+    with pytest.raises(shardplug.StrategyOptionError, match=expected):
+        shardplug.get_strategy("dp+cp", **{"cp.attention": "bogus"})
