@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
@@ -98,8 +99,6 @@ def is_explicit(mesh: Any) -> bool:
 def holds_explicit(tree: Any) -> bool:
     """Whether any array of ``tree`` is laid out on a mesh with explicit axes (a model built
     under ``jax.set_mesh`` of such a mesh carries them in its parameters' types)."""
-    import jax
-
     return any(
         is_explicit(getattr(getattr(leaf, "sharding", None), "mesh", None))
         for leaf in jax.tree.leaves(tree)

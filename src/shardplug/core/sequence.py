@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core.attention import attention_override, choose
+from shardplug.core.attention import attention_override
 from shardplug.core.sharding import lay_out
 from shardplug.errors import ShardplugWarning
 
@@ -46,10 +46,10 @@ def gathered_attention(axis: str):
         split, whole = P(_U, axis, _U, _U), P(_U, None, _U, _U)
         query = lay_out(query, split)
         key, value = lay_out(key, whole), lay_out(value, whole)
-        implementation, _ = choose(query, key, value, platform=jax.default_backend())
+        # XLA's: cuDNN's wrapper has no partitioning rule for split queries against whole keys
         out = jax.nn.dot_product_attention(
             query, key, value, bias=bias, mask=mask, scale=scale, is_causal=causal,
-            implementation="xla" if implementation == "cudnn" else implementation,
+            implementation="xla",
         )  # fmt: skip
         return lay_out(out, split)
 
@@ -66,13 +66,11 @@ def ring_attention(axis: str):
     gathered = gathered_attention(axis)
 
     def attend(query, key, value, *, causal, bias, mask, scale):
-        if bias is not None or mask is not None:
-            return gathered(query, key, value, causal=causal, bias=bias, mask=mask,
-                            scale=scale)  # fmt: skip
         mesh = jax.sharding.get_abstract_mesh()
-        if any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types):
-            # inside another per-device program (pp's schedule) XLA's partitioner refuses
-            # the nested manual axes of a ring: the keys and values are gathered there
+        # the ring takes plain (causal) attention; inside another per-device program (pp's
+        # schedule) XLA's partitioner refuses its nested manual axes: gathered there
+        nested = any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+        if bias is not None or mask is not None or nested:
             return gathered(query, key, value, causal=causal, bias=bias, mask=mask,
                             scale=scale)  # fmt: skip
         size = mesh.shape[axis]
@@ -113,7 +111,7 @@ def _ring(q, k, v, *, axis, size, causal, scale):
         return new_top, total, out
 
     def step_and_pass(carry, step):
-        top, total, out, k, v = carry
+        *_, k, v = carry
         top, total, out = meet(carry, step)
         k, v = jax.lax.ppermute((k, v), axis, perm)
         return (top, total, out, k, v), None
@@ -128,7 +126,7 @@ def _ring(q, k, v, *, axis, size, causal, scale):
 
 
 @contextlib.contextmanager
-def sequence_parallel(axis: str, name: str, scheme: str = "gather") -> Iterator[None]:
+def sequence_parallel(axis: str, name: str, scheme: str = "ring") -> Iterator[None]:
     """Trace the code inside with :func:`shardplug.attention` attending over the sequence
     split on ``axis``; a program that never called it is warned of once (its attention, if
     any, then runs through the compiler's own gathers of the sequence)."""
