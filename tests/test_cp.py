@@ -23,7 +23,7 @@ STEPS = 3
         ("cp", None, "nnx"),
         ("dp+cp", "data=2,context=4", "nnx"),
         ("fsdp+cp", "fsdp=2,context=4", "linen"),
-        ("cp+tp", "context=4,model=2", "equinox"),
+        ("cp+tp", "seq=4,model=2", "equinox"),  # the axis renamed: axis_names={"context": "seq"}
         ("fsdp+cp+tp", "fsdp=2,context=2,model=2", "nnx"),
         ("fsdp+cp+tp", "fsdp=2,context=2,model=2", "linen"),
         ("fsdp+cp+tp", "fsdp=2,context=2,model=2", "equinox"),
@@ -33,6 +33,8 @@ STEPS = 3
 )
 def test_compositions_with_cp_train_like_one_device(name, mesh, adapter):
     options = {"min_size": 0} if "fsdp" in name or "tp" in name else {}
+    if "seq=" in (mesh or ""):
+        options["axis_names"] = {"context": "seq"}
     losses = _losses(name, options, adapter, "transformer", STEPS, 0, 8, mesh, {})
     want = one_device_losses(adapter, "transformer", STEPS, 0, ())
     np.testing.assert_allclose(losses, want, rtol=1e-4)
@@ -58,11 +60,43 @@ BLOCK = 16 * 8 * 4 * 16 * 4  # one device's keys (or values): rows, L/4, heads, 
 
 def test_the_ring_passes_each_block_context_minus_one_times_each_way():
     """dp+cp (data=2, context=4), 2 layers: forward, each layer's key and value blocks go
-    round the ring 3 times; backward, their gradients come back 3 times; nothing is
-    all-gathered but a 16 kB parameter's gradient."""
+    round the ring 3 times; backward, their gradients come back 3 times; and the zig-zag
+    deal moves queries, keys, values and output in two half blocks each, there and back
+    (their gradients the other way); nothing is all-gathered but a 16 kB parameter's
+    gradient."""
     found = _dp_cp_collectives("ring")
-    assert found["collective-permute"].bytes == 2 * 2 * 3 * 2 * BLOCK
+    ring, deal = 2 * 2 * 3 * 2 * BLOCK, 2 * 2 * 4 * BLOCK
+    assert found["collective-permute"].bytes == ring + deal
+    assert found["collective-permute"].count == 2 * 2 * 3 * 2 + 2 * 2 * 4 * 2
     assert found["all-gather"].bytes < BLOCK
+
+
+@pytest.mark.parametrize(("causal", "balance"), [(True, True), (True, False), (False, True)])
+def test_ring_attention_on_eight_devices_equals_attention_on_one(causal, balance):
+    """The ring alone (context=8, so the deal's permutations are not their own inverses):
+    outputs and the gradients of all three inputs as jax.nn.dot_product_attention's."""
+    import jax
+
+    from shardplug.core.sequence import ring_attention
+
+    mesh = jax.make_mesh((8,), ("context",), devices=jax.devices()[:8])
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 64, 2, 8))
+    ring = ring_attention("context", balance=balance)
+
+    def loss(attend, q, k, v):
+        out = attend(q, k, v, causal=causal, bias=None, mask=None, scale=None)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+    def reference(q, k, v, causal, bias, mask, scale):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+
+    want = jax.value_and_grad(functools.partial(loss, reference), argnums=(0, 1, 2))(q, k, v)
+    with jax.set_mesh(mesh):
+        split = jax.sharding.NamedSharding(mesh, P(None, "context"))
+        args = [jax.device_put(x, split) for x in (q, k, v)]
+        got = jax.jit(jax.value_and_grad(functools.partial(loss, ring), argnums=(0, 1, 2)))(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_the_gather_scheme_gathers_keys_and_values_once_per_layer():
@@ -77,8 +111,8 @@ def test_the_gather_scheme_gathers_keys_and_values_once_per_layer():
 def test_a_batch_cp_cannot_split_is_one_line():
     model, trainer = _transformer_trainer("cp", None)
     batch = next(model.batches(model.batch_size, 0))
-    with pytest.raises(shardplug.ConfigError, match="sequence of 30, which does not split"):
-        trainer.compile({k: v[:, :30] for k, v in batch.items()})
+    with pytest.raises(shardplug.ConfigError, match="sequence of 24, which does not split in two"):
+        trainer.compile({k: v[:, :24] for k, v in batch.items()})  # 8 devices: a multiple of 16
     classifier = shardplug.get_model("classifier")
     task = classifier.task("nnx")
     with pytest.raises(
@@ -181,16 +215,25 @@ def test_a_llama_with_rope_at_1024_trains_like_one_device(name, mesh):
     )
 
 
-def test_explain_takes_the_ring_for_no_pipeline():
+def test_explain_shows_cp_share_and_takes_the_ring_for_no_pipeline():
+    """explain of dp+cp: no pipeline; the sequence's split and the ring's share of the step's
+    traffic (its permutes: the HLO test's count and bytes)."""
     from shardplug.explain import explain
 
     model, trainer = _transformer_trainer("dp+cp", "data=2,context=4")
     report = explain(trainer, next(model.batches(model.batch_size, 0)))
     assert report.pipeline is None
-    assert "collective-permute" in {c["kind"] for c in report.collectives}
+    share = report.sequence
+    assert share["axes"] == ["context"] and (share["length"], share["per_device"]) == (32, 8)
+    assert share["ring_permutes"] == 56 and share["ring_bytes"] == 2 * 2 * (3 * 2 + 4) * BLOCK
+    assert share["ring_share"] == pytest.approx(share["ring_bytes"] / report.wire_bytes())
+    assert any(n.startswith("the sequence is split over ['context']: each device holds 8 of "
+                            "the 32 positions") for n in report.notes)  # fmt: skip
 
 
 def test_an_unknown_attention_scheme_is_one_line():
     expected = r"'gather' .* or 'ring' .* got 'bogus'"
     with pytest.raises(shardplug.StrategyOptionError, match=expected):
         shardplug.get_strategy("dp+cp", **{"cp.attention": "bogus"})
+    with pytest.raises(shardplug.StrategyOptionError, match=r"balance must be 'zigzag' .*'odd'"):
+        shardplug.get_strategy("cp", balance="odd")

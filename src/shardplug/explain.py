@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 
 from shardplug.core.hlo import collectives, wire_bytes
 from shardplug.core.schedule import Pipeline, circular_order
+from shardplug.core.sequence import sequence_share
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.core.step import PRECISIONS
 from shardplug.errors import ConfigError
@@ -69,6 +70,8 @@ class Report:
     precision: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: ``{"types": "auto" | "explicit", "why": ...}``: the mesh's axis types and why
     axis_types: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: a split sequence's axes, positions per device and ring traffic (``sequence_share``)
+    sequence: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -317,6 +320,9 @@ def explain(
             "stack once for forward and backward: 1 all-gather + 1 all-reduce sends what 2 "
             "all-gathers + 1 reduce-scatter send"
         )
+    pipeline = _pipeline(trainer, params, flat_shardings, found, batch_axes)
+    sequence, note = sequence_share(batch, trainer.batch_shardings, found, pipeline is not None)
+    notes += [note] if note else []
     return Report(
         strategy=trainer.strategy.name,
         devices=int(mesh.size),
@@ -330,7 +336,8 @@ def explain(
         compile_seconds=trainer.compile_seconds,
         pictures=pictures,
         notes=notes,
-        pipeline=_pipeline(trainer, params, flat_shardings, found, batch_axes),
+        pipeline=pipeline,
+        sequence=sequence,
         axis_types={"types": trainer.axis_types, "why": trainer.axis_types_reason},
         precision={
             "compute": "bfloat16" if bf16 else "float32",

@@ -376,11 +376,12 @@ class CompositionPlugin:
                     f"{seq}, and batch leaf {path!r} of shape {tuple(leaf.shape)} has none: "
                     f"give {owner} a batch of (rows, sequence, ...) leaves, or leave it out"
                 )
-            if leaf.shape[1] % parts:
+            if parts > 1 and leaf.shape[1] % (2 * parts):
                 raise ConfigError(
                     f"batch leaf {path!r} has a sequence of {leaf.shape[1]}, which does not "
-                    f"split over the {parts} devices of {seq}: use a sequence that is a "
-                    f"multiple of {parts}, or fewer {owner} devices (--mesh)"
+                    f"split in two chunks for each of the {parts} devices of {seq} (causal "
+                    f"work is balanced by dealing them zig-zag): use a sequence that is a "
+                    f"multiple of {2 * parts}, or fewer {owner} devices (--mesh)"
                 )
         return jax.tree.map(lambda leaf: P(lead, split), batch)
 

@@ -8,23 +8,28 @@ see the sequence as it is:
 
 - :func:`ring_attention` (the default): each device keeps its blocks, and the key/value
   blocks go round the ring, ``C - 1`` ``ppermute`` calls forward and as many back, met with an
-  online softmax: scores of one block pair at a time.
+  online softmax: scores of one block pair at a time. Causal, the blocks are dealt zig-zag
+  for the span of the attention (and the output dealt back), so that every device computes
+  the same half of each block pair and skips the masked half.
 - :func:`gathered_attention`: keys and values all-gathered over the axis, queries, scores
   and output split (MaxText's default; Accelerate recommends it).
 
 Measured side by side (``benchmarks/cp_attention.py``, 4 CPU devices, the reference
-transformer, batch 4): ring / gather step time 0.68 at sequence 1024 and 0.35 at 4096,
-compiled temporaries 0.51 and 0.41, so the ring is the default. Inside pp's pipeline
-schedule (itself a per-device program) XLA's partitioner refuses the ring's nested manual
-axes, and the keys and values are gathered there.
+transformer, batch 4): ring (zig-zag) / gather step time 0.51 at sequence 1024 and 0.23 at
+4096, compiled temporaries 0.40 and 0.28; without the zig-zag the ring's were 0.59 and 0.35,
+0.44 and 0.32. So the balanced ring is the default. Inside pp's pipeline schedule (itself a
+per-device program) XLA's partitioner refuses the ring's nested manual axes, and the keys
+and values are gathered there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +61,7 @@ def gathered_attention(axis: str):
     return attend
 
 
-def ring_attention(axis: str):
+def ring_attention(axis: str, balance: bool = True):
     r"""An attention function for :func:`attention_override`: each device keeps its block of
     queries, keys and values, and the key/value blocks go round the ring over ``axis``
     (``C - 1`` ``ppermute``\s), each met with an online softmax (running maximum, sum and
@@ -74,7 +79,9 @@ def ring_attention(axis: str):
             return gathered(query, key, value, causal=causal, bias=bias, mask=mask,
                             scale=scale)  # fmt: skip
         size = mesh.shape[axis]
-        block = functools.partial(_ring, axis=axis, size=size, causal=causal, scale=scale)
+        block = functools.partial(
+            _ring, axis=axis, size=size, causal=causal, scale=scale, balance=balance
+        )
         split = P(None, axis)
         return jax.shard_map(
             block, in_specs=(split, split, split), out_specs=split, axis_names={axis}
@@ -83,55 +90,161 @@ def ring_attention(axis: str):
     return attend
 
 
-def _ring(q, k, v, *, axis, size, causal, scale):
-    """One device's share of ring attention: its queries against every block of keys."""
-    f32 = jnp.float32
-    length, dim = q.shape[1], q.shape[-1]
-    scale = dim**-0.5 if scale is None else scale
+def _ring(q, k, v, *, axis, size, causal, scale, balance):
+    """One device's share of ring attention: its queries against every block of keys.
+
+    Causal and ``balance``, the blocks are first dealt zig-zag (:func:`_deal`): device ``i``
+    holds chunks ``i`` and ``2C-1-i`` of the sequence's ``2C``, so against every other
+    device's block it has exactly half a block pair to compute, none of it masked: all its
+    queries against an earlier device's first half, or its second half of queries against a
+    later device's whole block. Each device computes ``(C + 1) / 2C`` of the block pairs that
+    causal attention without the deal does (all of them, masked), all devices the same; the
+    output is dealt back, so nothing outside sees the order."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     me = jax.lax.axis_index(axis)
     perm = [(d, (d + 1) % size) for d in range(size)]
+    dealt = causal and balance
+    if dealt:
+        q, k, v = (_deal(x, axis, size) for x in (q, k, v))
+    length = q.shape[1]
+    half = length // 2
 
-    def meet(carry, step):
-        top, total, out, k, v = carry
+    def seen(source):  # the causal mask of my block against source's, contiguous blocks
+        places = jnp.arange(length)
+        return (me * length + places)[:, None] >= (source * length + places)[None, :]
+
+    def meet(acc, k, v, step):
         source = (me - step) % size  # whose keys and values these are
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=f32) * scale
-        seen = jnp.ones((length, length), bool)
-        if causal:
-            places = jnp.arange(length)
-            seen = (me * length + places)[:, None] >= (source * length + places)[None, :]
-        scores = jnp.where(seen, scores, -jnp.inf)
-        new_top = jnp.maximum(top, scores.max(-1))
-        safe = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
-        weights = jnp.where(seen, jnp.exp(scores - safe[..., None]), 0.0)
-        fade = jnp.where(jnp.isfinite(top), jnp.exp(top - safe), 0.0)
-        total = total * fade + weights.sum(-1)
-        out = out * fade.transpose(0, 2, 1)[..., None] + jnp.einsum(
-            "bhqk,bkhd->bqhd", weights.astype(v.dtype), v, preferred_element_type=f32
-        )
-        return new_top, total, out
+        if not dealt:
+            return _meet(q, k, v, acc, scale, seen(source) if causal else None)
 
-    def step_and_pass(carry, step):
-        *_, k, v = carry
-        top, total, out = meet(carry, step)
-        k, v = jax.lax.ppermute((k, v), axis, perm)
-        return (top, total, out, k, v), None
+        def earlier(acc):  # all my queries against its first half
+            return _meet(q, k[:, :half], v[:, :half], acc, scale)
+
+        def later(acc):  # my second half of queries against all of it
+            mine = _meet(q[:, half:], k, v, _rows(acc, slice(half, None)), scale)
+            return _join(_rows(acc, slice(None, half)), mine)
+
+        return jax.lax.cond(source < me, earlier, later, acc)
+
+    def meet_and_pass(carry, step):  # the block passed on is the next step's carry: kept,
+        acc, k, v = carry  # not recomputed by the checkpoint
+        return (meet(acc, k, v, step), *jax.lax.ppermute((k, v), axis, perm)), None
 
     # made from q, so they carry its type: varying where it is (pp's stage axis too), and
     # laid out like it on explicit mesh axes
-    zeros = jnp.zeros_like(q[..., 0], f32).transpose(0, 2, 1)  # (rows, heads, length)
-    start = (zeros - jnp.inf, zeros, jnp.zeros_like(q, f32))
-    carry, _ = jax.lax.scan(jax.checkpoint(step_and_pass), (*start, k, v), jnp.arange(size - 1))
-    _, total, out = meet(carry, size - 1)
-    return (out / total.transpose(0, 2, 1)[..., None]).astype(q.dtype)
+    zeros = jnp.zeros_like(q[..., 0], jnp.float32).transpose(0, 2, 1)  # (rows, heads, length)
+    acc = (zeros - jnp.inf, zeros, jnp.zeros_like(q, jnp.float32))
+    mine = seen(me) if causal else None
+    if dealt:  # my own block: causal at the dealt positions
+        places = jnp.arange(half)
+        where = jnp.concatenate([me * half + places, (2 * size - 1 - me) * half + places])
+        mine = where[:, None] >= where[None, :]
+    # every meeting recomputed for the backward pass: only the running sums are kept
+    acc = jax.checkpoint(lambda acc, k, v: _meet(q, k, v, acc, scale, mine))(acc, k, v)
+    k, v = jax.lax.ppermute((k, v), axis, perm)
+    steps = jnp.arange(1, size - 1)
+    acc, k, v = jax.lax.scan(jax.checkpoint(meet_and_pass), (acc, k, v), steps)[0]
+    _, total, out = jax.checkpoint(meet)(acc, k, v, size - 1)
+    out = (out / total.transpose(0, 2, 1)[..., None]).astype(q.dtype)
+    return _deal(out, axis, size, back=True) if dealt else out
+
+
+def _meet(q, k, v, acc, scale, seen=None):
+    """The online softmax's running maximum, sum and output (float32) for the rows of ``q``,
+    updated with one block of keys and values (``seen``: which pairs the mask keeps)."""
+    top, total, out = acc
+    f32 = jnp.float32
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=f32) * scale
+    if seen is not None:
+        scores = jnp.where(seen, scores, -jnp.inf)
+    new_top = jnp.maximum(top, scores.max(-1))
+    safe = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+    weights = jnp.exp(scores - safe[..., None])
+    if seen is not None:
+        weights = jnp.where(seen, weights, 0.0)
+    fade = jnp.where(jnp.isfinite(top), jnp.exp(top - safe), 0.0)
+    total = total * fade + weights.sum(-1)
+    out = out * fade.transpose(0, 2, 1)[..., None] + jnp.einsum(
+        "bhqk,bkhd->bqhd", weights.astype(v.dtype), v, preferred_element_type=f32
+    )
+    return new_top, total, out
+
+
+def _rows(acc, rows: slice):
+    top, total, out = acc
+    return top[..., rows], total[..., rows], out[:, rows]
+
+
+def _join(first, second):
+    return tuple(jnp.concatenate(pair, axis) for pair, axis in
+                 zip(zip(first, second, strict=True), (-1, -1, 1), strict=True))  # fmt: skip
+
+
+def _deal(x, axis: str, size: int, back: bool = False):
+    r"""Contiguous blocks to zig-zag ones and (``back``) again, along dimension 1 of one
+    device's block: with the sequence in ``2C`` chunks, device ``i`` holds chunks ``2i`` and
+    ``2i+1`` before and chunks ``i`` and ``2C-1-i`` after; two half-block ``ppermute``\s."""
+    owner = [c if c < size else 2 * size - 1 - c for c in range(2 * size)]
+    evens = [(d, owner[2 * d]) for d in range(size)]  # chunk 2d's way, a permutation
+    odds = [(d, owner[2 * d + 1]) for d in range(size)]
+    half = x.shape[1] // 2
+    even = jax.lax.axis_index(axis) % 2 == 0  # my first chunk's number is even
+    if not back:
+        got_even = jax.lax.ppermute(x[:, :half], axis, evens)
+        got_odd = jax.lax.ppermute(x[:, half:], axis, odds)
+        first, second = jnp.where(even, got_even, got_odd), jnp.where(even, got_odd, got_even)
+        return jnp.concatenate([first, second], 1)
+    first, second = x[:, :half], x[:, half:]
+    even_chunk, odd_chunk = jnp.where(even, first, second), jnp.where(even, second, first)
+    return jnp.concatenate([
+        jax.lax.ppermute(even_chunk, axis, [(b, a) for a, b in evens]),
+        jax.lax.ppermute(odd_chunk, axis, [(b, a) for a, b in odds]),
+    ], 1)  # fmt: skip
+
+
+def sequence_share(batch: Any, batch_shardings: Any, found: list[dict], pipelined: bool):
+    """explain's account of a split sequence (None when the batch's is whole): its axes, the
+    positions each device holds, and the ring's traffic (the step's collective-permutes, a
+    pipeline's aside) as a share of all the step sends; ``(report, note)``."""
+    leaf, sharding = jax.tree.leaves(batch)[0], jax.tree.leaves(batch_shardings)[0]
+    spec = tuple(sharding.spec) + (None,) * 2
+    if leaf.ndim < 2 or spec[1] is None:
+        return None, None
+    axes = (spec[1],) if isinstance(spec[1], str) else tuple(spec[1])
+    parts = math.prod(sharding.mesh.shape[a] for a in axes)
+    length = leaf.shape[1]
+    ring = [c for c in found if c["kind"] == "collective-permute" and not pipelined]
+    sent = sum(c["wire_bytes"] for c in found)
+    ring_bytes = sum(c["wire_bytes"] for c in ring)
+    report = {
+        "axes": list(axes), "devices": parts, "length": length,
+        "per_device": length // parts, "ring_permutes": sum(c["count"] for c in ring),
+        "ring_bytes": ring_bytes, "ring_share": ring_bytes / sent if sent else 0.0,
+    }  # fmt: skip
+    how = (
+        f"its attention's ring sends {report['ring_permutes']} collective-permutes, "
+        f"{ring_bytes / 2**20:.1f} MiB per device per step ({report['ring_share']:.0%} of "
+        f"what the step sends)"
+        if ring
+        else "its attention gathers the keys and values (all-gathers; no ring)"
+    )
+    note = (
+        f"the sequence is split over {list(axes)}: each device holds {length // parts} of "
+        f"the {length} positions of every row and every activation along them; {how}"
+    )
+    return report, note
 
 
 @contextlib.contextmanager
-def sequence_parallel(axis: str, name: str, scheme: str = "ring") -> Iterator[None]:
+def sequence_parallel(
+    axis: str, name: str, scheme: str = "ring", balance: bool = True
+) -> Iterator[None]:
     """Trace the code inside with :func:`shardplug.attention` attending over the sequence
     split on ``axis``; a program that never called it is warned of once (its attention, if
     any, then runs through the compiler's own gathers of the sequence)."""
     called = []
-    attend = ring_attention(axis) if scheme == "ring" else gathered_attention(axis)
+    attend = ring_attention(axis, balance) if scheme == "ring" else gathered_attention(axis)
 
     def counted(*args, **kwargs):
         called.append(True)
