@@ -252,3 +252,46 @@ def test_explain_prints_a_300_parameter_model_as_two_groups(tmp_path, capsys):
     table = out.split("memory per device")[0]
     assert "300 in 2 groups" in table
     assert "layers/*/kernel" in table and "layers/*/bias" in table and "layers/7/" not in table
+
+
+def test_the_longest_sequence_search_brackets_the_limit(monkeypatch):
+    """recommend --longest-sequence's search, against a known peak: doubles from the task's
+    length, then halves the gap until the longest fit and the first miss are within an
+    eighth; one sample per batch-splitting device (the mesh's data axes)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    import shardplug.recommend as rec
+
+    memory = 10**9
+    meshes = {"fsdp": {"fsdp": 8}, "fsdp+cp": {"fsdp": 4, "context": 2}}
+    specs = {"fsdp": P("fsdp"), "fsdp+cp": P("fsdp", "context")}
+
+    def compile_at(name, sequence, rows):
+        batch = {"tokens": np.zeros((rows or 8, sequence), np.int32)}
+        sharding = SimpleNamespace(spec=specs[name])
+        strategy = SimpleNamespace(shard_batch=lambda b, m: {"tokens": sharding})
+        return SimpleNamespace(strategy=strategy, mesh=SimpleNamespace(shape=meshes[name])), batch
+
+    def fake_explain(trainer, batch, device_memory):  # a row's tokens on a device, squared
+        rows, length = batch["tokens"].shape
+        context = trainer.mesh.shape.get("context", 1)
+        tokens = length // context * rows // (8 // context)
+        return SimpleNamespace(per_device={"peak_bytes": 2 * 10**8 + tokens**2})
+
+    monkeypatch.setattr(rec, "explain", fake_explain)
+    result = rec.longest_sequences(compile_at, memory, ["fsdp", "fsdp+cp"], 4096)
+    rows = {r["strategy"]: r for r in result["strategies"]}
+    limit = int((memory - 2 * 10**8) ** 0.5)  # 28,284 tokens on a device
+    for name, per_device in (("fsdp", 1), ("fsdp+cp", 2)):
+        row = rows[name]
+        assert row["rows"] == meshes[name].get("fsdp")
+        assert row["longest"] <= limit * per_device < row["first_over"]
+        assert row["first_over"] - row["longest"] <= row["longest"] / 8
+        assert row["peak_bytes"] <= memory < dict(row["tried"])[row["first_over"]]
+    assert rows["fsdp+cp"]["longest"] > 1.7 * rows["fsdp"]["longest"]
+    assert len(rows["fsdp"]["tried"]) <= 8  # 4k, 8k, 16k, 32k, then three halvings
+    (high,) = rec.longest_sequences(compile_at, memory, ["fsdp"], 65536)["strategies"]
+    assert high["longest"] <= limit < high["first_over"] and high["tried"][0][0] < 65536

@@ -230,3 +230,15 @@ def test_the_digits_task_reports_held_out_accuracy(tmp_path):
     last = rows_of(out)[-1]
     assert last["eval_accuracy"] > 0.9  # 320 digits it never trained on
     assert np.isfinite(last["eval_loss"])
+
+
+def test_sizes_reach_a_task_function_that_takes_them(capsys):
+    """--sequence (and --batch-size) size a task function with those parameters; one
+    without them is one line naming the flag and the signature it needs."""
+    task = load_task("examples/tasks/llama.py:tiny", sequence=64, batch_size=4)
+    assert next(iter(task.batches()))["tokens"].shape == (4, 64)
+    with pytest.raises(TaskError, match=r"digits takes no sequence, so --sequence cannot size"):
+        load_task("shardplug.tasks:digits", sequence=64)
+    assert main(["explain", "--task", "shardplug.tasks:digits", "--sequence", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "def digits(sequence=...) -> Task" in err and err.count("\n") == 1

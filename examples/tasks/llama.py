@@ -133,17 +133,20 @@ def task_of(c: Config, name: str) -> shardplug.Task:
     )
 
 
-def llama2_7b() -> shardplug.Task:
-    return task_of(Config(), "llama2-7b")
+def llama2_7b(sequence: int = 4096, batch_size: int = 8) -> shardplug.Task:
+    """Llama 2 7B's shape; ``--sequence`` and ``--batch-size`` (and ``recommend
+    --longest-sequence``) size it."""
+    return task_of(Config(sequence=sequence, batch=batch_size), "llama2-7b")
 
 
-def long_context() -> shardplug.Task:
+def long_context(sequence: int = 1024, batch_size: int = 8) -> shardplug.Task:
     """The tiny model at a sequence of 1024, for context parallelism (``--strategy dp+cp``)."""
-    c = Config(layers=2, width=64, heads=4, mlp=172, vocab=256, sequence=1024, batch=8)
-    return task_of(dataclasses.replace(c, remat="none"), "long-context")
+    c = Config(layers=2, width=64, heads=4, mlp=172, vocab=256, sequence=sequence,
+               batch=batch_size, remat="none")  # fmt: skip
+    return task_of(c, "long-context")
 
 
-def tiny() -> shardplug.Task:
-    return task_of(
-        Config(layers=2, width=64, heads=4, mlp=172, vocab=256, sequence=32, batch=16), "tiny"
-    )
+def tiny(sequence: int = 32, batch_size: int = 16) -> shardplug.Task:
+    c = Config(layers=2, width=64, heads=4, mlp=172, vocab=256, sequence=sequence,
+               batch=batch_size)  # fmt: skip
+    return task_of(c, "tiny")

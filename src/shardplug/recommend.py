@@ -109,4 +109,73 @@ def recommend(
     return {"strategies": rows, "recommended": best["strategy"], "reason": reason}
 
 
-__all__ = ["candidates", "recommend"]
+def longest_sequences(
+    compile_at: Callable[[str, int, int | None], tuple[Any, Any]],
+    device_memory: int,
+    strategies: list[str],
+    start: int,
+    limit: int = 1 << 20,
+) -> dict[str, Any]:
+    """The longest sequence each of ``strategies`` fits in ``device_memory``, by compiling
+    the step (nothing allocated) at ever longer sequences: doubling from ``start`` until the
+    peak no longer fits, then halving the gap to within an eighth (and a quarter of
+    ``start``). Each strategy is planned at one sequence per batch-splitting device (a global
+    batch of the mesh's data-parallel degree): the longest a single sample can be.
+
+    :param compile_at: ``(name, sequence, rows or None) -> (trainer, batch)``, the task at
+        that sequence and global batch (None: the task's own).
+    :return: ``{"strategies": [row per strategy]}``; a row's ``longest`` is None when not
+        even a quarter of ``start`` fits; ``tried`` lists every ``[sequence, peak bytes]``.
+    """
+    rows = []
+    for name in strategies:
+        try:
+            rows.append(_longest(compile_at, name, device_memory, start, limit))
+        except ShardplugError as exc:
+            rows.append({"strategy": name, "error": str(exc)})
+    return {"strategies": rows, "device_memory": device_memory}
+
+
+def _longest(compile_at, name: str, device_memory: int, start: int, limit: int) -> dict:
+    import jax
+
+    trainer, batch = compile_at(name, start, None)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    spec = jax.tree.leaves(trainer.strategy.shard_batch(abstract, trainer.mesh))[0].spec
+    lead = spec[0] if len(spec) else None
+    axes = () if lead is None else (lead,) if isinstance(lead, str) else tuple(lead)
+    per_row = math.prod(trainer.mesh.shape[a] for a in axes)  # one sample per batch rank
+    tried: dict[int, int] = {}
+
+    def fits(length: int) -> bool:
+        if length not in tried:
+            trainer, batch = compile_at(name, length, per_row)
+            tried[length] = explain(trainer, batch, device_memory=device_memory).per_device[
+                "peak_bytes"
+            ]
+        return tried[length] <= device_memory
+
+    granule = max(start // 4, 1)
+    low, high = start, None
+    while fits(low) and low < limit:  # double while it fits
+        low *= 2
+    if not fits(low):  # then halve until it does (when start itself did not)
+        low, high = low // 2, low
+        while low >= granule and not fits(low):
+            low, high = low // 2, low
+    while high is not None and low >= granule and high - low > max(granule, low // 8):
+        middle = (low + high) // 2 // granule * granule
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    longest = low if low >= granule else None
+    return {
+        "strategy": name,
+        "mesh": {str(k): int(v) for k, v in trainer.mesh.shape.items()},
+        "rows": per_row,
+        "longest": longest,
+        "peak_bytes": tried.get(longest) if longest else None,
+        "first_over": high,
+        "tried": sorted([k, v] for k, v in tried.items()),
+    }
+
+
+__all__ = ["candidates", "longest_sequences", "recommend"]

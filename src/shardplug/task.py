@@ -110,14 +110,37 @@ class Task:
         return self.eval_data() if callable(self.eval_data) else self.eval_data
 
 
+def _check_takes(value: Any, sizes: dict[str, Any], spec: str, name: str) -> None:
+    """``value`` is a function taking every keyword in ``sizes``, or one TaskError line."""
+    import inspect
+
+    try:
+        params = inspect.signature(value).parameters if not isinstance(value, Task) else {}
+    except (TypeError, ValueError):
+        params = {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    missing = [k for k in sizes if k not in params and not takes_any]
+    if missing:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in missing)
+        signature = f"def {name}({', '.join(f'{k}=...' for k in missing)}) -> Task"
+        raise TaskError(
+            f"task {spec}: {name} takes no {', '.join(missing)}, so {flags} cannot size it: "
+            f"make it a function that does ({signature})"
+        )
+
+
 def _stateful(data: Any) -> bool:
     return hasattr(data, "get_state") or hasattr(iter(data), "get_state")
 
 
-def load_task(spec: str) -> Task:
+def load_task(spec: str, **sizes: Any) -> Task:
     """The task that ``spec`` names: ``path/to/file.py:NAME`` or ``package.module:NAME``
     (``NAME`` defaults to ``task``). :class:`TaskError` with one line for a file or module
-    that is not there or fails to import, a missing ``NAME``, or one that is not a Task."""
+    that is not there or fails to import, a missing ``NAME``, or one that is not a Task.
+
+    ``sizes`` (``sequence=32768``, ``batch_size=1``: what ``--sequence`` and planning at
+    length give) are passed to a function ``NAME`` that takes them; one that does not is a
+    :class:`TaskError` saying so."""
     where, _, name = spec.rpartition(":") if ":" in spec else (spec, ":", "task")
     if not where or not name.isidentifier():
         raise TaskError(f"--task {spec!r} is not FILE.py:NAME or package.module:NAME")
@@ -127,9 +150,12 @@ def load_task(spec: str) -> Task:
         has = f"; it has the Task(s) {', '.join(found)}" if found else ""
         raise TaskError(f"task {where!r} defines no {name!r}{has}")
     value = getattr(module, name)
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if sizes:
+        _check_takes(value, sizes, spec, name)
     if callable(value) and not isinstance(value, Task):
         try:
-            value = value()
+            value = value(**sizes)
         except TaskError:
             raise
         except Exception as exc:

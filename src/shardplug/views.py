@@ -309,4 +309,32 @@ def render_recommend(result: dict[str, Any], console: Any, title: str) -> None:
                   else f"recommended: none: {reason}")  # fmt: skip
 
 
-__all__ = ["groups", "plot", "plot_bench", "render", "render_bench", "render_recommend", "size"]
+def render_longest(result: dict[str, Any], console: Any, title: str) -> None:
+    """``recommend --longest-sequence``'s table: each strategy's longest sequence that fits."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column in ("strategy", "mesh", "batch", "longest sequence", "peak there", "over at"):
+        table.add_column(column, justify="left" if column in ("strategy", "mesh") else "right")
+    for r in result["strategies"]:
+        if "error" in r:
+            table.add_row(r["strategy"], "", "", "", "", r["error"])
+            continue
+        over = dict(r["tried"]).get(r["first_over"]) if r["first_over"] else None
+        table.add_row(
+            r["strategy"], ",".join(f"{k}={v}" for k, v in r["mesh"].items()), str(r["rows"]),
+            f"{r['longest']:,}" if r["longest"] else "none",
+            size(r["peak_bytes"]) if r["peak_bytes"] else "",
+            f"{r['first_over']:,} ({size(over)})" if over else "",
+        )  # fmt: skip
+    console.print(table)
+    console.print(
+        f"the step compiled at each length tried, nothing allocated; peaks against "
+        f"{size(result['device_memory'])} per device"
+    )
+
+
+__all__ = [
+    "groups", "plot", "plot_bench", "render", "render_bench", "render_longest",
+    "render_recommend", "size",
+]  # fmt: skip

@@ -114,7 +114,8 @@ def task_arguments(parser: Any) -> None:
     )
 
 
-MODEL_ONLY = ("model", "adapter", "layers", "remat", "sequence", "batch_size", "lr")
+MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr")
+SIZES = ("sequence", "batch_size")  # the reference model's, or a task function's that takes them
 
 
 def check_task_flags(args: argparse.Namespace) -> None:
@@ -136,7 +137,7 @@ def cli_task(args: argparse.Namespace) -> Any:
         if args.task is not None:
             from shardplug.task import load_task
 
-            args._task = load_task(args.task)
+            args._task = load_task(args.task, **task_sizes(args))
         else:
             from shardplug.models import get_model
 
@@ -145,6 +146,11 @@ def cli_task(args: argparse.Namespace) -> Any:
                 learning_rate=getattr(args, "lr", None), **model_options(args),
             )  # fmt: skip
     return args._task
+
+
+def task_sizes(args: argparse.Namespace) -> dict[str, Any]:
+    """``--sequence`` and ``--batch-size`` as given, for a task function that takes them."""
+    return {k: getattr(args, k) for k in SIZES if getattr(args, k, None) is not None}
 
 
 def read_first(data: Any, limit_s: float | None = None) -> Any:
@@ -177,7 +183,8 @@ def model_options_arguments(parser: Any) -> None:
                         help="what each transformer block recomputes in the backward pass "
                         "(default none)")  # fmt: skip
     parser.add_argument("--sequence", type=_positive(int), default=None, metavar="N",
-                        help="the transformer's sequence length (default 32)")  # fmt: skip
+                        help="the sequence length: the reference transformer's (default 32), "
+                        "or a --task function's that takes a sequence")  # fmt: skip
 
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -228,13 +235,19 @@ def axis_names(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def _planning_trainer(
-    args: argparse.Namespace, strategy: str, options: dict[str, Any], allocate: bool = True
+    args: argparse.Namespace,
+    strategy: str,
+    options: dict[str, Any],
+    allocate: bool = True,
+    task: Any = None,
 ):
     """A trainer of the task with ``strategy`` (planning only, for ``allocate=False``); and
-    the batch to compile its step for."""
+    the batch to compile its step for. ``task``: another size of the command line's task
+    (:func:`task_at`), planned on its own first batch."""
     from shardplug.core.registry import get_strategy
 
-    task = cli_task(args)
+    own = task is None
+    task = cli_task(args) if own else task
     trainer = task.trainer(
         allocate=allocate,
         strategy=get_strategy(
@@ -247,11 +260,34 @@ def _planning_trainer(
         precision=args.precision,
         axis_types=args.axis_types,
     )
+    if not own:
+        return trainer, _plan_batch(task)
     if getattr(args, "_plan_batch", None) is None:  # one batch for every strategy planned
-        args._plan_batch = read_first(task.batches())  # planning trains on nothing
-        if args._plan_batch is None:
-            raise ConfigError(f"task {task.name}: its data gave no batch to plan for")
+        args._plan_batch = _plan_batch(task)
     return trainer, args._plan_batch
+
+
+def _plan_batch(task: Any) -> Any:
+    batch = read_first(task.batches())  # planning trains on nothing
+    if batch is None:
+        raise ConfigError(f"task {task.name}: its data gave no batch to plan for")
+    return batch
+
+
+def task_at(args: argparse.Namespace, sequence: int, batch_size: int | None) -> Any:
+    """The command line's task at another ``sequence`` (and global ``batch_size``, None for
+    its own): the reference model's, or a task function's that takes them."""
+    sizes = {"sequence": sequence, "batch_size": batch_size or getattr(args, "batch_size", None)}
+    if args.task is not None:
+        from shardplug.task import load_task
+
+        return load_task(args.task, **sizes)
+    from shardplug.models import get_model
+
+    options = {**model_options(args), **{k: v for k, v in sizes.items() if v is not None}}
+    return get_model(args.model or "transformer").task(
+        args.adapter or "nnx", seed=args.seed, learning_rate=getattr(args, "lr", None), **options
+    )
 
 
 def _prepare(args: argparse.Namespace) -> None:

@@ -65,7 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=100,
         help="train to this step; with --resume, counting the steps already taken (default 100)",
     )
-    train.add_argument("--batch-size", type=_positive(int), default=None, help="global batch size")
+    train.add_argument(
+        "--batch-size", type=_positive(int), default=None,
+        help="global batch size (a --task function's, if it takes batch_size)",
+    )  # fmt: skip
     train.add_argument(
         "--devices",
         type=_positive(int),
@@ -239,6 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-memory", type=_memory, default=None, metavar="SIZE",
         help="each device's memory, e.g. 80GB or 512MiB (default: what a GPU's backend gives "
         "this process; needed on CPUs)",
+    )  # fmt: skip
+    recommend.add_argument(
+        "--strategies", default=None, metavar="A,B",
+        help="the strategies to compare (default: every installed one and composition)",
+    )  # fmt: skip
+    recommend.add_argument(
+        "--longest-sequence", action="store_true",
+        help="instead: the longest sequence each strategy fits, one sample per data-parallel "
+        "device (the task at other lengths: --sequence, or its function's sequence=)",
     )  # fmt: skip
     recommend.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from shardplug.cli._common import (
     _console,
+    _plan_batch,
     _planning_trainer,
     _prepare,
     cli_task,
     parse_options,
+    task_at,
 )
 from shardplug.errors import ConfigError
 
@@ -39,8 +42,9 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     import jax
 
     from shardplug.core.devices import select_devices
+    from shardplug.core.registry import get_strategy
     from shardplug.explain import backend_memory
-    from shardplug.recommend import recommend
+    from shardplug.recommend import candidates, longest_sequences, recommend
 
     devices = select_devices(args.devices)
     if args.device_memory is None:
@@ -50,17 +54,54 @@ def cmd_recommend(args: argparse.Namespace) -> int:
             f"--device-memory: the {jax.default_backend().upper()} backend gives no memory "
             "limit; say how much each device has, e.g. --device-memory 80GB"
         )
+    strategies = None
+    if args.strategies is not None:
+        strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+        for name in strategies or [""]:
+            get_strategy(name)  # an unknown (or no) name fails here, before anything compiles
+    from shardplug.views import render_longest, render_recommend, size
+
+    title = f"{_title(args)} on {len(devices)} devices of {size(args.device_memory)}"
+    if args.longest_sequence:
+        start = _sequence_of(_plan_batch(cli_task(args)))
+
+        def compile_at(name: str, sequence: int, rows: int | None):
+            task = cli_task(args) if sequence == start and rows is None else \
+                task_at(args, sequence, rows)  # fmt: skip
+            return _planning_trainer(args, name, {}, allocate=False, task=task)
+
+        result = longest_sequences(
+            compile_at, args.device_memory, strategies or candidates(), start
+        )
+        if args.json:
+            print(json.dumps(result, indent=1))
+        else:
+            render_longest(result, _console(), title)
+        return 0
     result = recommend(
-        lambda name: _planning_trainer(args, name, {}, allocate=False), args.device_memory
+        lambda name: _planning_trainer(args, name, {}, allocate=False),
+        args.device_memory,
+        strategies,
     )
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    from shardplug.views import render_recommend, size
-
-    title = f"{_title(args)} on {len(devices)} devices of {size(args.device_memory)}"
     render_recommend(result, _console(), title)
     return 0
+
+
+def _sequence_of(batch: Any) -> int:
+    """The sequence length of the task's batch: the second dimension of its first leaf that
+    has one."""
+    import jax
+
+    lengths = [leaf.shape[1] for leaf in jax.tree.leaves(batch) if leaf.ndim >= 2]
+    if not lengths:
+        raise ConfigError(
+            "--longest-sequence: the task's batch has no sequence (no leaf of (rows, "
+            "sequence, ...)): it plans models that read sequences"
+        )
+    return lengths[0]
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
