@@ -49,6 +49,7 @@ def operations(hlo: str) -> collections.Counter:
         ("fsdp+tp", "mlp"),
         ("dp+fsdp+tp", "mlp"),
         ("fsdp+tp", "transformer"),
+        ("fsdp+cp+tp", "transformer"),  # the twin's attention: the same ring
     ],
 )
 def test_the_compiled_step_is_the_hand_written_program(strategy, model_name):

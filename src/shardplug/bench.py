@@ -15,6 +15,7 @@ devices. Its losses must equal shardplug's: that is checked, so the two did the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import statistics
@@ -73,12 +74,14 @@ def hand_written_form(strategy: Any) -> str | None:
     """How the strategy's step is written by hand in plain JAX, as its plugin says.
 
     A composition of parallelisms is ``jax.jit`` with its shardings (and each parameter
-    constrained where it is used, as the parallelisms' ``gather_param`` says); a whole
-    strategy names its form in a ``baseline`` attribute (``"jit"`` or ``"shard_map"``, as
-    ``pmap`` does), or has no hand-written twin (None).
+    constrained where it is used, as the parallelisms' ``gather_param`` says; a split
+    sequence's attention as its parallelism's, ring attention for ``cp``); a whole strategy
+    names its form in a ``baseline`` attribute (``"jit"`` or ``"shard_map"``, as ``pmap``
+    does), or has no hand-written twin (None).
     """
     if strategy.composition is not None:
-        if any("trace_context" in implemented(p.plugin) for p in strategy.composition.parts):
+        parts = strategy.composition.parts
+        if any("trace_context" in implemented(p.plugin) for p in parts if not p.axis.sequence):
             return None  # it reshapes the traced step (pp): benchmarks/pipeline.py has its twin
         return "jit"
     return declared(strategy.plugin, "baseline")
@@ -141,6 +144,8 @@ class _HandWritten(_Contender):
             )
         ]
 
+        sequence_parts = [p for p in (composition.parts if composition else []) if p.axis.sequence]
+
         def loss(params, batch):
             # fsdp: each parameter whole where it is used (ZeRO-3); a layer stack's, one
             # layer at a time inside the model's scan, which reads the layouts from context
@@ -156,7 +161,12 @@ class _HandWritten(_Contender):
                     else:
                         p = jax.lax.with_sharding_constraint(p, NamedSharding(mesh, used))
                 out.append(p)
-            with layer_specs(per_layer):
+            with layer_specs(per_layer), contextlib.ExitStack() as stack:
+                for part in sequence_parts:  # cp's ring attention, as the plugin puts it
+                    axis = part.axis.name
+                    attention = part.call("trace_context", axis=axis, mesh=mesh, replicas=())
+                    if attention is not None:
+                        stack.enter_context(attention)
                 bound = adapter.bind(treedef.unflatten(out), model_state, rng=key, train=True)
                 return _loss_value(model.loss_fn(bound, batch))
 
