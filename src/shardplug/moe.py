@@ -1,0 +1,142 @@
+"""A routed mixture of experts, as functions every framework's layer calls.
+
+A router scores each token against ``E`` experts; each token goes to its ``top_k`` and comes
+back as their outputs weighted by its renormalised router probabilities (Mixtral's rule).
+The experts are one stacked parameter per matrix, leading dimension ``E`` (logical axis
+``expert``), and compute as one grouped matrix product over the tokens sorted by expert
+(``jax.lax.ragged_dot``): not a loop over experts, and not a dense product of every token
+with every expert.
+
+- Dropless (the default): every assignment is computed.
+- ``capacity_factor=F``: each expert takes at most ``ceil(F * tokens * top_k / E)``
+  assignments, the earliest tokens first; the rest are dropped (their weight is zero: the
+  token keeps its residual), and :class:`Stats` says what share.
+
+:func:`load_balancing_loss` is Switch Transformer's (and Mixtral's) auxiliary loss,
+:func:`router_z_loss` ST-MoE's; a ``bias`` added to the scores for choosing experts only
+(not to the weights) is auxiliary-loss-free balancing (DeepSeek-V3), updated outside the
+gradient by :func:`balance_bias`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Routing(NamedTuple):
+    """Where each token goes: ``experts`` (tokens, k) int32, ``weights`` (tokens, k) float32
+    (they sum to 1 per token), ``probs`` (tokens, E) float32 (the router's softmax)."""
+
+    experts: jax.Array
+    weights: jax.Array
+    probs: jax.Array
+
+
+class Stats(NamedTuple):
+    """What one MoE layer did: ``load`` (E,), the share of kept assignments each expert
+    computed; ``dropped``, the share of all assignments dropped for capacity."""
+
+    load: jax.Array
+    dropped: jax.Array
+
+
+def route(logits: jax.Array, top_k: int, bias: jax.Array | None = None) -> Routing:
+    """The ``top_k`` experts of each token (rows of ``logits``, (tokens, E)) and their
+    weights: the router's probabilities of the chosen experts, renormalised. ``bias`` (E,)
+    shifts the choice, not the weights."""
+    experts_count = logits.shape[-1]
+    if not 1 <= top_k <= experts_count:
+        raise ValueError(f"top_k={top_k} must be between 1 and the {experts_count} experts")
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if bias is not None:
+        bias = jax.lax.stop_gradient(bias).reshape((1,) * (probs.ndim - 1) + (-1,))
+    scores = probs if bias is None else probs + bias
+    _, experts = jax.lax.top_k(scores, top_k)
+    chosen = jnp.take_along_axis(probs, experts, axis=-1)
+    return Routing(experts.astype(jnp.int32), chosen / chosen.sum(-1, keepdims=True), probs)
+
+
+def load_balancing_loss(routing: Routing) -> jax.Array:
+    """``E * sum_e f_e * P_e``: ``f_e`` the share of assignments to expert ``e``, ``P_e`` its
+    mean router probability; 1 when both are uniform, ``E`` when one expert takes all."""
+    experts_count = routing.probs.shape[-1]
+    counts = jnp.zeros(experts_count, jnp.float32).at[routing.experts.reshape(-1)].add(1.0)
+    share = counts / routing.experts.size
+    return experts_count * jnp.sum(share * routing.probs.mean(0))
+
+
+def router_z_loss(logits: jax.Array) -> jax.Array:
+    """The mean squared log-sum-exp of the router's logits (keeps them small)."""
+    return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2)
+
+
+def balance_bias(bias: jax.Array, load: jax.Array, rate: float = 1e-3) -> jax.Array:
+    """Auxiliary-loss-free balancing's update: each expert's bias up by ``rate`` if it took
+    less than the mean load, down if more."""
+    return bias + rate * jnp.sign(load.mean() - load)
+
+
+def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int:
+    """How many assignments an expert takes at ``factor``: ``ceil(factor * tokens * k / E)``."""
+    return max(1, math.ceil(factor * tokens * top_k / experts))
+
+
+def routed_experts(
+    x: jax.Array,
+    routing: Routing,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    *,
+    w_gate: jax.Array | None = None,
+    capacity_factor: float | None = None,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+) -> tuple[jax.Array, Stats]:
+    """The experts' output for each token of ``x`` (tokens, width).
+
+    ``w_in`` and ``w_gate`` are (E, width, hidden), ``w_out`` (E, hidden, width); with
+    ``w_gate`` an expert is ``(activation(x @ w_gate) * (x @ w_in)) @ w_out`` (SwiGLU), without
+    it ``activation(x @ w_in) @ w_out``. The assignments are sorted by expert (dropped ones
+    last, outside every group, where the grouped product gives zeros) and each matrix is one
+    ``ragged_dot``; the outputs are weighted and summed back onto their tokens.
+    """
+    tokens, top_k = routing.experts.shape
+    experts_count = w_in.shape[0]
+    expert = routing.experts.reshape(-1)  # assignment a = token * k + slot
+    kept = jnp.ones(expert.shape, bool)
+    if capacity_factor is not None:
+        # an assignment's place in its expert's queue, tokens in order
+        mine = expert[:, None] == jnp.arange(experts_count)[None, :]
+        place = jnp.sum(jnp.cumsum(mine, axis=0) * mine, axis=1) - 1
+        kept = place < capacity(tokens, top_k, experts_count, capacity_factor)
+    group = jnp.where(kept, expert, experts_count)  # the dropped: a group past the last
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.zeros(experts_count + 1, jnp.int32).at[group].add(1)[:experts_count]
+    owner = order // top_k  # the token of each sorted assignment
+    rows = x[owner]
+    hidden = jax.lax.ragged_dot(rows, w_in, sizes)
+    if w_gate is not None:
+        hidden = activation(jax.lax.ragged_dot(rows, w_gate, sizes)) * hidden
+    else:
+        hidden = activation(hidden)
+    out = jax.lax.ragged_dot(hidden.astype(w_out.dtype), w_out, sizes)
+    weight = jnp.where(kept, routing.weights.reshape(-1), 0.0)[order]
+    y = jnp.zeros_like(x).at[owner].add((out * weight[:, None]).astype(x.dtype))
+    total = jnp.maximum(sizes.sum(), 1)
+    return y, Stats(sizes / total, 1.0 - kept.mean())
+
+
+__all__ = [
+    "Routing",
+    "Stats",
+    "balance_bias",
+    "capacity",
+    "load_balancing_loss",
+    "route",
+    "routed_experts",
+    "router_z_loss",
+]
