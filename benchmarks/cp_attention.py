@@ -1,13 +1,14 @@
-"""cp's two attention schemes side by side: keys and values all-gathered, or passed round the
-ring.
+"""cp's attention schemes side by side: keys and values all-gathered, or passed round the
+ring, with and without the zig-zag balance of causal work.
 
-The reference transformer (NNX) at ``--sequences`` (default 1024 and 4096), batch 4, under
-``cp`` on ``--devices`` simulated CPU devices (context = devices), once with
-``attention="gather"`` and once with ``attention="ring"``: each step compiled, its compiled
-temporaries (``memory_analysis``), its collectives, and the median step time over
-interleaved rounds, reported as ring / gather ratios. The same losses are asserted, so the
-two compute the same thing. A GPU run records the attention function's kernel time instead
-(one GPU has no ring); none was lent when this was written.
+The reference transformer (NNX, causal) at ``--sequences`` (default 1024 and 4096), batch 4,
+under ``cp`` on ``--devices`` simulated CPU devices (context = devices), with
+``attention="gather"``, ``attention="ring"`` and ``balance="none"`` (every block pair
+computed, masked) and the default ``attention="ring"``, ``balance="zigzag"``: each step
+compiled, its compiled temporaries (``memory_analysis``), its collectives, and the median
+step time over interleaved rounds, reported as ratios to the gather. The same losses are
+asserted, so all compute the same thing. A GPU run records the attention function's
+kernel time instead (one GPU has no ring); none was lent when this was written.
 
 Run ``python benchmarks/cp_attention.py`` (a few minutes on 2 cores); ``--json`` prints the
 figures only.
@@ -19,6 +20,12 @@ import argparse
 import json
 import statistics
 import time
+
+SCHEMES = {
+    "gather": {"attention": "gather"},
+    "ring": {"attention": "ring", "balance": "none"},
+    "ring+zigzag": {"attention": "ring", "balance": "zigzag"},
+}
 
 
 def measure(sequences: list[int], devices: int, steps: int, rounds: int) -> dict:
@@ -33,10 +40,10 @@ def measure(sequences: list[int], devices: int, steps: int, rounds: int) -> dict
     for length in sequences:
         batch = next(model.batches(4, 0, sequence=length))
         trainers, rows = {}, {}
-        for scheme in ("gather", "ring"):
+        for scheme, options in SCHEMES.items():
             task = model.task("nnx", sequence=length, batch_size=4)
             trainer = task.trainer(
-                strategy=shardplug.get_strategy("cp", attention=scheme), devices=devices
+                strategy=shardplug.get_strategy("cp", **options), devices=devices
             )
             trainer.compile(batch)
             found = collectives(trainer.compiled.as_text())
@@ -53,16 +60,116 @@ def measure(sequences: list[int], devices: int, steps: int, rounds: int) -> dict
                 jax.block_until_ready(trainer.state.params)
                 rows[scheme]["times"].append((time.perf_counter() - start) / steps)
                 rows[scheme]["loss"] = history[-1]["loss"]
-        np.testing.assert_allclose(rows["ring"]["loss"], rows["gather"]["loss"], rtol=1e-4)
         for row in rows.values():
+            np.testing.assert_allclose(row["loss"], rows["gather"]["loss"], rtol=1e-4)
             row["step_s"] = statistics.median(row.pop("times"))
+        for row in rows.values():
+            row["over_gather"] = {
+                key: row[key] / rows["gather"][key] for key in ("temp_bytes", "step_s")
+            }
+        out[length] = rows
+    return out
+
+
+def textbook_ring(q, k, v, *, axis: str, size: int):
+    """Causal ring attention as one writes it by hand from JAX's shard_map notebook: a
+    ``fori_loop`` of ``size`` steps, each meeting the key/value block at hand with an
+    online softmax (masked at the global positions) and passing it on. No balance, no
+    rematerialisation policy: the plain program, to measure shardplug's against."""
+    import jax
+    import jax.numpy as jnp
+
+    length = q.shape[1]
+    me = jax.lax.axis_index(axis)
+    rows = me * length + jnp.arange(length)
+    scale = q.shape[-1] ** -0.5
+
+    def body(step, carry):
+        top, total, out, k, v = carry
+        source = (me - step) % size
+        cols = source * length + jnp.arange(length)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        scores = jnp.where(rows[:, None] >= cols[None, :], scores, -jnp.inf)
+        new_top = jnp.maximum(top, scores.max(-1))
+        safe = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+        weights = jnp.exp(scores - safe[..., None])
+        fade = jnp.exp(jnp.where(jnp.isfinite(top), top - safe, -jnp.inf))
+        total = total * fade + weights.sum(-1)
+        out = out * fade.transpose(0, 2, 1)[..., None] + jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+        k, v = jax.lax.ppermute((k, v), axis, [(d, (d + 1) % size) for d in range(size)])
+        return new_top, total, out, k, v
+
+    zeros = jnp.zeros_like(q[..., 0]).transpose(0, 2, 1)  # varying over the axis, like q
+    _, total, out, _, _ = jax.lax.fori_loop(
+        0, size, body, (zeros - jnp.inf, zeros, jnp.zeros_like(q), k, v)
+    )
+    return out / total.transpose(0, 2, 1)[..., None]
+
+
+def attention_alone(sequences: list[int], devices: int, rounds: int) -> dict:
+    """Causal attention alone, forward and backward (the gradient of a weighted sum of its
+    output for all three inputs), batch 1, 8 heads of 64, on ``devices`` CPU devices: the
+    textbook ring above against shardplug's (without and with the zig-zag) and the gather,
+    median seconds over interleaved rounds; all equal to one another (asserted)."""
+    import functools
+
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shardplug.core.sequence import gathered_attention, ring_attention
+
+    mesh = jax.make_mesh((devices,), ("context",), devices=jax.devices()[:devices])
+    split = P(None, "context")
+
+    def by_hand(q, k, v, causal, bias, mask, scale):
+        block = functools.partial(textbook_ring, axis="context", size=devices)
+        return jax.shard_map(block, in_specs=(split,) * 3, out_specs=split, axis_names={"context"})(
+            q, k, v
+        )
+
+    contenders = {
+        "by hand": by_hand,
+        "ring": ring_attention("context", balance=False),
+        "ring+zigzag": ring_attention("context", balance=True),
+        "gather": gathered_attention("context"),
+    }
+    out = {}
+    for length in sequences:
+        q, k, v = jax.random.normal(jax.random.key(0), (3, 1, length, 8, 64))
+        weights = jax.random.normal(jax.random.key(1), (1, length, 8, 64))
+        with jax.set_mesh(mesh):
+            q, k, v = (jax.device_put(x, NamedSharding(mesh, split)) for x in (q, k, v))
+            steps, temp = {}, {}
+            for name, attend in contenders.items():
+
+                def loss(q, k, v, attend=attend, weights=weights):
+                    y = attend(q, k, v, causal=True, bias=None, mask=None, scale=None)
+                    return (y * weights).sum()
+
+                steps[name] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+                steps[name](q, k, v)[0].block_until_ready()  # compiled, warmed
+                compiled = steps[name].lower(q, k, v).compile()
+                temp[name] = compiled.memory_analysis().temp_size_in_bytes
+            times = {name: [] for name in contenders}
+            for _ in range(rounds):
+                for name, step in steps.items():
+                    start = time.perf_counter()
+                    jax.block_until_ready(step(q, k, v))
+                    times[name].append(time.perf_counter() - start)
+            results = {name: step(q, k, v) for name, step in steps.items()}
+        for got in results.values():
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(results["by hand"]), strict=True):
+                np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)
+        hand = statistics.median(times["by hand"])
         out[length] = {
-            **rows,
-            "ring_over_gather": {
-                "temp_bytes": rows["ring"]["temp_bytes"] / rows["gather"]["temp_bytes"],
-                "step_s": rows["ring"]["step_s"] / rows["gather"]["step_s"],
-            },
-        }
+            name: {
+                "seconds": statistics.median(t), "over_by_hand": statistics.median(t) / hand,
+                "temp_bytes": temp[name], "temp_over_by_hand": temp[name] / temp["by hand"],
+            }
+            for name, t in times.items()
+        }  # fmt: skip
     return out
 
 
@@ -73,26 +180,43 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--alone", action="store_true",
+        help="time attention alone (forward and backward) against a ring written by hand",
+    )  # fmt: skip
     args = parser.parse_args()
     import shardplug
 
     shardplug.simulate_cpu_devices(args.devices)
     sequences = [int(s) for s in args.sequences.split(",")]
+    if args.alone:
+        alone = attention_alone(sequences, args.devices, args.rounds)
+        if args.json:
+            print(json.dumps(alone, indent=1))
+            return
+        for length, rows in alone.items():
+            print(f"causal attention alone, sequence {length}, context {args.devices}:")
+            for name, row in rows.items():
+                print(
+                    f"  {name:<12} {row['seconds'] * 1e3:9.1f} ms "
+                    f"{row['temp_bytes'] / 2**20:8.1f} MiB   / by hand: time "
+                    f"{row['over_by_hand']:.2f}, memory {row['temp_over_by_hand']:.2f}"
+                )
+        return
     result = measure(sequences, args.devices, args.steps, args.rounds)
     if args.json:
         print(json.dumps(result, indent=1))
         return
-    for length, row in result.items():
-        g, r = row["gather"], row["ring"]
-        print(
-            f"sequence {length}, context {args.devices}: gather {g['step_s'] * 1e3:.1f} ms/step, "
-            f"{g['temp_bytes'] / 2**20:.1f} MiB temporaries; ring {r['step_s'] * 1e3:.1f} "
-            f"ms/step, {r['temp_bytes'] / 2**20:.1f} MiB; ring/gather time "
-            f"{row['ring_over_gather']['step_s']:.2f}, memory "
-            f"{row['ring_over_gather']['temp_bytes']:.2f}"
-        )
-        for scheme in ("gather", "ring"):
-            print(f"  {scheme} collectives: {row[scheme]['collectives']}")
+    for length, rows in result.items():
+        print(f"sequence {length}, context {args.devices}:")
+        for scheme, row in rows.items():
+            ratio = row["over_gather"]
+            print(
+                f"  {scheme:<10} {row['step_s'] * 1e3:8.1f} ms/step "
+                f"{row['temp_bytes'] / 2**20:7.1f} MiB temporaries   / gather: time "
+                f"{ratio['step_s']:.2f}, memory {ratio['temp_bytes']:.2f}"
+            )
+            print(f"    collectives: {row['collectives']}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 like one device; its compiled step gathers keys and values and keeps the scores split."""
 
 import functools
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +10,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from rich.console import Console
 
 import shardplug
 from shardplug.core.hlo import collectives
@@ -237,3 +239,23 @@ def test_an_unknown_attention_scheme_is_one_line():
         shardplug.get_strategy("dp+cp", **{"cp.attention": "bogus"})
     with pytest.raises(shardplug.StrategyOptionError, match=r"balance must be 'zigzag' .*'odd'"):
         shardplug.get_strategy("cp", balance="odd")
+
+
+def test_recommend_finds_the_longest_sequence_cp_fits(capsys):
+    """The command line end to end on the reference transformer (compiled at 256, 128 and
+    192, nothing allocated): 256 is over 3 MB a device, 128 fits, and the gap is closed to
+    the quarter of the start; the table shows the bracket."""
+    from shardplug.cli import main
+    from shardplug.views import render_longest
+
+    args = ["recommend", "--longest-sequence", "--strategies", "cp", "--sequence", "256"]
+    assert main([*args, "--device-memory", "3MB", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    (row,) = result["strategies"]
+    assert row["mesh"] == {"context": 8} and row["rows"] == 1
+    assert [length for length, _ in row["tried"]] == [128, 192, 256]
+    assert row["longest"] in (128, 192) and row["first_over"] == row["longest"] + 64
+    assert row["peak_bytes"] <= 3 * 10**6 < dict(row["tried"])[row["first_over"]]
+    console = Console(width=120, record=True)
+    render_longest(result, console, "transformer")
+    assert f"{row['longest']:,}" in console.export_text()
