@@ -53,3 +53,9 @@ class TestPipeline(StrategyConformance):
 class TestContext(StrategyConformance):
     strategy = "fsdp+cp+tp"
     mesh = "fsdp=2,context=2,model=2"
+
+
+class TestExpert(StrategyConformance):
+    strategy = "fsdp+ep"
+    mesh = "fsdp=2,expert=4"
+    options = {"min_size": 0}  # noqa: RUF012 (a class attribute the suite reads)

@@ -41,8 +41,8 @@ def test_fixtures_run_as_a_matrix_with_readable_ids(tmp_path):
     done = collect(tmp_path, "--collect-only")
     cells = ids(done.stdout)
     assert "fsdp-linen-transformer" in cells
-    assert len(cells) == 7 * 3 * 4
-    assert {c.split("-")[0] for c in cells} == {"2d", "cp", "dp", "fsdp", "pmap", "pp", "tp"}
+    assert len(cells) == 8 * 3 * 4
+    assert {c.split("-")[0] for c in cells} == {"2d", "cp", "dp", "ep", "fsdp", "pmap", "pp", "tp"}
 
 
 def test_options_narrow_the_matrix(tmp_path):
@@ -67,7 +67,7 @@ def test_environment_narrows_the_matrix(tmp_path):
 def test_unknown_names_are_a_usage_error(tmp_path):
     done = collect(tmp_path, "--collect-only", "--shardplug-strategies=zero3")
     assert done.returncode == 4
-    listed = "--shardplug-strategies: unknown zero3; available: 2d, cp, dp, fsdp, pmap, pp"
+    listed = "--shardplug-strategies: unknown zero3; available: 2d, cp, dp, ep, fsdp, pmap, pp"
     assert listed in done.stderr
 
 

@@ -30,7 +30,7 @@ def test_unknown_name_lists_the_available_ones():
     with pytest.raises(shardplug.UnknownStrategyError) as info:
         shardplug.get_strategy("zero3")
     assert "'zero3'" in str(info.value)
-    assert "2d, cp, dp, fsdp, pmap, pp, tp" in str(info.value)
+    assert "2d, cp, dp, ep, fsdp, pmap, pp, tp" in str(info.value)
     assert isinstance(info.value, shardplug.ShardplugError)
 
 
@@ -289,7 +289,7 @@ def test_shardplug_plugins_narrows_what_loads(tmp_path, monkeypatch, fresh_regis
         tmp_path, monkeypatch, "rowsplug", "1.2", {"rows": "rowsplug:Rows"}, {"rowsplug": PLUGIN}
     )
     monkeypatch.setenv("SHARDPLUG_PLUGINS", "")
-    builtins = {"dp", "fsdp", "tp", "pp", "cp", "2d", "pmap"}
+    builtins = {"dp", "fsdp", "tp", "pp", "cp", "ep", "2d", "pmap"}
     assert {i.name for i in shardplug.list_strategies()} == builtins
     monkeypatch.setenv("SHARDPLUG_PLUGINS", "rows")
     assert "rows" in {i.name for i in shardplug.list_strategies()}

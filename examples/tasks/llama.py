@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 import shardplug
-from shardplug import stack
+from shardplug import moe, stack
 from shardplug.flops import TransformerShape
 
 
@@ -38,6 +38,8 @@ class Config:
     sequence: int = 4096
     batch: int = 8
     remat: str = "full"  # keep only each layer's input for the backward pass
+    experts: int = 0  # > 0: each MLP a routed mixture of this many (shardplug.moe)
+    top_k: int = 2
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple) -> nnx.Param:
@@ -76,11 +78,38 @@ class Block(nnx.Module):
         self.wv = _param(rngs, (c.width, c.heads, head), ("embed", "heads", "kv"))
         self.wo = _param(rngs, (c.heads, head, c.width), ("heads", "kv", "embed"))
         self.mlp_norm = RMSNorm(c.width, rngs)
+        self.top_k = c.top_k
+        if c.experts:  # stacked experts, their leading dimension named "expert" (ep splits it)
+            self.router = _param(rngs, (c.width, c.experts), ("embed", None))
+            shape, names = (c.experts, c.width, c.mlp), ("expert", "embed", "mlp")
+            self.experts_gate = _param(rngs, shape, names)
+            self.experts_up = _param(rngs, shape, names)
+            self.experts_down = _param(
+                rngs, (c.experts, c.mlp, c.width), ("expert", "mlp", "embed")
+            )
+            return
         self.w_gate = _param(rngs, (c.width, c.mlp), ("embed", "mlp"))
         self.w_up = _param(rngs, (c.width, c.mlp), ("embed", "mlp"))
         self.w_down = _param(rngs, (c.mlp, c.width), ("mlp", "embed"))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def experts(self, h: jax.Array) -> tuple[jax.Array, dict]:
+        """Mixtral's MLP: each token through its top-k SwiGLU experts; and the router's
+        losses and the experts' load, for the loss and the rows."""
+        rows = h.reshape(-1, h.shape[-1])
+        logits = rows @ self.router[...]
+        routing = moe.route(logits, self.top_k)
+        out, stats = moe.routed_experts(
+            rows, routing, self.experts_up[...], self.experts_down[...],
+            w_gate=self.experts_gate[...],
+        )  # fmt: skip
+        aux = {
+            "moe_balance_loss": moe.load_balancing_loss(routing),
+            "moe_z_loss": moe.router_z_loss(logits),
+            "expert_load": stats.load.max() * stats.load.size,
+        }
+        return out.reshape(h.shape), aux
+
+    def __call__(self, x: jax.Array):
         h = self.attention_norm(x)
         q = rope(jnp.einsum("bse,ehd->bshd", h, self.wq[...]))
         k = rope(jnp.einsum("bse,ehd->bshd", h, self.wk[...]))
@@ -88,6 +117,9 @@ class Block(nnx.Module):
         attended = shardplug.attention(q, k, v, causal=True)  # cuDNN's kernel on a GPU
         x = x + jnp.einsum("bshd,hde->bse", attended, self.wo[...])
         h = self.mlp_norm(x)
+        if hasattr(self, "router"):
+            out, aux = self.experts(h)
+            return x + out, aux
         return x + (nnx.silu(h @ self.w_gate[...]) * (h @ self.w_up[...])) @ self.w_down[...]
 
 
@@ -97,17 +129,27 @@ class Llama(nnx.Module):
         self.blocks = stack.nnx_layers(lambda r: Block(c, r), c.layers, rngs)
         self.norm = RMSNorm(c.width, rngs)
         self.unembed = _param(rngs, (c.width, c.vocab), ("embed", "vocab"))
-        self.remat = c.remat
+        self.remat, self.layers = c.remat, c.layers
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array):
+        """The logits; with experts, ``(logits, aux)``, aux summed over the layers."""
         x = self.embed[...][tokens]
         x = stack.apply(self.blocks, x, remat=self.remat)
+        if isinstance(x, tuple):
+            return self.norm(x[0]) @ self.unembed[...], x[1]
         return self.norm(x) @ self.unembed[...]
 
 
-def loss_fn(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
-    logits = model(batch["tokens"]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+def loss_fn(model: Llama, batch: dict[str, jax.Array]):
+    out = model(batch["tokens"])
+    logits, aux = out if isinstance(out, tuple) else (out, None)
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), batch["targets"]
+    ).mean()
+    if aux is None:
+        return loss
+    mean = {k: v / model.layers for k, v in aux.items()}  # each layer's, on average
+    return loss + 0.01 * mean["moe_balance_loss"] + 0.001 * mean["moe_z_loss"], mean
 
 
 def random_tokens(c: Config, seed: int = 0):
@@ -122,7 +164,8 @@ def random_tokens(c: Config, seed: int = 0):
 
 def task_of(c: Config, name: str) -> shardplug.Task:
     shape = TransformerShape(layers=c.layers, width=c.width, sequence=c.sequence,
-                             vocab=c.vocab, mlp=c.mlp, mlp_matrices=3)  # fmt: skip
+                             vocab=c.vocab, mlp=c.mlp, mlp_matrices=3, experts=c.experts,
+                             top_k=c.top_k)  # fmt: skip
     return shardplug.Task(
         adapter=shardplug.from_nnx(lambda rngs: Llama(c, rngs)),  # built lazily, in shardings
         loss_fn=loss_fn,
@@ -137,6 +180,22 @@ def llama2_7b(sequence: int = 4096, batch_size: int = 8) -> shardplug.Task:
     """Llama 2 7B's shape; ``--sequence`` and ``--batch-size`` (and ``recommend
     --longest-sequence``) size it."""
     return task_of(Config(sequence=sequence, batch=batch_size), "llama2-7b")
+
+
+def mixtral_8x7b(sequence: int = 4096, batch_size: int = 8) -> shardplug.Task:
+    """Mixtral 8x7B's shape (32 layers, width 4096, 32 heads, 8 SwiGLU experts of 14336 and
+    top-2 routing, vocabulary 32000: 47.5B parameters, 13.7B active a token; Mixtral's
+    grouped-query attention is full multi-head attention here), planned by ``explain``
+    with ``--strategy fsdp+ep``."""
+    c = Config(mlp=14336, experts=8, top_k=2, sequence=sequence, batch=batch_size)
+    return task_of(c, "mixtral-8x7b")
+
+
+def tiny_moe(sequence: int = 32, batch_size: int = 16) -> shardplug.Task:
+    """The tiny model with 4 experts, top-2: trains under ``ep`` in seconds."""
+    c = Config(layers=2, width=64, heads=4, mlp=172, vocab=256, sequence=sequence,
+               batch=batch_size, experts=4)  # fmt: skip
+    return task_of(c, "tiny-moe")
 
 
 def long_context(sequence: int = 1024, batch_size: int = 8) -> shardplug.Task:

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core.compose import implemented
-from shardplug.core.hookspecs import declared
+from shardplug.core.hookspecs import Capability, declared
 from shardplug.core.layer_gather import layer_specs
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.registry import get_strategy
@@ -70,19 +70,24 @@ class Result:
         return out
 
 
+def _reshapes_the_step(part: Any) -> bool:
+    """A parallelism whose traced-step context reschedules the layer stack (pp's)."""
+    needs_stack = Capability.WITHOUT_LAYER_STACK in (declared(part.plugin, "unsupported") or {})
+    return needs_stack and "trace_context" in implemented(part.plugin)
+
+
 def hand_written_form(strategy: Any) -> str | None:
     """How the strategy's step is written by hand in plain JAX, as its plugin says.
 
     A composition of parallelisms is ``jax.jit`` with its shardings (and each parameter
-    constrained where it is used, as the parallelisms' ``gather_param`` says; a split
-    sequence's attention as its parallelism's, ring attention for ``cp``); a whole strategy
-    names its form in a ``baseline`` attribute (``"jit"`` or ``"shard_map"``, as ``pmap``
-    does), or has no hand-written twin (None).
+    constrained where it is used, as the parallelisms' ``gather_param`` says; attention and
+    experts computed as the parallelisms put them: ``cp``'s ring, ``ep``'s exchange); a
+    whole strategy names its form in a ``baseline`` attribute (``"jit"`` or ``"shard_map"``,
+    as ``pmap`` does), or has no hand-written twin (None).
     """
     if strategy.composition is not None:
-        parts = strategy.composition.parts
-        if any("trace_context" in implemented(p.plugin) for p in parts if not p.axis.sequence):
-            return None  # it reshapes the traced step (pp): benchmarks/pipeline.py has its twin
+        if any(_reshapes_the_step(p) for p in strategy.composition.parts):
+            return None  # pp: benchmarks/pipeline.py has its twin
         return "jit"
     return declared(strategy.plugin, "baseline")
 
@@ -144,7 +149,8 @@ class _HandWritten(_Contender):
             )
         ]
 
-        sequence_parts = [p for p in (composition.parts if composition else []) if p.axis.sequence]
+        placing = [p for p in (composition.parts if composition else [])
+                   if "trace_context" in implemented(p.plugin)]  # fmt: skip
 
         def loss(params, batch):
             # fsdp: each parameter whole where it is used (ZeRO-3); a layer stack's, one
@@ -162,11 +168,12 @@ class _HandWritten(_Contender):
                         p = jax.lax.with_sharding_constraint(p, NamedSharding(mesh, used))
                 out.append(p)
             with layer_specs(per_layer), contextlib.ExitStack() as stack:
-                for part in sequence_parts:  # cp's ring attention, as the plugin puts it
+                for part in placing:  # cp's ring attention, ep's exchange, as they put them
                     axis = part.axis.name
-                    attention = part.call("trace_context", axis=axis, mesh=mesh, replicas=())
-                    if attention is not None:
-                        stack.enter_context(attention)
+                    placed = part.call("trace_context", axis=axis, mesh=mesh, replicas=(),
+                                       batch_axes=composition.batch_axes)  # fmt: skip
+                    if placed is not None:
+                        stack.enter_context(placed)
                 bound = adapter.bind(treedef.unflatten(out), model_state, rng=key, train=True)
                 return _loss_value(model.loss_fn(bound, batch))
 

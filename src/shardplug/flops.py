@@ -26,7 +26,8 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class TransformerShape:
     """A GPT-style decoder: ``layers`` blocks of attention (``width`` wide) and an MLP of
-    ``mlp`` hidden units (``mlp_matrices`` weight matrices: 2, or 3 when gated)."""
+    ``mlp`` hidden units (``mlp_matrices`` weight matrices: 2, or 3 when gated), or
+    ``experts`` such MLPs of which each token runs ``top_k``."""
 
     layers: int
     width: int
@@ -35,12 +36,17 @@ class TransformerShape:
     mlp: int | None = None
     mlp_matrices: int = 2
     causal: bool = True
+    #: a mixture of experts' count (0: a dense MLP) and how many each token runs
+    experts: int = 0
+    top_k: int = 1
 
     @property
     def matmul_params(self) -> int:
         """Weights that multiply activations: the blocks' projections and the unembedding."""
         mlp = self.mlp or 4 * self.width
-        per_block = 4 * self.width * self.width + self.mlp_matrices * self.width * mlp
+        active = self.top_k if self.experts else 1  # the experts a token runs, and its router
+        per_block = 4 * self.width * self.width + active * self.mlp_matrices * self.width * mlp
+        per_block += self.width * self.experts
         return self.layers * per_block + self.width * self.vocab
 
     def flops_per_token(self) -> dict[str, float]:
@@ -149,6 +155,13 @@ def _products(jaxpr: Any, times: float = 1.0) -> list[tuple[Any, float]]:
             spec = eqn.params["dimension_numbers"].rhs_spec  # (out, in, *spatial)
             per = math.prod(rhs[d] for d in spec[1:])
             out.append((eqn, times * 2.0 * math.prod(eqn.outvars[0].aval.shape) * per))
+        elif name == "ragged_dot_general":  # a grouped product: each row meets one group
+            numbers = eqn.params["ragged_dot_dimension_numbers"]
+            (contract, _), _ = numbers.dot_dimension_numbers
+            lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+            groups = math.prod(rhs[d] for d in numbers.rhs_group_dimensions)
+            per = math.prod(lhs[d] for d in contract) * groups
+            out.append((eqn, times * 2.0 * math.prod(lhs) * math.prod(rhs) / per))
         elif name.startswith(("dot_product_attention_fwd", "dot_product_attention_bwd")):
             out.append((eqn, times * _fused_attention(eqn)))
         else:

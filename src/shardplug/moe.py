@@ -20,12 +20,14 @@ gradient by :func:`balance_bias`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from shardplug.core import experts
+from shardplug.core.experts import capacity, experts_override
 
 
 class Routing(NamedTuple):
@@ -81,11 +83,6 @@ def balance_bias(bias: jax.Array, load: jax.Array, rate: float = 1e-3) -> jax.Ar
     return bias + rate * jnp.sign(load.mean() - load)
 
 
-def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int:
-    """How many assignments an expert takes at ``factor``: ``ceil(factor * tokens * k / E)``."""
-    return max(1, math.ceil(factor * tokens * top_k / experts))
-
-
 def routed_experts(
     x: jax.Array,
     routing: Routing,
@@ -102,32 +99,30 @@ def routed_experts(
     ``w_gate`` an expert is ``(activation(x @ w_gate) * (x @ w_in)) @ w_out`` (SwiGLU), without
     it ``activation(x @ w_in) @ w_out``. The assignments are sorted by expert (dropped ones
     last, outside every group, where the grouped product gives zeros) and each matrix is one
-    ``ragged_dot``; the outputs are weighted and summed back onto their tokens.
+    ``ragged_dot``; the outputs are weighted and summed back onto their tokens. Under a
+    parallelism that places experts (``ep``) the same is computed across devices.
     """
+    override = experts.active()
+    if override is not None:  # a parallelism places the experts (ep)
+        y, (load, dropped) = override(
+            x, routing, w_in, w_out, w_gate=w_gate, capacity_factor=capacity_factor,
+            activation=activation,
+        )  # fmt: skip
+        return y, Stats(load, dropped)
     tokens, top_k = routing.experts.shape
     experts_count = w_in.shape[0]
     expert = routing.experts.reshape(-1)  # assignment a = token * k + slot
     kept = jnp.ones(expert.shape, bool)
-    if capacity_factor is not None:
-        # an assignment's place in its expert's queue, tokens in order
-        mine = expert[:, None] == jnp.arange(experts_count)[None, :]
-        place = jnp.sum(jnp.cumsum(mine, axis=0) * mine, axis=1) - 1
-        kept = place < capacity(tokens, top_k, experts_count, capacity_factor)
-    group = jnp.where(kept, expert, experts_count)  # the dropped: a group past the last
-    order = jnp.argsort(group, stable=True)
-    sizes = jnp.zeros(experts_count + 1, jnp.int32).at[group].add(1)[:experts_count]
-    owner = order // top_k  # the token of each sorted assignment
-    rows = x[owner]
-    hidden = jax.lax.ragged_dot(rows, w_in, sizes)
-    if w_gate is not None:
-        hidden = activation(jax.lax.ragged_dot(rows, w_gate, sizes)) * hidden
-    else:
-        hidden = activation(hidden)
-    out = jax.lax.ragged_dot(hidden.astype(w_out.dtype), w_out, sizes)
-    weight = jnp.where(kept, routing.weights.reshape(-1), 0.0)[order]
-    y = jnp.zeros_like(x).at[owner].add((out * weight[:, None]).astype(x.dtype))
-    total = jnp.maximum(sizes.sum(), 1)
-    return y, Stats(sizes / total, 1.0 - kept.mean())
+    if capacity_factor is not None:  # an assignment's place in its expert's queue
+        limit = capacity(tokens, top_k, experts_count, capacity_factor)
+        kept = experts.queue_places(expert, experts_count) < limit
+    group = jnp.where(kept, expert, experts_count)  # the dropped: past the last group
+    token = jnp.arange(expert.size) // top_k
+    out = experts.grouped_mlp(x[token], group, w_in, w_out, w_gate, activation)
+    weight = jnp.where(kept, routing.weights.reshape(-1), 0.0)
+    y = jnp.zeros_like(x).at[token].add((out * weight[:, None]).astype(x.dtype))
+    computed = jnp.zeros(experts_count, jnp.float32).at[expert].add(kept.astype(jnp.float32))
+    return y, Stats(computed / jnp.maximum(computed.sum(), 1.0), 1.0 - kept.mean())
 
 
 __all__ = [
@@ -135,6 +130,7 @@ __all__ = [
     "Stats",
     "balance_bias",
     "capacity",
+    "experts_override",
     "load_balancing_loss",
     "route",
     "routed_experts",

@@ -28,6 +28,7 @@ from shardplug.core.context import (
     manual_axes,
     per_device_program,
 )
+from shardplug.core.experts import expert_parallel, experts_override
 from shardplug.core.hookspecs import Capability, hookimpl, hookspec
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh, describe, parse_mesh
@@ -58,6 +59,8 @@ __all__ = [
     "PluginError",
     "StrategyOptionError",
     "attention",
+    "experts_override",
+    "expert_parallel",
     "attention_override",
     "batch_axis_name",
     "build_mesh",

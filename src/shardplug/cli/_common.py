@@ -114,7 +114,7 @@ def task_arguments(parser: Any) -> None:
     )
 
 
-MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr")
+MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", "experts", "top_k", "capacity_factor")
 SIZES = ("sequence", "batch_size")  # the reference model's, or a task function's that takes them
 
 
@@ -182,6 +182,13 @@ def model_options_arguments(parser: Any) -> None:
     parser.add_argument("--remat", choices=("none", "dots", "full"), default=None,
                         help="what each transformer block recomputes in the backward pass "
                         "(default none)")  # fmt: skip
+    parser.add_argument("--experts", type=_positive(int), default=None, metavar="E",
+                        help="make each transformer MLP a routed mixture of E experts")  # fmt: skip
+    parser.add_argument("--top-k", type=_positive(int), default=None, metavar="K",
+                        help="the experts each token runs (default 2)")  # fmt: skip
+    parser.add_argument("--capacity-factor", type=_positive(float), default=None, metavar="F",
+                        help="each expert takes at most F x its even share of the tokens; "
+                        "the rest are dropped (default: none dropped)")  # fmt: skip
     parser.add_argument("--sequence", type=_positive(int), default=None, metavar="N",
                         help="the sequence length: the reference transformer's (default 32), "
                         "or a --task function's that takes a sequence")  # fmt: skip
@@ -189,7 +196,7 @@ def model_options_arguments(parser: Any) -> None:
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:
     """The reference model's options the command line gave (``layers``, ``remat``)."""
-    names = ("layers", "remat", "sequence")
+    names = ("layers", "remat", "sequence", "experts", "top_k", "capacity_factor")
     return {k: getattr(args, k, None) for k in names if getattr(args, k, None)}
 
 

@@ -77,6 +77,7 @@ class Axis:
     DATA: ClassVar[int] = 10
     STAGE: ClassVar[int] = 20
     FSDP: ClassVar[int] = 30
+    EXPERT: ClassVar[int] = 33
     CONTEXT: ClassVar[int] = 35
     MODEL: ClassVar[int] = 40
 
@@ -301,10 +302,8 @@ class CompositionPlugin:
         split = {a for key, specs in self._stored.items() if key[1] == id(mesh)
                  for spec in specs for a in mesh_axes(spec)}  # fmt: skip
         replicas = tuple(a for a in self.batch_axes if split and a not in split)
-        found = [
-            p.call("trace_context", axis=p.axis.name, mesh=mesh, replicas=replicas)
-            for p in self.parts
-        ]
+        asked = dict(mesh=mesh, replicas=replicas, batch_axes=self.batch_axes)
+        found = [p.call("trace_context", axis=p.axis.name, **asked) for p in self.parts]
         return [c for c in found if c is not None]
 
     def _spec(self, path: str, shape: tuple[int, ...], logical: P, mesh: Any) -> P:

@@ -95,6 +95,9 @@ class Capability(enum.StrEnum):
     #: models whose batch has no sequence dimension (``cp`` splits the sequence; its checks
     #: then run on the transformer)
     WITHOUT_SEQUENCE = "without-sequence"
+    #: models without a mixture of experts (``ep`` splits their experts: it runs the
+    #: conformance checks on the reference transformer with experts instead)
+    WITHOUT_EXPERTS = "without-experts"
     #: meshes whose axes are ``AxisType.Explicit`` (``axis_types="explicit"``); a plugin that
     #: declares it unsupported is refused in that mode, with its reason
     EXPLICIT_AXES = "explicit-axes"
@@ -484,13 +487,17 @@ def check_layout(paths: list[str], specs: list[Any], axis: str) -> None:
 
 
 @hookspec(firstresult=True)
-def trace_context(axis: str, mesh: Any, replicas: tuple[str, ...]) -> Any:
+def trace_context(
+    axis: str, mesh: Any, replicas: tuple[str, ...], batch_axes: tuple[str, ...]
+) -> Any:
     """A context manager entered around the tracing of every program of the run.
 
     :param axis: this parallelism's mesh axis, as the run names it.
     :param mesh: the run's mesh.
     :param replicas: the batch axes over which no parameter is split (``dp``'s ``data``):
         a per-device program may take them as manual axes, each device's rows its own.
+    :param batch_axes: every axis the batch's rows split over, in mesh order (``ep`` sends
+        each device's own tokens to their experts).
     :return: a context manager, or None. ``pp`` returns one under which every layer stack
         (:mod:`shardplug.stack`) runs its pipeline schedule instead of a plain scan.
     """

@@ -33,9 +33,11 @@ def layers_of(params: Any) -> int:
     return sizes.pop()
 
 
-def run_stack(fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array,
-              policy: str = "none") -> jax.Array:  # fmt: skip
-    """Apply ``fn(layer_params, x)`` for each layer of ``params`` in turn (see the module)."""
+def run_stack(fn: Callable[[Any, jax.Array], Any], params: Any, x: jax.Array,
+              policy: str = "none") -> Any:  # fmt: skip
+    """Apply ``fn(layer_params, x)`` for each layer of ``params`` in turn (see the module).
+    A block may return ``(x, aux)``, a pytree of auxiliary values (a mixture of experts'
+    losses and load): the stack then returns ``(x, the sum of aux over the layers)``."""
     gather = layer_gather(params)
     if gather is None:
         block = remat(fn, policy)
@@ -43,6 +45,21 @@ def run_stack(fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Arr
         block = regathered(lambda w, h: fn(gather(w), h), policy)
     layers = layers_of(params)
     pipeline = schedule.active()
+    shapes = jax.eval_shape(fn, jax.tree.map(lambda leaf: leaf[0], params), x)
+    if isinstance(shapes, tuple):  # blocks return (x, aux): aux summed over the layers
+        if pipeline is not None:
+            raise ConfigError(
+                "this layer stack's blocks return auxiliary values (x, aux) (a mixture of "
+                "experts' losses), which pp's schedule does not carry yet: train it without pp"
+            )
+        zeros = jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), shapes[1])
+
+        def step(carry, layer):
+            h, total = carry
+            h, aux = block(layer, h)
+            return (h, jax.tree.map(jax.numpy.add, total, aux)), None
+
+        return jax.lax.scan(step, (x, zeros), params)[0]
     if pipeline is None:
         return jax.lax.scan(lambda h, layer: (block(layer, h), None), x, params)[0]
     pipeline = pipeline.split_over(schedule.rows_split(x)).resolve(x.shape[0])

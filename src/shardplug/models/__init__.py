@@ -54,6 +54,11 @@ def _cross_entropy(out, batch):
     return loss, {"accuracy": jnp.mean(jnp.argmax(out, axis=-1) == labels)}
 
 
+#: the weights of a mixture of experts' load-balancing loss (Switch Transformer's) and router
+#: z-loss (ST-MoE's) in the reference transformer's loss
+BALANCE_WEIGHT, Z_WEIGHT = 0.01, 0.001
+
+
 @dataclasses.dataclass(frozen=True)
 class ReferenceModel:
     """A built-in model: how to build it in each framework, its loss and its data."""
@@ -90,6 +95,7 @@ class ReferenceModel:
         shape = TransformerShape(
             layers=options.get("layers") or nnx_models.LAYERS, width=nnx_models.EMBED,
             sequence=sequence, vocab=synthetic.VOCAB, mlp=nnx_models.HIDDEN,
+            experts=options.get("experts") or 0, top_k=options.get("top_k") or 2,
         )  # fmt: skip
         return shape.flops_per_token()["total"] * sequence
 
@@ -137,14 +143,27 @@ class ReferenceModel:
                 takes = ", ".join(self.options) or "none"
                 raise ConfigError(
                     f"model {self.name!r} takes no option {key!r} (it takes: {takes}); "
-                    f"the transformer has layers, remat and sequence"
+                    f"the transformer has layers, remat, sequence, experts, top_k and "
+                    f"capacity_factor"
                 )
-            if key in ("layers", "sequence") and (not isinstance(value, int) or value < 1):
+            if key in ("layers", "sequence", "experts", "top_k") and (
+                not isinstance(value, int) or value < 1
+            ):
                 raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+            if key == "capacity_factor" and not (isinstance(value, (int, float)) and value > 0):
+                raise ConfigError(f"capacity_factor must be a positive number, got {value!r}")
             if key == "remat" and value not in REMAT_POLICIES:
                 raise ConfigError(
                     f"remat must be one of {', '.join(REMAT_POLICIES)}, got {value!r}"
                 )
+        experts = options.get("experts")
+        if experts is None and (options.get("top_k") or options.get("capacity_factor")):
+            raise ConfigError("top_k and capacity_factor route among experts: give experts too")
+        if experts is not None and (options.get("top_k") or 2) > experts:
+            raise ConfigError(
+                f"top_k {options.get('top_k') or 2} is more than the {experts} experts: each "
+                f"token goes to top_k distinct experts (top_k <= experts)"
+            )
 
     def loss_fn(
         self,
@@ -156,7 +175,13 @@ class ReferenceModel:
     ):
         """The loss for this model in any framework: ``(loss, metrics[, new_state])``."""
         out, new_state = _forward(model, batch[self.inputs], rng, train, state)
+        out, aux = out if isinstance(out, tuple) else (out, None)
         loss, metrics = self.head(out.astype(jnp.float32), batch)  # the loss in float32
+        if aux is not None:  # a mixture of experts: its losses, each layer's mean
+            mean = {k: v / aux["moe_layers"] for k, v in aux.items() if k != "moe_layers"}
+            loss = loss + BALANCE_WEIGHT * mean["moe_balance_loss"]
+            loss = loss + Z_WEIGHT * mean["moe_z_loss"]
+            metrics = {**metrics, **mean}
         return (loss, metrics) if new_state is None else (loss, metrics, new_state)
 
 
@@ -172,7 +197,9 @@ def _reference(name, description, nnx_build, linen_module, eqx_build, eqx_rules,
         "linen": lambda **o: from_linen(
             made(linen_module, o), linen_models.sample_input(name, o.get("sequence"))
         ),
-        "equinox": lambda **o: from_equinox(made(eqx_build, o), rules=eqx_rules),
+        "equinox": lambda **o: from_equinox(
+            made(eqx_build, o), rules=eqx_rules(**o) if callable(eqx_rules) else eqx_rules
+        ),
     }
     return ReferenceModel(name, description, builders, **kwargs)
 
@@ -210,13 +237,13 @@ MODELS: dict[str, ReferenceModel] = {
             nnx_models.transformer,
             linen_models.TransformerLM,
             equinox_models.transformer,
-            equinox_models.TRANSFORMER_RULES,
+            equinox_models.transformer_rules,
             inputs="tokens",
             head=_cross_entropy,
             batches=synthetic.markov,
             learning_rate=3e-3,
             batch_size=32,
-            options=("layers", "remat", "sequence"),
+            options=("layers", "remat", "sequence", "experts", "top_k", "capacity_factor"),
         ),
         _reference(
             "cnn",

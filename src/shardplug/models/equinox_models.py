@@ -7,6 +7,8 @@ that give them logical axis names. Every module takes a batch, ``key`` and ``inf
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,7 @@ from shardplug.models.nnx_models import (
     HIDDEN,
     LAYERS,
     attention,
+    mixture,
 )
 
 
@@ -66,11 +69,17 @@ class Block(eqx.Module):
     wv: jax.Array
     wo: jax.Array
     norm2: tuple[jax.Array, jax.Array]
-    wi: jax.Array
-    wf: jax.Array
+    wi: jax.Array | None = None
+    wf: jax.Array | None = None
+    router: jax.Array | None = None
+    experts_in: jax.Array | None = None
+    experts_out: jax.Array | None = None
+    top_k: int = eqx.field(static=True, default=2)
+    capacity_factor: float | None = eqx.field(static=True, default=None)
 
-    def __init__(self, key: jax.Array):
-        keys = jax.random.split(key, 6)
+    def __init__(self, key: jax.Array, experts: int = 0, top_k: int = 2,
+                 capacity_factor: float | None = None):  # fmt: skip
+        keys = jax.random.split(key, 7)
         normal = jax.nn.initializers.normal(0.02)
         self.norm1 = (jnp.ones(EMBED), jnp.zeros(EMBED))
         self.norm2 = (jnp.ones(EMBED), jnp.zeros(EMBED))
@@ -78,12 +87,22 @@ class Block(eqx.Module):
         self.wk = normal(keys[1], (EMBED, HEADS, HEAD_DIM))
         self.wv = normal(keys[2], (EMBED, HEADS, HEAD_DIM))
         self.wo = normal(keys[3], (HEADS, HEAD_DIM, EMBED))
-        self.wi = normal(keys[4], (EMBED, HIDDEN))
-        self.wf = normal(keys[5], (HIDDEN, EMBED))
+        self.top_k, self.capacity_factor = top_k, capacity_factor
+        if experts:
+            self.router = normal(keys[6], (EMBED, experts))
+            self.experts_in = normal(keys[4], (experts, EMBED, HIDDEN))
+            self.experts_out = normal(keys[5], (experts, HIDDEN, EMBED))
+        else:
+            self.wi = normal(keys[4], (EMBED, HIDDEN))
+            self.wf = normal(keys[5], (HIDDEN, EMBED))
 
     def __call__(self, x):
         x = x + attention(_layer_norm(x, *self.norm1), self.wq, self.wk, self.wv, self.wo)
-        return x + jax.nn.gelu(_layer_norm(x, *self.norm2) @ self.wi) @ self.wf
+        if self.router is None:
+            return x + jax.nn.gelu(_layer_norm(x, *self.norm2) @ self.wi) @ self.wf
+        out, aux = mixture(_layer_norm(x, *self.norm2), self.router, self.experts_in,
+                           self.experts_out, self.top_k, self.capacity_factor)  # fmt: skip
+        return x + out, aux
 
 
 class TransformerLM(eqx.Module):
@@ -100,12 +119,17 @@ class TransformerLM(eqx.Module):
         layers: int = LAYERS,
         remat: str = "none",
         sequence: int = synthetic.SEQ_LEN,
+        experts: int = 0,
+        top_k: int = 2,
+        capacity_factor: float | None = None,
     ):
         keys = jax.random.split(key, 4)
         normal = jax.nn.initializers.normal(0.02)
         self.embed = normal(keys[0], (synthetic.VOCAB, EMBED))
         self.position = normal(keys[1], (sequence, EMBED))
-        self.blocks = stack.equinox_layers(Block, layers, keys[2])
+        block = functools.partial(Block, experts=experts, top_k=top_k,
+                                  capacity_factor=capacity_factor)  # fmt: skip
+        self.blocks = stack.equinox_layers(block, layers, keys[2])
         self.norm = (jnp.ones(EMBED), jnp.zeros(EMBED))
         self.unembed = normal(keys[3], (EMBED, synthetic.VOCAB))
         self.remat = remat
@@ -113,6 +137,8 @@ class TransformerLM(eqx.Module):
     def __call__(self, tokens, *, key=None, inference=False):
         x = self.embed[tokens] + self.position[None, : tokens.shape[1]]
         x = stack.apply(self.blocks, x, remat=self.remat)
+        if isinstance(x, tuple):  # experts: (logits, aux)
+            return _layer_norm(x[0], *self.norm) @ self.unembed, x[1]
         return _layer_norm(x, *self.norm) @ self.unembed
 
 
@@ -127,6 +153,19 @@ TRANSFORMER_RULES = {
     r"blocks/norm[12]/[01]": ("layers", "embed"),
     r"norm/[01]": ("embed",),
 }
+MOE_RULES = {
+    r"blocks/router": ("layers", "embed", None),
+    r"blocks/experts_in": ("layers", "expert", "embed", "mlp"),
+    r"blocks/experts_out": ("layers", "expert", "mlp", "embed"),
+}
+
+
+def transformer_rules(experts: int | None = None, **_: object) -> dict:
+    """The transformer's rules: its MLP's, or its experts' and router's."""
+    if not experts:
+        return TRANSFORMER_RULES
+    dense = {k: v for k, v in TRANSFORMER_RULES.items() if k not in ("blocks/wi", "blocks/wf")}
+    return {**dense, **MOE_RULES}
 
 
 class BatchNorm(eqx.Module):
@@ -201,9 +240,11 @@ def classifier(key):
     return MLP(synthetic.CLASSIFICATION_INPUTS, 128, synthetic.CLASSES, key)
 
 
-def transformer(layers: int = LAYERS, remat: str = "none", sequence: int = synthetic.SEQ_LEN):
-    """A function ``key -> TransformerLM`` of this depth and remat policy."""
-    return lambda key: TransformerLM(key, layers, remat, sequence)
+def transformer(layers: int = LAYERS, remat: str = "none", sequence: int = synthetic.SEQ_LEN,
+                **moe_options):  # fmt: skip
+    """A function ``key -> TransformerLM`` of this depth and remat policy (and ``experts``,
+    ``top_k``, ``capacity_factor``)."""
+    return lambda key: TransformerLM(key, layers, remat, sequence, **moe_options)
 
 
 def cnn(key):

@@ -5,6 +5,8 @@ Every module takes ``train`` so that one calling convention serves them all.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ from shardplug.models.nnx_models import (
     HIDDEN,
     LAYERS,
     attention,
+    mixture,
 )
 
 _lecun = nn.initializers.lecun_normal()
@@ -60,29 +63,50 @@ def _norm() -> nn.LayerNorm:
 
 
 class Block(nn.Module):
+    experts: int = 0
+    top_k: int = 2
+    capacity_factor: float | None = None
+
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array):
         qkv = (EMBED, HEADS, HEAD_DIM)
         w = {n: _param(self, n, qkv, ("embed", "heads", "kv")) for n in ("wq", "wk", "wv")}
         wo = _param(self, "wo", (HEADS, HEAD_DIM, EMBED), ("heads", "kv", "embed"))
         x = x + attention(_norm()(x), w["wq"], w["wk"], w["wv"], wo)
-        wi = _param(self, "wi", (EMBED, HIDDEN), ("embed", "mlp"))
-        wf = _param(self, "wf", (HIDDEN, EMBED), ("mlp", "embed"))
-        return x + nn.gelu(_norm()(x) @ wi) @ wf
+        if not self.experts:
+            wi = _param(self, "wi", (EMBED, HIDDEN), ("embed", "mlp"))
+            wf = _param(self, "wf", (HIDDEN, EMBED), ("mlp", "embed"))
+            return x + nn.gelu(_norm()(x) @ wi) @ wf
+        e = self.experts
+        router = _param(self, "router", (EMBED, e), ("embed", None))
+        experts_in = _param(self, "experts_in", (e, EMBED, HIDDEN), ("expert", "embed", "mlp"))
+        experts_out = _param(self, "experts_out", (e, HIDDEN, EMBED), ("expert", "mlp", "embed"))
+        out, aux = mixture(_norm()(x), router, experts_in, experts_out, self.top_k,
+                           self.capacity_factor)  # fmt: skip
+        return x + out, aux
 
 
 class TransformerLM(nn.Module):
     layers: int = LAYERS
     remat: str = "none"
     sequence: int = synthetic.SEQ_LEN
+    experts: int = 0
+    top_k: int = 2
+    capacity_factor: float | None = None
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
+    def __call__(self, tokens: jax.Array, train: bool = False):
         embed = _param(self, "embed", (synthetic.VOCAB, EMBED), ("vocab", "embed"))
         position = _param(self, "position", (self.sequence, EMBED), (None, "embed"))
         x = embed[tokens] + position[None, : tokens.shape[1]]
-        x = stack.LinenLayers(Block, self.layers, self.remat, name="blocks")(x)
-        return _norm()(x) @ _param(self, "unembed", (EMBED, synthetic.VOCAB), ("embed", "vocab"))
+        block = functools.partial(
+            Block, experts=self.experts, top_k=self.top_k, capacity_factor=self.capacity_factor
+        )
+        x = stack.LinenLayers(block, self.layers, self.remat, name="blocks")(x)
+        x, aux = x if isinstance(x, tuple) else (x, None)
+        unembed = _param(self, "unembed", (EMBED, synthetic.VOCAB), ("embed", "vocab"))
+        logits = _norm()(x) @ unembed
+        return logits if aux is None else (logits, aux)
 
 
 class CNN(nn.Module):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardplug import stack
+from shardplug import moe, stack
 from shardplug.core.attention import attention as fused_attention
 from shardplug.core.context import batch_axis_name
 from shardplug.models import synthetic
@@ -77,20 +77,60 @@ def attention(x, wq, wk, wv, wo):
     return jnp.einsum("bshd,hde->bse", attended, wo)
 
 
+def mixture(x, router, experts_in, experts_out, top_k: int, capacity_factor: float | None):
+    """The MLP as a routed mixture of experts (:mod:`shardplug.moe`) on ``x`` (batch, seq,
+    embed); shared by all frameworks. ``(out, aux)``: aux, this block's balancing and z
+    losses, its expert load (the busiest expert's share over the mean) and dropped share."""
+    rows = x.reshape(-1, x.shape[-1])
+    logits = rows @ router
+    routing = moe.route(logits, top_k)
+    out, stats = moe.routed_experts(
+        rows, routing, experts_in, experts_out, capacity_factor=capacity_factor,
+        activation=jax.nn.gelu,
+    )  # fmt: skip
+    aux = {
+        "moe_layers": jnp.ones((), jnp.float32),
+        "moe_balance_loss": moe.load_balancing_loss(routing),
+        "moe_z_loss": moe.router_z_loss(logits),
+        "expert_load": stats.load.max() * stats.load.size,
+        "dropped": stats.dropped,
+    }
+    return out.reshape(x.shape), aux
+
+
 class Block(nnx.Module):
-    def __init__(self, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        *,
+        rngs: nnx.Rngs,
+        experts: int = 0,
+        top_k: int = 2,
+        capacity_factor: float | None = None,
+    ):
         self.norm1 = _norm(rngs)
         self.wq = _param(rngs, (EMBED, HEADS, HEAD_DIM), ("embed", "heads", "kv"))
         self.wk = _param(rngs, (EMBED, HEADS, HEAD_DIM), ("embed", "heads", "kv"))
         self.wv = _param(rngs, (EMBED, HEADS, HEAD_DIM), ("embed", "heads", "kv"))
         self.wo = _param(rngs, (HEADS, HEAD_DIM, EMBED), ("heads", "kv", "embed"))
         self.norm2 = _norm(rngs)
-        self.wi = _param(rngs, (EMBED, HIDDEN), ("embed", "mlp"))
-        self.wf = _param(rngs, (HIDDEN, EMBED), ("mlp", "embed"))
+        self.experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
+        if experts:  # each expert an MLP of the dense one's size, stacked on "expert"
+            self.router = _param(rngs, (EMBED, experts), ("embed", None))
+            self.experts_in = _param(rngs, (experts, EMBED, HIDDEN), ("expert", "embed", "mlp"))
+            self.experts_out = _param(rngs, (experts, HIDDEN, EMBED), ("expert", "mlp", "embed"))
+        else:
+            self.wi = _param(rngs, (EMBED, HIDDEN), ("embed", "mlp"))
+            self.wf = _param(rngs, (HIDDEN, EMBED), ("mlp", "embed"))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array):
         x = x + attention(self.norm1(x), self.wq[...], self.wk[...], self.wv[...], self.wo[...])
-        return x + nnx.gelu(self.norm2(x) @ self.wi[...]) @ self.wf[...]
+        if not self.experts:
+            return x + nnx.gelu(self.norm2(x) @ self.wi[...]) @ self.wf[...]
+        out, aux = mixture(
+            self.norm2(x), self.router[...], self.experts_in[...], self.experts_out[...],
+            self.top_k, self.capacity_factor,
+        )  # fmt: skip
+        return x + out, aux
 
 
 class TransformerLM(nnx.Module):
@@ -103,23 +143,33 @@ class TransformerLM(nnx.Module):
         layers: int = LAYERS,
         remat: str = "none",
         sequence: int = synthetic.SEQ_LEN,
+        experts: int = 0,
+        top_k: int = 2,
+        capacity_factor: float | None = None,
     ):
         self.embed = _param(rngs, (synthetic.VOCAB, EMBED), ("vocab", "embed"))
         self.position = _param(rngs, (sequence, EMBED), (None, "embed"))
-        self.blocks = stack.nnx_layers(lambda r: Block(rngs=r), layers, rngs)
+        moe_options = dict(experts=experts, top_k=top_k, capacity_factor=capacity_factor)
+        self.blocks = stack.nnx_layers(lambda r: Block(rngs=r, **moe_options), layers, rngs)
         self.norm = _norm(rngs)
         self.unembed = _param(rngs, (EMBED, synthetic.VOCAB), ("embed", "vocab"))
         self.remat = remat
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array):
+        """The logits; with experts, ``(logits, aux)``: aux summed over the layers."""
         x = self.embed[...][tokens] + self.position[...][None, : tokens.shape[1]]
         x = stack.apply(self.blocks, x, remat=self.remat)
+        if isinstance(x, tuple):
+            return self.norm(x[0]) @ self.unembed[...], x[1]
         return self.norm(x) @ self.unembed[...]
 
 
-def transformer(layers: int = LAYERS, remat: str = "none", sequence: int = synthetic.SEQ_LEN):
-    """A function ``rngs -> TransformerLM`` of this depth, remat policy and length."""
-    return lambda rngs: TransformerLM(rngs=rngs, layers=layers, remat=remat, sequence=sequence)
+def transformer(layers: int = LAYERS, remat: str = "none", sequence: int = synthetic.SEQ_LEN,
+                **moe_options):  # fmt: skip
+    """A function ``rngs -> TransformerLM`` of this depth, remat policy and length (and
+    ``experts``, ``top_k``, ``capacity_factor``)."""
+    return lambda rngs: TransformerLM(rngs=rngs, layers=layers, remat=remat, sequence=sequence,
+                                      **moe_options)  # fmt: skip
 
 
 # The CNN: convolutions with BatchNorm, then dropout and a linear head.

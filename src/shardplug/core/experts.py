@@ -1,0 +1,170 @@
+"""Experts placed over devices: what ``ep`` puts in place of a mixture of experts' local
+computation (:func:`shardplug.moe.routed_experts`) while the step is traced.
+
+Each device holds ``E / n`` of the ``E`` experts (their stacked weights split over the
+expert axis) and its own rows of the batch (the expert axis is a batch axis too). Inside a
+per-device program over the batch axes, each device sorts its tokens' assignments by the
+device that holds their expert, sends them there with one ``all_to_all`` over the expert
+axis, computes what it received as one grouped product per matrix (``ragged_dot``, its
+experts the groups), and sends the outputs back with a second ``all_to_all``; the backward
+pass is the same exchanges transposed.
+
+The buffers are static: a device sends each other device a slot of ``tokens x top_k`` rows
+(every assignment could go to one device) when dropless, of ``min(that, E/n x capacity)``
+with a capacity factor. XLA:CPU has no ``ragged_all_to_all``, which would send only the
+rows used; the bytes sent are the slots'. Capacity is decided as on one device: an
+assignment's place in its expert's queue counts the assignments of every device before it
+in the batch's order (an ``all_gather`` of each device's counts), so dropping is identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from shardplug.errors import ConfigError
+
+_OVERRIDE: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar(
+    "shardplug_experts", default=None
+)
+
+
+@contextlib.contextmanager
+def experts_override(implementation: Callable[..., Any]) -> Iterator[None]:
+    """Inside, :func:`shardplug.moe.routed_experts` calls ``implementation`` with its own
+    arguments instead of computing locally (a parallelism placing experts installs it from
+    its ``trace_context``)."""
+    token = _OVERRIDE.set(implementation)
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def active() -> Callable[..., Any] | None:
+    """The installed experts implementation, or None."""
+    return _OVERRIDE.get()
+
+
+def queue_places(expert: jax.Array, experts: int) -> jax.Array:
+    """Each assignment's place (0-based) among the assignments to its expert, in order."""
+    mine = expert[:, None] == jnp.arange(experts)[None, :]
+    return jnp.sum(jnp.cumsum(mine, axis=0) * mine, axis=1) - 1
+
+
+def grouped_mlp(
+    rows: jax.Array,
+    group: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    w_gate: jax.Array | None,
+    activation: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+    """Each row through its group's expert (``group`` in ``[0, E]``, ``E``: none, zeros out),
+    as one ``ragged_dot`` per matrix over the rows sorted by group."""
+    experts = w_in.shape[0]
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.zeros(experts + 1, jnp.int32).at[group].add(1)[:experts]
+    sorted_rows = rows[order]
+    hidden = jax.lax.ragged_dot(sorted_rows, w_in, sizes)
+    if w_gate is not None:
+        hidden = activation(jax.lax.ragged_dot(sorted_rows, w_gate, sizes)) * hidden
+    else:
+        hidden = activation(hidden)
+    out = jax.lax.ragged_dot(hidden.astype(w_out.dtype), w_out, sizes)
+    return jnp.zeros_like(out).at[order].set(out)
+
+
+def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int:
+    """How many assignments an expert takes at ``factor``: ``ceil(factor * tokens * k / E)``."""
+    return max(1, math.ceil(factor * tokens * top_k / experts))
+
+
+def expert_parallel(axis: str, batch_axes: tuple[str, ...]) -> contextlib.AbstractContextManager:
+    """Trace the code inside with the experts split over ``axis`` and the tokens over
+    ``batch_axes`` (``axis`` among them), exchanged by ``all_to_all`` (see the module)."""
+    return experts_override(_placed(axis, batch_axes))
+
+
+def _placed(axis: str, batch_axes: tuple[str, ...]) -> Callable:
+    batch = tuple(batch_axes)
+
+    def routed(x, routing, w_in, w_out, *, w_gate=None, capacity_factor=None, activation):
+        mesh = jax.sharding.get_abstract_mesh()
+        size, experts = mesh.shape[axis], w_in.shape[0]
+        if experts % size:
+            raise ConfigError(
+                f"{experts} experts do not split over the {size} devices of {axis!r}: use a "
+                f"number of experts that {size} divides, or fewer expert devices (--mesh)"
+            )
+        tokens, top_k = routing.experts.shape
+        devices = math.prod(mesh.shape[a] for a in batch)
+        local = tokens // devices * top_k  # one device's assignments
+        cap = None if capacity_factor is None else capacity(tokens, top_k, experts, capacity_factor)
+        slot = local if cap is None else min(local, experts // size * cap)
+        rows = P(batch, None)
+        weights = P(axis, None, None)
+        program = functools.partial(
+            _exchange, axis=axis, batch=batch, size=size, slot=slot, cap=cap,
+            activation=activation, gated=w_gate is not None, assignments=tokens * top_k,
+        )  # fmt: skip
+        gates = () if w_gate is None else (w_gate,)
+        y, load, dropped = jax.shard_map(
+            program,
+            in_specs=(rows, rows, rows, weights, weights, *((weights,) if gates else ())),
+            out_specs=(rows, P(), P()),
+            axis_names=set(batch),
+        )(x, routing.experts, routing.weights, w_in, w_out, *gates)
+        return y, (load, dropped)
+
+    return routed
+
+
+def _exchange(x, experts_of, weights_of, w_in, w_out, *gate, axis, batch, size, slot, cap,
+              activation, gated, assignments):  # fmt: skip
+    """One device's share: its assignments to their experts' devices and back."""
+    per_device = w_in.shape[0]
+    experts = per_device * size
+    expert = experts_of.reshape(-1)
+    token = jnp.arange(expert.size) // experts_of.shape[1]
+    kept = jnp.ones(expert.shape, bool)
+    counts = jnp.zeros(experts, jnp.int32).at[expert].add(1)
+    if cap is not None:  # my place in each queue: after every earlier device's assignments
+        every = jax.lax.all_gather(counts, batch)  # (devices, experts), in the batch's order
+        me = jax.lax.axis_index(batch)
+        earlier = jnp.arange(every.shape[0]) < me
+        before = jnp.sum(every * earlier[:, None], axis=0)
+        kept = queue_places(expert, experts) + before[expert] < cap
+    dest = expert // per_device
+    to = (dest[:, None] == jnp.arange(size)[None, :]) & kept[:, None]
+    place = jnp.sum(jnp.cumsum(to, axis=0) * to, axis=1) - 1
+    ok = kept & (place < slot)
+    where = jnp.where(ok, dest, size)  # out of range: not sent (mode="drop")
+    send = jnp.zeros((size, slot, x.shape[-1]), x.dtype).at[where, place].set(x[token], mode="drop")
+    ids = (
+        jnp.full((size, slot), per_device, jnp.int32)
+        .at[where, place]
+        .set(expert % per_device, mode="drop")
+    )
+    got = jax.lax.all_to_all(send, axis, 0, 0)  # got[j]: what device j sent me
+    got_ids = jax.lax.all_to_all(ids, axis, 0, 0)
+    out = grouped_mlp(
+        got.reshape(-1, x.shape[-1]), got_ids.reshape(-1), w_in, w_out,
+        gate[0] if gated else None, activation,
+    ).reshape(got.shape)  # fmt: skip
+    back = jax.lax.all_to_all(out, axis, 0, 0)  # back[j]: my rows, computed on device j
+    mine = back[jnp.where(ok, dest, 0), jnp.where(ok, place, 0)]
+    weight = jnp.where(ok, weights_of.reshape(-1), 0.0)
+    y = jnp.zeros_like(x).at[token].add((mine * weight[:, None]).astype(x.dtype))
+    computed = jnp.zeros(experts, jnp.float32).at[expert].add(ok.astype(jnp.float32))
+    computed = jax.lax.psum(computed, batch)
+    load = computed / jnp.maximum(computed.sum(), 1.0)
+    return y, load, 1.0 - computed.sum() / assignments

@@ -1,0 +1,90 @@
+"""Expert parallelism: the experts split over `expert`, tokens sent to them by all-to-all;
+every composition trains like one device, dropless or dropping for capacity."""
+
+import jax
+import numpy as np
+import pytest
+
+import shardplug
+from shardplug.core.hlo import collectives
+from shardplug.core.sharding import leaf_paths
+from shardplug.testing.conformance import _losses, one_device_losses
+
+STEPS = 3
+MOE = {"experts": 4, "top_k": 2}
+
+
+@pytest.mark.parametrize(
+    ("name", "mesh", "adapter", "options"),
+    [
+        ("ep", "expert=4", "linen", MOE),
+        ("dp+ep", "data=2,expert=4", "equinox", {"experts": 8, "top_k": 2}),
+        ("ep", "expert=4", "nnx", {**MOE, "capacity_factor": 0.75}),  # 30% dropped
+    ],
+)
+def test_compositions_with_ep_train_like_one_device(name, mesh, adapter, options):
+    devices = 8 if "data" in mesh else 4
+    losses = _losses(name, {}, adapter, "transformer", STEPS, 0, devices, mesh, options)
+    want = one_device_losses(adapter, "transformer", STEPS, 0, tuple(sorted(options.items())))
+    np.testing.assert_allclose(losses, want, rtol=1e-4)
+
+
+def _ep_trainer(**options):
+    model = shardplug.get_model("transformer")
+    task = model.task("nnx", **{**MOE, **options})
+    return model, task.trainer(strategy="ep", mesh="expert=4", devices=4)
+
+
+def test_each_device_holds_a_quarter_of_the_experts_and_their_adam_state():
+    """allocate=False: the layouts alone. The experts' weights and both Adam moments are
+    split four ways on their expert dimension; everything else is whole, as under dp."""
+    _, trainer = _ep_trainer()
+    state = trainer.state_shardings
+    for tree in (state.params, state.opt_state):
+        for path, sharding in zip(leaf_paths(tree), jax.tree.leaves(tree), strict=True):
+            if "experts_" in path:
+                assert sharding.spec == jax.sharding.PartitionSpec(None, "expert"), path
+    params = trainer.state.params
+    by_path = dict(zip(leaf_paths(params), jax.tree.leaves(params), strict=True))
+    experts_in = by_path["blocks/experts_in"]
+    sharding = dict(zip(leaf_paths(state.params), jax.tree.leaves(state.params), strict=True))
+    local = sharding["blocks/experts_in"].shard_shape(experts_in.shape)
+    assert local == (2, 1, 64, 256) and experts_in.shape == (2, 4, 64, 256)
+
+
+def test_the_step_exchanges_tokens_by_all_to_all():
+    """ep (expert=4), 2 layers of 4 experts, top-2, 1024 tokens: each device's 512
+    assignments go out in one slot per device (dropless: 512 rows each, any could go to one
+    device), come back, and so do their gradients: 2 layers x 4 exchanges x 4 slots x 512
+    rows x 64 wide x 4 bytes; the experts' ids go out once per layer (int32)."""
+    model, trainer = _ep_trainer()
+    trainer.compile(next(model.batches(model.batch_size, 0)))
+    found = {(c.kind, c.dtype): c for c in collectives(trainer.compiled.as_text())}
+    assert found["all-to-all", "f32"].bytes == 2 * 4 * 4 * 512 * 64 * 4
+    assert found["all-to-all", "f32"].count == 2 * 4
+    assert found["all-to-all", "s32"].bytes == 2 * 4 * 512 * 4
+    _, dropping = _ep_trainer(capacity_factor=0.25)  # 128 assignments an expert: 128 a slot
+    dropping.compile(next(model.batches(model.batch_size, 0)))
+    found = {(c.kind, c.dtype): c for c in collectives(dropping.compiled.as_text())}
+    assert found["all-to-all", "f32"].bytes == 2 * 4 * 4 * 128 * 64 * 4
+
+
+def test_rows_carry_the_expert_load_and_the_dropped_share():
+    model, trainer = _ep_trainer(capacity_factor=0.75)
+    (row,) = trainer.fit(model.batches(model.batch_size, 0), steps=1)
+    assert 1.0 <= row["expert_load"] <= 4.0 and 0.0 < row["dropped"] < 1.0
+    assert row["moe_balance_loss"] >= 1.0 - 1e-6 and row["moe_z_loss"] > 0
+
+
+def test_bad_expert_input_is_one_line(capsys):
+    from shardplug.cli import main
+
+    model = shardplug.get_model("transformer")
+    task = model.task("nnx", experts=6, top_k=2)
+    with pytest.raises(shardplug.ConfigError, match="6 experts do not split over the 4 devices"):
+        task.trainer(strategy="ep", mesh="expert=4", devices=4)
+    with pytest.raises(shardplug.ConfigError, match="and this model has none: give it experts"):
+        model.task("nnx").trainer(strategy="ep", mesh="expert=4", devices=4)
+    assert main(["train", "--experts", "2", "--top-k", "3", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "top_k 3 is more than the 2 experts" in err and err.count("\n") == 1
