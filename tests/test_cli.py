@@ -89,7 +89,10 @@ def test_strategy_options_reach_the_plugin(tmp_path, capsys):
 
 
 BAD = [
-    (["--strategy", "zero3"], "unknown strategy 'zero3'; available: 2d, cp, dp, ep, fsdp, pmap, pp"),
+    (
+        ["--strategy", "zero3"],
+        "unknown strategy 'zero3'; available: 2d, cp, dp, ep, fsdp, pmap, pp",
+    ),
     (["--mesh", "data=3"], "mesh data=3 has 3 devices but the run has 8"),
     (["--strategy", "2d", "--mesh", "data=2,model=2"], "has 4 devices but the run has 8"),
     (["--strategy", "pmap", "--mesh", "model=8"], "give sizes for exactly ['data']"),

@@ -85,6 +85,9 @@ def test_bad_expert_input_is_one_line(capsys):
         task.trainer(strategy="ep", mesh="expert=4", devices=4)
     with pytest.raises(shardplug.ConfigError, match="and this model has none: give it experts"):
         model.task("nnx").trainer(strategy="ep", mesh="expert=4", devices=4)
+    pipelined = model.task("nnx", **MOE).trainer(strategy="pp+ep", mesh="stage=2,expert=4")
+    with pytest.raises(shardplug.ConfigError, match="which pp's schedule does not carry yet"):
+        pipelined.compile(next(model.batches(model.batch_size, 0)))
     assert main(["train", "--experts", "2", "--top-k", "3", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "top_k 3 is more than the 2 experts" in err and err.count("\n") == 1

@@ -120,7 +120,11 @@ def test_running_out_of_batches_warns_and_stops():
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"strategy": "zero"}, shardplug.UnknownStrategyError, "available: 2d, cp, dp, ep, fsdp, pmap"),
+        (
+            {"strategy": "zero"},
+            shardplug.UnknownStrategyError,
+            "available: 2d, cp, dp, ep, fsdp, pmap",
+        ),
         ({"mesh": "fsdp=3"}, shardplug.MeshError, "has 3 devices but the run has 8"),
         ({"mesh": "data=8"}, shardplug.MeshError, "mesh axis 'data' is not an axis of this"),
         ({"devices": 12}, shardplug.DeviceError, "asked for 12 devices"),

@@ -95,8 +95,7 @@ class Capability(enum.StrEnum):
     #: models whose batch has no sequence dimension (``cp`` splits the sequence; its checks
     #: then run on the transformer)
     WITHOUT_SEQUENCE = "without-sequence"
-    #: models without a mixture of experts (``ep`` splits their experts: it runs the
-    #: conformance checks on the reference transformer with experts instead)
+    #: models without a mixture of experts (``ep``'s checks then run on the transformer's)
     WITHOUT_EXPERTS = "without-experts"
     #: meshes whose axes are ``AxisType.Explicit`` (``axis_types="explicit"``); a plugin that
     #: declares it unsupported is refused in that mode, with its reason
@@ -487,9 +486,7 @@ def check_layout(paths: list[str], specs: list[Any], axis: str) -> None:
 
 
 @hookspec(firstresult=True)
-def trace_context(
-    axis: str, mesh: Any, replicas: tuple[str, ...], batch_axes: tuple[str, ...]
-) -> Any:
+def trace_context(axis: str, mesh: Any, replicas: tuple[str, ...], batch_axes: tuple) -> Any:
     """A context manager entered around the tracing of every program of the run.
 
     :param axis: this parallelism's mesh axis, as the run names it.

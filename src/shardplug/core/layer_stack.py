@@ -33,6 +33,24 @@ def layers_of(params: Any) -> int:
     return sizes.pop()
 
 
+def _split(out: Any) -> tuple[Any, Any]:
+    """A block's ``(x, aux)`` or ``x`` as scan's ``(carry, per-layer output)``."""
+    return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+
+
+def _no_aux(block: Callable) -> Callable:
+    def checked(layer: Any, h: jax.Array) -> jax.Array:
+        out = block(layer, h)
+        if isinstance(out, tuple):
+            raise ConfigError(
+                "this layer stack's blocks return auxiliary values (x, aux) (a mixture of "
+                "experts' losses), which pp's schedule does not carry yet: train it without pp"
+            )
+        return out
+
+    return checked
+
+
 def run_stack(fn: Callable[[Any, jax.Array], Any], params: Any, x: jax.Array,
               policy: str = "none") -> Any:  # fmt: skip
     """Apply ``fn(layer_params, x)`` for each layer of ``params`` in turn (see the module).
@@ -45,23 +63,10 @@ def run_stack(fn: Callable[[Any, jax.Array], Any], params: Any, x: jax.Array,
         block = regathered(lambda w, h: fn(gather(w), h), policy)
     layers = layers_of(params)
     pipeline = schedule.active()
-    shapes = jax.eval_shape(fn, jax.tree.map(lambda leaf: leaf[0], params), x)
-    if isinstance(shapes, tuple):  # blocks return (x, aux): aux summed over the layers
-        if pipeline is not None:
-            raise ConfigError(
-                "this layer stack's blocks return auxiliary values (x, aux) (a mixture of "
-                "experts' losses), which pp's schedule does not carry yet: train it without pp"
-            )
-        zeros = jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), shapes[1])
-
-        def step(carry, layer):
-            h, total = carry
-            h, aux = block(layer, h)
-            return (h, jax.tree.map(jax.numpy.add, total, aux)), None
-
-        return jax.lax.scan(step, (x, zeros), params)[0]
     if pipeline is None:
-        return jax.lax.scan(lambda h, layer: (block(layer, h), None), x, params)[0]
+        h, aux = jax.lax.scan(lambda h, layer: _split(block(layer, h)), x, params)
+        return h if aux is None else (h, jax.tree.map(lambda a: a.sum(0), aux))
+    block = _no_aux(block)
     pipeline = pipeline.split_over(schedule.rows_split(x)).resolve(x.shape[0])
     pipeline.check(layers, x.shape[0])
     return schedule.schedule(block, params, x, pipeline, layers)
