@@ -149,6 +149,16 @@ def test_recommend_follows_the_memory(capsys):
     assert main(["recommend", "--model", "mlp", "--device-memory", "80GB", "--json"]) == 0
     roomy = json.loads(capsys.readouterr().out)
     assert roomy["recommended"] == "dp" and "parameters and gradients only" in roomy["reason"]
+    import io
+
+    from rich.console import Console
+
+    from shardplug.views import render_recommend
+
+    console = Console(width=250, record=True, file=io.StringIO())
+    render_recommend(roomy, console, "mlp")  # every ep composition refused: one row
+    refused = [r for r in roomy["strategies"] if r.get("error", "").startswith("ep splits")]
+    assert len(refused) > 10 and console.export_text().count("ep splits a mixture") == 1
     assert {"dp+fsdp", "fsdp+tp", "dp+fsdp+tp"} <= {r["strategy"] for r in roomy["strategies"]}
     peaks = {r["strategy"]: r["peak_bytes"] for r in roomy["strategies"] if "error" not in r}
     pipelined = {r["strategy"]: r["error"] for r in roomy["strategies"] if "pp" in r["strategy"]}

@@ -295,14 +295,18 @@ def render_recommend(result: dict[str, Any], console: Any, title: str) -> None:
     table = Table(title=title, title_justify="left")
     for column in ("strategy", "fits", "peak/device", "params+opt/device", "sent/step"):
         table.add_column(column, justify="left" if column in ("strategy", "fits") else "right")
+    refused: dict[str, list[str]] = {}  # one row per reason (ep's, for a model without experts)
     for r in result["strategies"]:
         if "error" in r:
-            table.add_row(r["strategy"], "no", "", "", r["error"])
+            refused.setdefault(r["error"], []).append(r["strategy"])
             continue
         table.add_row(
             r["strategy"], "yes" if r["fits"] else "no", size(r["peak_bytes"]),
             size(r["params_bytes"] + r["opt_state_bytes"]), size(r["sent_bytes"]),
         )  # fmt: skip
+    for error, names in refused.items():
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        table.add_row(names[0] + more, "no", "", "", error)
     console.print(table)
     choice, reason = result["recommended"], result["reason"]
     console.print(f"recommended: [bold]{choice}[/bold]: {reason}" if choice
