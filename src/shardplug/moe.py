@@ -16,6 +16,10 @@ with every expert.
 :func:`router_z_loss` ST-MoE's; a ``bias`` added to the scores for choosing experts only
 (not to the weights) is auxiliary-loss-free balancing (DeepSeek-V3), updated outside the
 gradient by :func:`balance_bias`.
+
+Under ``ep`` (or any parallelism that installs :func:`experts_override` from its
+``trace_context``) :func:`routed_experts` computes the same across devices: each device's
+tokens go to the devices that hold their experts and back (:mod:`shardplug.core.experts`).
 """
 
 from __future__ import annotations
