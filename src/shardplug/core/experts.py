@@ -136,16 +136,15 @@ def _exchange(x, experts_of, weights_of, w_in, w_out, *gate, axis, batch, size, 
     expert = experts_of.reshape(-1)
     token = jnp.arange(expert.size) // experts_of.shape[1]
     kept = jnp.ones(expert.shape, bool)
-    counts = jnp.zeros(experts, jnp.int32).at[expert].add(1)
     if cap is not None:  # my place in each queue: after every earlier device's assignments
+        counts = jnp.zeros(experts, jnp.int32).at[expert].add(1)
         every = jax.lax.all_gather(counts, batch)  # (devices, experts), in the batch's order
         me = jax.lax.axis_index(batch)
         earlier = jnp.arange(every.shape[0]) < me
         before = jnp.sum(every * earlier[:, None], axis=0)
         kept = queue_places(expert, experts) + before[expert] < cap
     dest = expert // per_device
-    to = (dest[:, None] == jnp.arange(size)[None, :]) & kept[:, None]
-    place = jnp.sum(jnp.cumsum(to, axis=0) * to, axis=1) - 1
+    place = queue_places(jnp.where(kept, dest, size), size)  # in its destination's slot
     ok = kept & (place < slot)
     where = jnp.where(ok, dest, size)  # out of range: not sent (mode="drop")
     send = jnp.zeros((size, slot, x.shape[-1]), x.dtype).at[where, place].set(x[token], mode="drop")
