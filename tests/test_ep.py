@@ -18,8 +18,11 @@ MOE = {"experts": 4, "top_k": 2}
     ("name", "mesh", "adapter", "options"),
     [
         ("ep", "expert=4", "linen", MOE),
-        ("dp+ep", "data=2,expert=4", "equinox", {"experts": 8, "top_k": 2}),
-        ("ep", "expert=4", "nnx", {**MOE, "capacity_factor": 0.75}),  # 30% dropped
+        # capacity in 8 groups (each device's own): slots of exactly the assignments' bytes
+        ("dp+ep", "data=2,expert=4", "equinox",
+         {"experts": 8, "top_k": 2, "capacity_factor": 1.0, "capacity_groups": 8}),
+        # in 2 groups of two devices each: a device's place follows its group's earlier one
+        ("ep", "expert=4", "nnx", {**MOE, "capacity_factor": 0.75, "capacity_groups": 2}),
     ],
 )
 def test_compositions_with_ep_train_like_one_device(name, mesh, adapter, options):
@@ -67,6 +70,12 @@ def test_the_step_exchanges_tokens_by_all_to_all():
     dropping.compile(next(model.batches(model.batch_size, 0)))
     found = {(c.kind, c.dtype): c for c in collectives(dropping.compiled.as_text())}
     assert found["all-to-all", "f32"].bytes == 2 * 4 * 4 * 128 * 64 * 4
+    # capacity counted on each device's own tokens: a slot is its even share, 512 / 4 rows
+    # at F = 1, the textbook's tokens x top-k x width x 4 bytes (each exchange 512 x 64 x 4)
+    _, textbook = _ep_trainer(capacity_factor=1.0, capacity_groups=4)
+    textbook.compile(next(model.batches(model.batch_size, 0)))
+    found = {(c.kind, c.dtype): c for c in collectives(textbook.compiled.as_text())}
+    assert found["all-to-all", "f32"].bytes == 2 * 4 * 512 * 64 * 4
 
 
 def test_rows_carry_the_expert_load_and_the_dropped_share():
@@ -91,3 +100,11 @@ def test_bad_expert_input_is_one_line(capsys):
     assert main(["train", "--experts", "2", "--top-k", "3", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "top_k 3 is more than the 2 experts" in err and err.count("\n") == 1
+    grouped = ["--capacity-factor", "1", "--capacity-groups", "3", "--steps", "1"]
+    assert main(["train", "--experts", "4", *grouped]) == 2
+    err = capsys.readouterr().err
+    assert "capacity_groups=3 must divide the 1024 tokens" in err and err.count("\n") == 1
+    ep = ["--strategy", "ep", "--mesh", "expert=4", "--devices", "4", "--sequence", "24"]
+    assert main(["train", "--experts", "4", *grouped, *ep]) == 2  # 768 tokens: 3 groups
+    err = capsys.readouterr().err
+    assert "capacity_groups=3 and the batch's 4 devices" in err and err.count("\n") == 1

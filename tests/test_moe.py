@@ -72,6 +72,27 @@ def test_capacity_drops_the_latest_tokens_of_a_full_expert():
     np.testing.assert_allclose(stats.load, counts / counts.sum())
 
 
+def test_capacity_groups_count_each_run_of_tokens_apart():
+    x, router, w_in, w_gate, w_out = _weights(1)
+    routing = moe.route(x @ router, 2)
+    cap = moe.capacity(TOKENS // 3, 2, EXPERTS, 0.5)  # 3 groups of 8 tokens: 2 an expert
+    expert = np.asarray(routing.experts).reshape(-1)
+    kept = []
+    for group in expert.reshape(3, -1):
+        taken = dict.fromkeys(range(EXPERTS), 0)
+        for e in group:
+            kept.append(taken[e] < cap)
+            taken[e] += 1
+    kept = np.asarray(kept).reshape(TOKENS, 2)
+    y, stats = moe.routed_experts(
+        x, routing, w_in, w_out, w_gate=w_gate, capacity_factor=0.5, capacity_groups=3
+    )
+    np.testing.assert_allclose(y, _dense(x, routing, w_in, w_gate, w_out, kept), atol=1e-6)
+    assert float(stats.dropped) == pytest.approx(1 - kept.mean()) and 0 < kept.mean() < 1
+    with pytest.raises(ValueError, match="capacity_groups=5 must divide the 24 tokens"):
+        moe.routed_experts(x, routing, w_in, w_out, capacity_factor=0.5, capacity_groups=5)
+
+
 def test_the_auxiliary_losses_and_the_bias():
     logits = jnp.tile(jnp.eye(EXPERTS), (3, 1)) * 5.0  # each expert three tokens, confidently
     even = moe.route(logits, 1)

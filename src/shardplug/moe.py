@@ -10,7 +10,10 @@ with every expert.
 - Dropless (the default): every assignment is computed.
 - ``capacity_factor=F``: each expert takes at most ``ceil(F * tokens * top_k / E)``
   assignments, the earliest tokens first; the rest are dropped (their weight is zero: the
-  token keeps its residual), and :class:`Stats` says what share.
+  token keeps its residual), and :class:`Stats` says what share. ``capacity_groups=G``
+  counts capacity in each of G equal groups of consecutive tokens instead (GShard's groups):
+  with G the batch's devices, ``ep`` sends each device's assignments in slots of exactly
+  ``F x`` their even share, the textbook's bytes at ``F = 1``.
 
 :func:`load_balancing_loss` is Switch Transformer's (and Mixtral's) auxiliary loss,
 :func:`router_z_loss` ST-MoE's; a ``bias`` added to the scores for choosing experts only
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 
 from shardplug.core import experts
 from shardplug.core.experts import capacity, experts_override
+from shardplug.errors import ConfigError
 
 
 class Routing(NamedTuple):
@@ -57,7 +61,7 @@ def route(logits: jax.Array, top_k: int, bias: jax.Array | None = None) -> Routi
     shifts the choice, not the weights."""
     experts_count = logits.shape[-1]
     if not 1 <= top_k <= experts_count:
-        raise ValueError(f"top_k={top_k} must be between 1 and the {experts_count} experts")
+        raise ConfigError(f"top_k={top_k} must be between 1 and the {experts_count} experts")
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     if bias is not None:
         bias = jax.lax.stop_gradient(bias).reshape((1,) * (probs.ndim - 1) + (-1,))
@@ -95,6 +99,7 @@ def routed_experts(
     *,
     w_gate: jax.Array | None = None,
     capacity_factor: float | None = None,
+    capacity_groups: int = 1,
     activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
 ) -> tuple[jax.Array, Stats]:
     """The experts' output for each token of ``x`` (tokens, width).
@@ -103,23 +108,30 @@ def routed_experts(
     ``w_gate`` an expert is ``(activation(x @ w_gate) * (x @ w_in)) @ w_out`` (SwiGLU), without
     it ``activation(x @ w_in) @ w_out``. The assignments are sorted by expert (dropped ones
     last, outside every group, where the grouped product gives zeros) and each matrix is one
-    ``ragged_dot``; the outputs are weighted and summed back onto their tokens. Under a
-    parallelism that places experts (``ep``) the same is computed across devices.
+    ``ragged_dot``; the outputs are weighted and summed back onto their tokens. With
+    ``capacity_factor``, each of ``capacity_groups`` equal runs of consecutive tokens has its
+    own capacity. Under a parallelism that places experts (``ep``) the same is computed
+    across devices.
     """
+    tokens, top_k = routing.experts.shape
+    if capacity_groups < 1 or tokens % capacity_groups:
+        raise ConfigError(
+            f"capacity_groups={capacity_groups} must divide the {tokens} tokens (batch x "
+            f"sequence) into equal groups: use a divisor of {tokens}"
+        )
     override = experts.active()
     if override is not None:  # a parallelism places the experts (ep)
         y, (load, dropped) = override(
             x, routing, w_in, w_out, w_gate=w_gate, capacity_factor=capacity_factor,
-            activation=activation,
+            capacity_groups=capacity_groups, activation=activation,
         )  # fmt: skip
         return y, Stats(load, dropped)
-    tokens, top_k = routing.experts.shape
     experts_count = w_in.shape[0]
     expert = routing.experts.reshape(-1)  # assignment a = token * k + slot
     kept = jnp.ones(expert.shape, bool)
     if capacity_factor is not None:  # an assignment's place in its expert's queue
-        limit = capacity(tokens, top_k, experts_count, capacity_factor)
-        kept = experts.queue_places(expert, experts_count) < limit
+        limit = capacity(tokens // capacity_groups, top_k, experts_count, capacity_factor)
+        kept = experts.group_places(expert, experts_count, capacity_groups) < limit
     group = jnp.where(kept, expert, experts_count)  # the dropped: past the last group
     token = jnp.arange(expert.size) // top_k
     out = experts.grouped_mlp(x[token], group, w_in, w_out, w_gate, activation)

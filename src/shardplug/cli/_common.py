@@ -114,7 +114,8 @@ def task_arguments(parser: Any) -> None:
     )
 
 
-MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", "experts", "top_k", "capacity_factor")
+MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", "experts", "top_k", "capacity_factor",
+              "capacity_groups")  # fmt: skip
 SIZES = ("sequence", "batch_size")  # the reference model's, or a task function's that takes them
 
 
@@ -189,6 +190,10 @@ def model_options_arguments(parser: Any) -> None:
     parser.add_argument("--capacity-factor", type=_positive(float), default=None, metavar="F",
                         help="each expert takes at most F x its even share of the tokens; "
                         "the rest are dropped (default: none dropped)")  # fmt: skip
+    parser.add_argument("--capacity-groups", type=_positive(int), default=None, metavar="G",
+                        help="count capacity in G equal groups of consecutive tokens (GShard); "
+                        "G = the batch's devices keeps ep's all-to-alls at F x the tokens' "
+                        "bytes (default 1: the whole batch)")  # fmt: skip
     parser.add_argument("--sequence", type=_positive(int), default=None, metavar="N",
                         help="the sequence length: the reference transformer's (default 32), "
                         "or a --task function's that takes a sequence")  # fmt: skip
@@ -196,7 +201,8 @@ def model_options_arguments(parser: Any) -> None:
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:
     """The reference model's options the command line gave (``layers``, ``remat``)."""
-    names = ("layers", "remat", "sequence", "experts", "top_k", "capacity_factor")
+    names = ("layers", "remat", "sequence", "experts", "top_k", "capacity_factor",
+             "capacity_groups")  # fmt: skip
     return {k: getattr(args, k, None) for k in names if getattr(args, k, None)}
 
 

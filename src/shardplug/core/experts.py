@@ -14,7 +14,9 @@ The buffers are static: a device sends each other device a slot of ``tokens x to
 with a capacity factor. XLA:CPU has no ``ragged_all_to_all``, which would send only the
 rows used; the bytes sent are the slots'. Capacity is decided as on one device: an
 assignment's place in its expert's queue counts the assignments of every device before it
-in the batch's order (an ``all_gather`` of each device's counts), so dropping is identical.
+in its capacity group (an ``all_gather`` of each device's counts), so dropping is
+identical. When the groups are the batch's devices (or a multiple), a device counts alone
+and its slots hold ``E/n x capacity`` rows: ``F x`` the textbook's bytes.
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def queue_places(expert: jax.Array, experts: int) -> jax.Array:
     return jnp.sum(jnp.cumsum(mine, axis=0) * mine, axis=1) - 1
 
 
+def group_places(expert: jax.Array, experts: int, groups: int) -> jax.Array:
+    """:func:`queue_places` in each of ``groups`` equal runs of the assignments apart."""
+    places = jax.vmap(queue_places, (0, None))(expert.reshape(groups, -1), experts)
+    return places.reshape(-1)
+
+
 def grouped_mlp(
     rows: jax.Array,
     group: jax.Array,
@@ -97,7 +105,8 @@ def expert_parallel(axis: str, batch_axes: tuple[str, ...]) -> contextlib.Abstra
 def _placed(axis: str, batch_axes: tuple[str, ...]) -> Callable:
     batch = tuple(batch_axes)
 
-    def routed(x, routing, w_in, w_out, *, w_gate=None, capacity_factor=None, activation):
+    def routed(x, routing, w_in, w_out, *, w_gate=None, capacity_factor=None,
+               capacity_groups=1, activation):  # fmt: skip
         mesh = jax.sharding.get_abstract_mesh()
         size, experts = mesh.shape[axis], w_in.shape[0]
         if experts % size:
@@ -108,13 +117,23 @@ def _placed(axis: str, batch_axes: tuple[str, ...]) -> Callable:
         tokens, top_k = routing.experts.shape
         devices = math.prod(mesh.shape[a] for a in batch)
         local = tokens // devices * top_k  # one device's assignments
-        cap = None if capacity_factor is None else capacity(tokens, top_k, experts, capacity_factor)
-        slot = local if cap is None else min(local, experts // size * cap)
+        groups = capacity_groups
+        if capacity_factor is not None and groups % devices and devices % groups:
+            raise ConfigError(
+                f"capacity_groups={groups} and the batch's {devices} devices: one must divide "
+                f"the other (a capacity group on whole devices, or devices on whole groups)"
+            )
+        cap = None
+        if capacity_factor is not None:
+            cap = capacity(tokens // groups, top_k, experts, capacity_factor)
+        mine = max(1, groups // devices)  # groups a device holds (or 1 group, shared)
+        slot = local if cap is None else min(local, experts // size * cap * mine)
         rows = P(batch, None)
         weights = P(axis, None, None)
         program = functools.partial(
             _exchange, axis=axis, batch=batch, size=size, slot=slot, cap=cap,
             activation=activation, gated=w_gate is not None, assignments=tokens * top_k,
+            groups=groups, devices=devices,
         )  # fmt: skip
         gates = () if w_gate is None else (w_gate,)
         y, load, dropped = jax.shard_map(
@@ -129,18 +148,21 @@ def _placed(axis: str, batch_axes: tuple[str, ...]) -> Callable:
 
 
 def _exchange(x, experts_of, weights_of, w_in, w_out, *gate, axis, batch, size, slot, cap,
-              activation, gated, assignments):  # fmt: skip
+              activation, gated, assignments, groups, devices):  # fmt: skip
     """One device's share: its assignments to their experts' devices and back."""
     per_device = w_in.shape[0]
     experts = per_device * size
     expert = experts_of.reshape(-1)
     token = jnp.arange(expert.size) // experts_of.shape[1]
     kept = jnp.ones(expert.shape, bool)
-    if cap is not None:  # my place in each queue: after every earlier device's assignments
+    if cap is not None and groups % devices == 0:  # my groups are mine alone
+        kept = group_places(expert, experts, groups // devices) < cap
+    elif cap is not None:  # my place in each queue: after earlier devices' in my group
         counts = jnp.zeros(experts, jnp.int32).at[expert].add(1)
         every = jax.lax.all_gather(counts, batch)  # (devices, experts), in the batch's order
-        me = jax.lax.axis_index(batch)
-        earlier = jnp.arange(every.shape[0]) < me
+        me, shared = jax.lax.axis_index(batch), devices // groups
+        others = jnp.arange(devices)
+        earlier = (others < me) & (others // shared == me // shared)
         before = jnp.sum(every * earlier[:, None], axis=0)
         kept = queue_places(expert, experts) + before[expert] < cap
     dest = expert // per_device

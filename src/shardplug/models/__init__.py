@@ -143,10 +143,10 @@ class ReferenceModel:
                 takes = ", ".join(self.options) or "none"
                 raise ConfigError(
                     f"model {self.name!r} takes no option {key!r} (it takes: {takes}); "
-                    f"the transformer has layers, remat, sequence, experts, top_k and "
-                    f"capacity_factor"
+                    f"the transformer has layers, remat, sequence, experts, top_k, "
+                    f"capacity_factor and capacity_groups"
                 )
-            if key in ("layers", "sequence", "experts", "top_k") and (
+            if key in ("layers", "sequence", "experts", "top_k", "capacity_groups") and (
                 not isinstance(value, int) or value < 1
             ):
                 raise ConfigError(f"{key} must be a positive integer, got {value!r}")
@@ -157,8 +157,14 @@ class ReferenceModel:
                     f"remat must be one of {', '.join(REMAT_POLICIES)}, got {value!r}"
                 )
         experts = options.get("experts")
-        if experts is None and (options.get("top_k") or options.get("capacity_factor")):
-            raise ConfigError("top_k and capacity_factor route among experts: give experts too")
+        if experts is None and any(
+            options.get(k) for k in ("top_k", "capacity_factor", "capacity_groups")
+        ):
+            raise ConfigError(
+                "top_k, capacity_factor and capacity_groups route among experts: give experts too"
+            )
+        if options.get("capacity_groups") and not options.get("capacity_factor"):
+            raise ConfigError("capacity_groups counts capacity: give capacity_factor too")
         if experts is not None and (options.get("top_k") or 2) > experts:
             raise ConfigError(
                 f"top_k {options.get('top_k') or 2} is more than the {experts} experts: each "
@@ -183,6 +189,10 @@ class ReferenceModel:
             loss = loss + Z_WEIGHT * mean["moe_z_loss"]
             metrics = {**metrics, **mean}
         return (loss, metrics) if new_state is None else (loss, metrics, new_state)
+
+
+TRANSFORMER_OPTIONS = ("layers", "remat", "sequence", "experts", "top_k", "capacity_factor",
+                       "capacity_groups")  # fmt: skip
 
 
 def _reference(name, description, nnx_build, linen_module, eqx_build, eqx_rules, **kwargs):
@@ -243,7 +253,7 @@ MODELS: dict[str, ReferenceModel] = {
             batches=synthetic.markov,
             learning_rate=3e-3,
             batch_size=32,
-            options=("layers", "remat", "sequence", "experts", "top_k", "capacity_factor"),
+            options=TRANSFORMER_OPTIONS,
         ),
         _reference(
             "cnn",

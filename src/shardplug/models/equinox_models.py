@@ -24,6 +24,7 @@ from shardplug.models.nnx_models import (
     HEADS,
     HIDDEN,
     LAYERS,
+    Rule,
     attention,
     mixture,
 )
@@ -74,11 +75,9 @@ class Block(eqx.Module):
     router: jax.Array | None = None
     experts_in: jax.Array | None = None
     experts_out: jax.Array | None = None
-    top_k: int = eqx.field(static=True, default=2)
-    capacity_factor: float | None = eqx.field(static=True, default=None)
+    rule: Rule = eqx.field(static=True, default=Rule())
 
-    def __init__(self, key: jax.Array, experts: int = 0, top_k: int = 2,
-                 capacity_factor: float | None = None):  # fmt: skip
+    def __init__(self, key: jax.Array, experts: int = 0, rule: Rule | None = None):
         keys = jax.random.split(key, 7)
         normal = jax.nn.initializers.normal(0.02)
         self.norm1 = (jnp.ones(EMBED), jnp.zeros(EMBED))
@@ -87,7 +86,7 @@ class Block(eqx.Module):
         self.wk = normal(keys[1], (EMBED, HEADS, HEAD_DIM))
         self.wv = normal(keys[2], (EMBED, HEADS, HEAD_DIM))
         self.wo = normal(keys[3], (HEADS, HEAD_DIM, EMBED))
-        self.top_k, self.capacity_factor = top_k, capacity_factor
+        self.rule = rule or Rule()
         if experts:
             self.router = normal(keys[6], (EMBED, experts))
             self.experts_in = normal(keys[4], (experts, EMBED, HIDDEN))
@@ -101,7 +100,7 @@ class Block(eqx.Module):
         if self.router is None:
             return x + jax.nn.gelu(_layer_norm(x, *self.norm2) @ self.wi) @ self.wf
         out, aux = mixture(_layer_norm(x, *self.norm2), self.router, self.experts_in,
-                           self.experts_out, self.top_k, self.capacity_factor)  # fmt: skip
+                           self.experts_out, self.rule)  # fmt: skip
         return x + out, aux
 
 
@@ -120,15 +119,13 @@ class TransformerLM(eqx.Module):
         remat: str = "none",
         sequence: int = synthetic.SEQ_LEN,
         experts: int = 0,
-        top_k: int = 2,
-        capacity_factor: float | None = None,
+        **rule: object,
     ):
         keys = jax.random.split(key, 4)
         normal = jax.nn.initializers.normal(0.02)
         self.embed = normal(keys[0], (synthetic.VOCAB, EMBED))
         self.position = normal(keys[1], (sequence, EMBED))
-        block = functools.partial(Block, experts=experts, top_k=top_k,
-                                  capacity_factor=capacity_factor)  # fmt: skip
+        block = functools.partial(Block, experts=experts, rule=Rule.of(**rule))
         self.blocks = stack.equinox_layers(block, layers, keys[2])
         self.norm = (jnp.ones(EMBED), jnp.zeros(EMBED))
         self.unembed = normal(keys[3], (EMBED, synthetic.VOCAB))
@@ -243,7 +240,8 @@ def classifier(key):
 def transformer(layers: int = LAYERS, remat: str = "none", sequence: int = synthetic.SEQ_LEN,
                 **moe_options):  # fmt: skip
     """A function ``key -> TransformerLM`` of this depth and remat policy (and ``experts``,
-    ``top_k``, ``capacity_factor``)."""
+    :class:`~shardplug.models.nnx_models.Rule`'s ``top_k``, ``capacity_factor``,
+    ``capacity_groups``)."""
     return lambda key: TransformerLM(key, layers, remat, sequence, **moe_options)
 
 

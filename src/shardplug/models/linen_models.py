@@ -23,6 +23,7 @@ from shardplug.models.nnx_models import (
     HEADS,
     HIDDEN,
     LAYERS,
+    Rule,
     attention,
     mixture,
 )
@@ -64,8 +65,7 @@ def _norm() -> nn.LayerNorm:
 
 class Block(nn.Module):
     experts: int = 0
-    top_k: int = 2
-    capacity_factor: float | None = None
+    rule: Rule = Rule()
 
     @nn.compact
     def __call__(self, x: jax.Array):
@@ -81,8 +81,7 @@ class Block(nn.Module):
         router = _param(self, "router", (EMBED, e), ("embed", None))
         experts_in = _param(self, "experts_in", (e, EMBED, HIDDEN), ("expert", "embed", "mlp"))
         experts_out = _param(self, "experts_out", (e, HIDDEN, EMBED), ("expert", "mlp", "embed"))
-        out, aux = mixture(_norm()(x), router, experts_in, experts_out, self.top_k,
-                           self.capacity_factor)  # fmt: skip
+        out, aux = mixture(_norm()(x), router, experts_in, experts_out, self.rule)
         return x + out, aux
 
 
@@ -93,15 +92,15 @@ class TransformerLM(nn.Module):
     experts: int = 0
     top_k: int = 2
     capacity_factor: float | None = None
+    capacity_groups: int = 1
 
     @nn.compact
     def __call__(self, tokens: jax.Array, train: bool = False):
         embed = _param(self, "embed", (synthetic.VOCAB, EMBED), ("vocab", "embed"))
         position = _param(self, "position", (self.sequence, EMBED), (None, "embed"))
         x = embed[tokens] + position[None, : tokens.shape[1]]
-        block = functools.partial(
-            Block, experts=self.experts, top_k=self.top_k, capacity_factor=self.capacity_factor
-        )
+        rule = Rule(self.top_k, self.capacity_factor, self.capacity_groups)
+        block = functools.partial(Block, experts=self.experts, rule=rule)
         x = stack.LinenLayers(block, self.layers, self.remat, name="blocks")(x)
         x, aux = x if isinstance(x, tuple) else (x, None)
         unembed = _param(self, "unembed", (EMBED, synthetic.VOCAB), ("embed", "vocab"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -77,16 +79,31 @@ def attention(x, wq, wk, wv, wo):
     return jnp.einsum("bshd,hde->bse", attended, wo)
 
 
-def mixture(x, router, experts_in, experts_out, top_k: int, capacity_factor: float | None):
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How the reference transformer's mixtures route: ``top_k`` experts a token, and with a
+    ``capacity_factor`` the capacity counted in ``capacity_groups`` runs of tokens."""
+
+    top_k: int = 2
+    capacity_factor: float | None = None
+    capacity_groups: int = 1
+
+    @classmethod
+    def of(cls, top_k: int = 2, capacity_factor: float | None = None,
+           capacity_groups: int = 1) -> Rule:  # fmt: skip
+        return cls(top_k, capacity_factor, capacity_groups)
+
+
+def mixture(x, router, experts_in, experts_out, rule: Rule):
     """The MLP as a routed mixture of experts (:mod:`shardplug.moe`) on ``x`` (batch, seq,
     embed); shared by all frameworks. ``(out, aux)``: aux, this block's balancing and z
     losses, its expert load (the busiest expert's share over the mean) and dropped share."""
     rows = x.reshape(-1, x.shape[-1])
     logits = rows @ router
-    routing = moe.route(logits, top_k)
+    routing = moe.route(logits, rule.top_k)
     out, stats = moe.routed_experts(
-        rows, routing, experts_in, experts_out, capacity_factor=capacity_factor,
-        activation=jax.nn.gelu,
+        rows, routing, experts_in, experts_out, capacity_factor=rule.capacity_factor,
+        capacity_groups=rule.capacity_groups, activation=jax.nn.gelu,
     )  # fmt: skip
     aux = {
         "moe_layers": jnp.ones((), jnp.float32),
@@ -104,8 +121,7 @@ class Block(nnx.Module):
         *,
         rngs: nnx.Rngs,
         experts: int = 0,
-        top_k: int = 2,
-        capacity_factor: float | None = None,
+        rule: Rule = Rule(),
     ):
         self.norm1 = _norm(rngs)
         self.wq = _param(rngs, (EMBED, HEADS, HEAD_DIM), ("embed", "heads", "kv"))
@@ -113,7 +129,7 @@ class Block(nnx.Module):
         self.wv = _param(rngs, (EMBED, HEADS, HEAD_DIM), ("embed", "heads", "kv"))
         self.wo = _param(rngs, (HEADS, HEAD_DIM, EMBED), ("heads", "kv", "embed"))
         self.norm2 = _norm(rngs)
-        self.experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
+        self.experts, self.rule = experts, rule
         if experts:  # each expert an MLP of the dense one's size, stacked on "expert"
             self.router = _param(rngs, (EMBED, experts), ("embed", None))
             self.experts_in = _param(rngs, (experts, EMBED, HIDDEN), ("expert", "embed", "mlp"))
@@ -128,7 +144,7 @@ class Block(nnx.Module):
             return x + nnx.gelu(self.norm2(x) @ self.wi[...]) @ self.wf[...]
         out, aux = mixture(
             self.norm2(x), self.router[...], self.experts_in[...], self.experts_out[...],
-            self.top_k, self.capacity_factor,
+            self.rule,
         )  # fmt: skip
         return x + out, aux
 
@@ -144,12 +160,11 @@ class TransformerLM(nnx.Module):
         remat: str = "none",
         sequence: int = synthetic.SEQ_LEN,
         experts: int = 0,
-        top_k: int = 2,
-        capacity_factor: float | None = None,
+        **rule: object,
     ):
         self.embed = _param(rngs, (synthetic.VOCAB, EMBED), ("vocab", "embed"))
         self.position = _param(rngs, (sequence, EMBED), (None, "embed"))
-        moe_options = dict(experts=experts, top_k=top_k, capacity_factor=capacity_factor)
+        moe_options = dict(experts=experts, rule=Rule.of(**rule))
         self.blocks = stack.nnx_layers(lambda r: Block(rngs=r, **moe_options), layers, rngs)
         self.norm = _norm(rngs)
         self.unembed = _param(rngs, (EMBED, synthetic.VOCAB), ("embed", "vocab"))
@@ -167,7 +182,7 @@ class TransformerLM(nnx.Module):
 def transformer(layers: int = LAYERS, remat: str = "none", sequence: int = synthetic.SEQ_LEN,
                 **moe_options):  # fmt: skip
     """A function ``rngs -> TransformerLM`` of this depth, remat policy and length (and
-    ``experts``, ``top_k``, ``capacity_factor``)."""
+    ``experts`` and :class:`Rule`'s ``top_k``, ``capacity_factor``, ``capacity_groups``)."""
     return lambda rngs: TransformerLM(rngs=rngs, layers=layers, remat=remat, sequence=sequence,
                                       **moe_options)  # fmt: skip
 
