@@ -5,6 +5,7 @@ strategies, and bad input in one line."""
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -181,3 +182,36 @@ def test_pp_checkpoints_resume_under_fsdp_on_4_devices_and_back(tmp_path, capsys
     want = [json.loads(line) for line in full.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(12))
     np.testing.assert_allclose(losses(rows), losses(want), rtol=1e-4)
+
+
+def test_the_schedule_returns_each_layers_aux_summed_over_microbatches_in_layer_order():
+    """A block's aux (a sum over its rows) comes back per layer, in the stack's order, as the
+    plain scan's: circular (2 stages x 2 repeats of 2 layers), 4 microbatches, 2 replicas."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shardplug.core import schedule
+    from shardplug.core.layer_stack import run_stack
+
+    def block(w, h):
+        h = jnp.tanh(h * w[None, :])
+        return h, {"rows": jnp.sum(h, axis=0), "count": jnp.sum(h > 0.0).astype(jnp.float32)}
+
+    w = jnp.linspace(0.5, 1.5, 8 * 3).reshape(8, 3)
+    x = jnp.linspace(-1.0, 2.0, 16 * 3).reshape(16, 3)
+    want = run_stack(block, w, x)
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh((2, 2), ("stage", "data"), auto, devices=jax.devices()[:4])
+    pipeline = Pipeline("stage", 2, 4, repeats=2, replicas=("data",), replica_size=2)
+
+    @jax.jit
+    def piped(w, x):
+        with schedule.pipelined(pipeline):
+            return run_stack(block, w, x)
+
+    with jax.set_mesh(mesh):
+        w_ = jax.device_put(w, NamedSharding(mesh, P("stage")))
+        got = piped(w_, jax.device_put(x, NamedSharding(mesh, P("data"))))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for key in ("rows", "count"):
+        np.testing.assert_allclose(got[1][key], want[1][key], rtol=1e-5, atol=1e-6)

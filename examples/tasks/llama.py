@@ -93,8 +93,8 @@ class Block(nnx.Module):
         self.w_down = _param(rngs, (c.mlp, c.width), ("mlp", "embed"))
 
     def experts(self, h: jax.Array) -> tuple[jax.Array, dict]:
-        """Mixtral's MLP: each token through its top-k SwiGLU experts; and the router's
-        losses and the experts' load, for the loss and the rows."""
+        """Mixtral's MLP: each token through its top-k SwiGLU experts; and the routing's tally
+        (sums the stack carries), for the losses and the rows."""
         rows = h.reshape(-1, h.shape[-1])
         logits = rows @ self.router[...]
         routing = moe.route(logits, self.top_k)
@@ -102,12 +102,7 @@ class Block(nnx.Module):
             rows, routing, self.experts_up[...], self.experts_down[...],
             w_gate=self.experts_gate[...],
         )  # fmt: skip
-        aux = {
-            "moe_balance_loss": moe.load_balancing_loss(routing),
-            "moe_z_loss": moe.router_z_loss(logits),
-            "expert_load": stats.load.max() * stats.load.size,
-        }
-        return out.reshape(h.shape), aux
+        return out.reshape(h.shape), moe.tally(logits, routing, stats)
 
     def __call__(self, x: jax.Array):
         h = self.attention_norm(x)
@@ -132,7 +127,7 @@ class Llama(nnx.Module):
         self.remat, self.layers = c.remat, c.layers
 
     def __call__(self, tokens: jax.Array):
-        """The logits; with experts, ``(logits, aux)``, aux summed over the layers."""
+        """The logits; with experts, ``(logits, tallies)``, one tally a layer."""
         x = self.embed[...][tokens]
         x = stack.apply(self.blocks, x, remat=self.remat)
         if isinstance(x, tuple):
@@ -148,7 +143,7 @@ def loss_fn(model: Llama, batch: dict[str, jax.Array]):
     ).mean()
     if aux is None:
         return loss
-    mean = {k: v / model.layers for k, v in aux.items()}  # each layer's, on average
+    mean = moe.summary(aux)  # each layer's losses and load, on average
     return loss + 0.01 * mean["moe_balance_loss"] + 0.001 * mean["moe_z_loss"], mean
 
 

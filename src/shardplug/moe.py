@@ -16,9 +16,10 @@ with every expert.
   ``F x`` their even share, the textbook's bytes at ``F = 1``.
 
 :func:`load_balancing_loss` is Switch Transformer's (and Mixtral's) auxiliary loss,
-:func:`router_z_loss` ST-MoE's; a ``bias`` added to the scores for choosing experts only
-(not to the weights) is auxiliary-loss-free balancing (DeepSeek-V3), updated outside the
-gradient by :func:`balance_bias`.
+:func:`router_z_loss` ST-MoE's (:func:`tally` and :func:`summary` compute both from sums a
+layer stack carries across layers and microbatches); a ``bias`` added to the scores for
+choosing experts only (not to the weights) is auxiliary-loss-free balancing (DeepSeek-V3),
+updated outside the gradient by :func:`balance_bias`.
 
 Under ``ep`` (or any parallelism that installs :func:`experts_override` from its
 ``trace_context``) :func:`routed_experts` computes the same across devices: each device's
@@ -33,7 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from shardplug.core import experts
+from shardplug.core import experts, schedule
 from shardplug.core.experts import capacity, experts_override
 from shardplug.errors import ConfigError
 
@@ -49,10 +50,53 @@ class Routing(NamedTuple):
 
 class Stats(NamedTuple):
     """What one MoE layer did: ``load`` (E,), the share of kept assignments each expert
-    computed; ``dropped``, the share of all assignments dropped for capacity."""
+    computed; ``dropped``, the share of all assignments dropped for capacity; ``kept`` (E,),
+    how many assignments each expert computed."""
 
     load: jax.Array
     dropped: jax.Array
+    kept: jax.Array
+
+
+class Tally(NamedTuple):
+    """One MoE layer's routing as sums over its tokens, so that tallies of a batch's parts
+    (a pipeline's microbatches) add up to the batch's: ``tokens`` (), ``routed`` (E,) the
+    assignments each expert was chosen for, ``kept`` (E,) those it computed, ``probs`` (E,)
+    the router's probabilities summed over the tokens, ``z`` () their squared log-sum-exp
+    summed. A layer stack returns its blocks' tallies stacked, (layers, ...)."""
+
+    tokens: jax.Array
+    routed: jax.Array
+    kept: jax.Array
+    probs: jax.Array
+    z: jax.Array
+
+
+def tally(logits: jax.Array, routing: Routing, stats: Stats) -> Tally:
+    """The :class:`Tally` of one layer: its router's ``logits``, ``routing`` and ``stats``."""
+    experts_count = routing.probs.shape[-1]
+    routed = jnp.zeros(experts_count, jnp.float32).at[routing.experts.reshape(-1)].add(1.0)
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    tokens = jnp.asarray(routing.experts.shape[0], jnp.float32)
+    return Tally(tokens, routed, stats.kept, routing.probs.sum(0), jnp.sum(lse**2))
+
+
+def summary(tallies: Tally) -> dict[str, jax.Array]:
+    """The losses and rows of stacked tallies (any leading dimensions, each one layer's),
+    averaged over the layers: ``moe_balance_loss`` (:func:`load_balancing_loss`),
+    ``moe_z_loss`` (:func:`router_z_loss`), ``expert_load`` (the busiest expert's kept
+    assignments over the mean) and ``dropped`` (the share of assignments dropped)."""
+    t = tallies
+    experts_count = t.routed.shape[-1]
+    assignments = t.routed.sum(-1)
+    share, mean_prob = t.routed / assignments[..., None], t.probs / t.tokens[..., None]
+    per_layer = {
+        "moe_balance_loss": experts_count * jnp.sum(share * mean_prob, axis=-1),
+        "moe_z_loss": t.z / t.tokens,
+        "expert_load": t.kept.max(-1) / jnp.maximum(t.kept.mean(-1), 1e-9),
+        "dropped": 1.0 - t.kept.sum(-1) / assignments,
+    }
+    return {k: v.mean() for k, v in per_layer.items()}
 
 
 def route(logits: jax.Array, top_k: int, bias: jax.Array | None = None) -> Routing:
@@ -119,13 +163,21 @@ def routed_experts(
             f"capacity_groups={capacity_groups} must divide the {tokens} tokens (batch x "
             f"sequence) into equal groups: use a divisor of {tokens}"
         )
+    if capacity_factor is not None and schedule.active() is not None:
+        raise ConfigError(
+            "a capacity factor under pp would count capacity in each microbatch, not as one "
+            "device does: train pp's mixtures of experts dropless (no capacity_factor)"
+        )
     override = experts.active()
+    placed = None
     if override is not None:  # a parallelism places the experts (ep)
-        y, (load, dropped) = override(
+        placed = override(
             x, routing, w_in, w_out, w_gate=w_gate, capacity_factor=capacity_factor,
             capacity_groups=capacity_groups, activation=activation,
         )  # fmt: skip
-        return y, Stats(load, dropped)
+    if placed is not None:
+        y, kept = placed
+        return y, _stats(kept, tokens * top_k)
     experts_count = w_in.shape[0]
     expert = routing.experts.reshape(-1)  # assignment a = token * k + slot
     kept = jnp.ones(expert.shape, bool)
@@ -138,12 +190,18 @@ def routed_experts(
     weight = jnp.where(kept, routing.weights.reshape(-1), 0.0)
     y = jnp.zeros_like(x).at[token].add((out * weight[:, None]).astype(x.dtype))
     computed = jnp.zeros(experts_count, jnp.float32).at[expert].add(kept.astype(jnp.float32))
-    return y, Stats(computed / jnp.maximum(computed.sum(), 1.0), 1.0 - kept.mean())
+    return y, _stats(computed, expert.size)
+
+
+def _stats(kept: jax.Array, assignments: int) -> Stats:
+    load = kept / jnp.maximum(kept.sum(), 1.0)
+    return Stats(load, 1.0 - kept.sum() / assignments, kept)
 
 
 __all__ = [
     "Routing",
     "Stats",
+    "Tally",
     "balance_bias",
     "capacity",
     "experts_override",
@@ -151,4 +209,6 @@ __all__ = [
     "route",
     "routed_experts",
     "router_z_loss",
+    "summary",
+    "tally",
 ]

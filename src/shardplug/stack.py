@@ -8,7 +8,10 @@ on the strategy (``blocks/wq`` with shape ``(layers, ...)``), so a checkpoint wr
 ``pp`` resumes under ``fsdp`` and back.
 
 A block must be a pure function of its parameters and its input, of the same shape as its
-output: no dropout keys, no batch statistics (keep those outside the stack).
+output: no dropout keys, no batch statistics (keep those outside the stack). A block may
+return ``(x, aux)``, aux a pytree of sums over its tokens (a mixture of experts'
+:class:`~shardplug.moe.Tally`); the stack then returns ``(x, aux)`` with aux stacked per
+layer (under ``pp`` each layer's summed over the microbatches).
 
 Flax NNX::
 

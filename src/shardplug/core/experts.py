@@ -43,7 +43,8 @@ _OVERRIDE: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.Conte
 def experts_override(implementation: Callable[..., Any]) -> Iterator[None]:
     """Inside, :func:`shardplug.moe.routed_experts` calls ``implementation`` with its own
     arguments instead of computing locally (a parallelism placing experts installs it from
-    its ``trace_context``)."""
+    its ``trace_context``); it returns the output and each expert's kept assignments (E,),
+    or None to have them computed as on one device."""
     token = _OVERRIDE.set(implementation)
     try:
         yield
@@ -103,11 +104,12 @@ def expert_parallel(axis: str, batch_axes: tuple[str, ...]) -> contextlib.Abstra
 
 
 def _placed(axis: str, batch_axes: tuple[str, ...]) -> Callable:
-    batch = tuple(batch_axes)
-
     def routed(x, routing, w_in, w_out, *, w_gate=None, capacity_factor=None,
                capacity_groups=1, activation):  # fmt: skip
         mesh = jax.sharding.get_abstract_mesh()
+        if mesh.manual_axes:  # inside pp's schedule, where XLA refuses a nested exchange:
+            return None  # computed as on one device, each layer's experts gathered
+        batch = tuple(batch_axes)
         size, experts = mesh.shape[axis], w_in.shape[0]
         if experts % size:
             raise ConfigError(
@@ -132,23 +134,22 @@ def _placed(axis: str, batch_axes: tuple[str, ...]) -> Callable:
         weights = P(axis, None, None)
         program = functools.partial(
             _exchange, axis=axis, batch=batch, size=size, slot=slot, cap=cap,
-            activation=activation, gated=w_gate is not None, assignments=tokens * top_k,
-            groups=groups, devices=devices,
+            activation=activation, gated=w_gate is not None, groups=groups, devices=devices,
         )  # fmt: skip
         gates = () if w_gate is None else (w_gate,)
-        y, load, dropped = jax.shard_map(
+        y, kept = jax.shard_map(
             program,
             in_specs=(rows, rows, rows, weights, weights, *((weights,) if gates else ())),
-            out_specs=(rows, P(), P()),
+            out_specs=(rows, P()),
             axis_names=set(batch),
         )(x, routing.experts, routing.weights, w_in, w_out, *gates)
-        return y, (load, dropped)
+        return y, kept
 
     return routed
 
 
 def _exchange(x, experts_of, weights_of, w_in, w_out, *gate, axis, batch, size, slot, cap,
-              activation, gated, assignments, groups, devices):  # fmt: skip
+              activation, gated, groups, devices):  # fmt: skip
     """One device's share: its assignments to their experts' devices and back."""
     per_device = w_in.shape[0]
     experts = per_device * size
@@ -186,6 +187,4 @@ def _exchange(x, experts_of, weights_of, w_in, w_out, *gate, axis, batch, size, 
     weight = jnp.where(ok, weights_of.reshape(-1), 0.0)
     y = jnp.zeros_like(x).at[token].add((mine * weight[:, None]).astype(x.dtype))
     computed = jnp.zeros(experts, jnp.float32).at[expert].add(ok.astype(jnp.float32))
-    computed = jax.lax.psum(computed, batch)
-    load = computed / jnp.maximum(computed.sum(), 1.0)
-    return y, load, 1.0 - computed.sum() / assignments
+    return y, jax.lax.psum(computed, batch)  # each expert's kept assignments

@@ -33,29 +33,19 @@ def layers_of(params: Any) -> int:
     return sizes.pop()
 
 
-def _split(out: Any) -> tuple[Any, Any]:
-    """A block's ``(x, aux)`` or ``x`` as scan's ``(carry, per-layer output)``."""
-    return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+def run_stack(fn: Callable[..., Any], params: Any, x: jax.Array, policy: str = "none",
+              per_layer: Any = None) -> Any:  # fmt: skip
+    """Apply ``fn(layer_params, x)`` for each layer of ``params`` in turn (see the module);
+    with ``per_layer`` (a pytree of arrays with the same leading dimension, not trained: a
+    router's balancing bias) ``fn(layer_params, x, layer_input)``.
 
-
-def _no_aux(block: Callable) -> Callable:
-    def checked(layer: Any, h: jax.Array) -> jax.Array:
-        out = block(layer, h)
-        if isinstance(out, tuple):
-            raise ConfigError(
-                "this layer stack's blocks return auxiliary values (x, aux) (a mixture of "
-                "experts' losses), which pp's schedule does not carry yet: train it without pp"
-            )
-        return out
-
-    return checked
-
-
-def run_stack(fn: Callable[[Any, jax.Array], Any], params: Any, x: jax.Array,
-              policy: str = "none") -> Any:  # fmt: skip
-    """Apply ``fn(layer_params, x)`` for each layer of ``params`` in turn (see the module).
-    A block may return ``(x, aux)``, a pytree of auxiliary values (a mixture of experts'
-    losses and load): the stack then returns ``(x, the sum of aux over the layers)``."""
+    A block may return ``(x, aux)``, a pytree of auxiliary values that are sums over the
+    block's tokens (a mixture of experts' :class:`~shardplug.moe.Tally`): the stack then
+    returns ``(x, aux)`` with aux stacked over the layers, each layer's summed over pp's
+    microbatches."""
+    if per_layer is not None:
+        params, user = (params, per_layer), fn
+        fn = lambda layer, h: user(layer[0], h, layer[1])  # noqa: E731
     gather = layer_gather(params)
     if gather is None:
         block = remat(fn, policy)
@@ -64,9 +54,8 @@ def run_stack(fn: Callable[[Any, jax.Array], Any], params: Any, x: jax.Array,
     layers = layers_of(params)
     pipeline = schedule.active()
     if pipeline is None:
-        h, aux = jax.lax.scan(lambda h, layer: _split(block(layer, h)), x, params)
-        return h if aux is None else (h, jax.tree.map(lambda a: a.sum(0), aux))
-    block = _no_aux(block)
+        h, aux = jax.lax.scan(lambda h, layer: schedule.split_aux(block(layer, h)), x, params)
+        return h if aux is None else (h, aux)
     pipeline = pipeline.split_over(schedule.rows_split(x)).resolve(x.shape[0])
     pipeline.check(layers, x.shape[0])
     return schedule.schedule(block, params, x, pipeline, layers)

@@ -135,8 +135,15 @@ def circular_order(layers: int, stages: int, repeats: int) -> jnp.ndarray:
     return idx.transpose(1, 0, 2).reshape(-1)
 
 
-def schedule(block, params, x, pl: Pipeline, layers: int) -> jax.Array:
-    """Run ``block`` over the stack ``params`` on ``x`` by the schedule (see the module)."""
+def split_aux(out):
+    """A block's ``(x, aux)`` or ``x`` as a scan's ``(carry, per-layer output)``."""
+    return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+
+
+def schedule(block, params, x, pl: Pipeline, layers: int):
+    """Run ``block`` over the stack ``params`` on ``x`` by the schedule (see the module).
+    A block returning ``(x, aux)`` gives ``(x, aux)``: each layer's aux summed over the
+    microbatches (and the replicas), stacked over the layers in their order."""
     s_, m_, r_ = pl.stages, pl.microbatches, pl.repeats
     g_ = layers // (s_ * r_)
     if r_ > 1:  # each stage's share must hold its R non-adjacent groups: reorder the stack
@@ -163,7 +170,7 @@ def schedule(block, params, x, pl: Pipeline, layers: int) -> jax.Array:
         xs = jax.lax.pcast(xs, (pl.axis,), to="varying")
 
         def group(ws, h):
-            return jax.lax.scan(lambda h, w: (block(w, h), None), h, ws)[0]
+            return jax.lax.scan(lambda h, w: split_aux(block(w, h)), h, ws)
 
         run = jax.checkpoint(group) if pl.remat else group
         recv = jnp.zeros_like(xs[0])
@@ -180,7 +187,7 @@ def schedule(block, params, x, pl: Pipeline, layers: int) -> jax.Array:
             first = xs[m] if ring is None else jnp.where(rep == 0, xs[m], ring[m])
             h = jnp.where(stage == 0, first, recv)
             ws = jax.tree.map(lambda w: w[rep], local)
-            y = run(ws, h)
+            y, aux = run(ws, h)
             last = valid & (stage == s_ - 1) & (rep == r_ - 1)
             outs = jnp.where(last, outs.at[m].set(y), outs)
             sent = jax.lax.ppermute(y, pl.axis, perm)
@@ -188,19 +195,32 @@ def schedule(block, params, x, pl: Pipeline, layers: int) -> jax.Array:
                 back = t - (s_ - 1)
                 keep = (stage == 0) & (back >= 0) & (back < (r_ - 1) * m_)
                 ring = jnp.where(keep, ring.at[jnp.clip(back, 0) % m_].set(sent), ring)
-            return (sent, outs, ring), None
+            # this tick's aux counts toward its repeat's layers, the idle ticks' toward none
+            mine = (valid & (jnp.arange(r_) == rep)).astype(jnp.float32)
+            aux = jax.tree.map(lambda a: mine.reshape(-1, *([1] * a.ndim)) * a[None], aux)
+            return (sent, outs, ring), aux
 
-        (_, outs, _), _ = jax.lax.scan(tick, (recv, outs, ring), jnp.arange(pl.ticks))
+        (_, outs, _), aux = jax.lax.scan(tick, (recv, outs, ring), jnp.arange(pl.ticks))
         # the last stage holds the outputs; every stage needs them for the layers after
-        return jax.lax.psum(jnp.where(stage == s_ - 1, outs, jnp.zeros_like(outs)), pl.axis)
+        out = jax.lax.psum(jnp.where(stage == s_ - 1, outs, jnp.zeros_like(outs)), pl.axis)
+        if aux is None:
+            return out, None
+        aux = jax.tree.map(lambda a: a.sum(0).reshape(r_ * g_, *a.shape[3:]), aux)
+        return out, (jax.lax.psum(aux, pl.replicas) if pl.replicas else aux)
 
-    out = jax.shard_map(
+    out, aux = jax.shard_map(
         stage_program,
         in_specs=(jax.tree.map(lambda _: P(pl.axis), params), P(None, rows)),
-        out_specs=P(None, rows),
+        out_specs=(P(None, rows), P(pl.axis)),
         axis_names={pl.axis, *pl.replicas},
     )(params, xs)
-    return jnp.reshape(out.swapaxes(0, 1), x.shape, out_sharding=whole)
+    out = jnp.reshape(out.swapaxes(0, 1), x.shape, out_sharding=whole)
+    if aux is None:
+        return out
+    if r_ > 1:  # the stage axis holds the layers in the circular order: put them back
+        stored = circular_order(layers, s_, r_)
+        aux = jax.tree.map(lambda a: jnp.zeros_like(a).at[stored].set(a), aux)
+    return out, aux
 
 
 def rows_split(x: jax.Array) -> int:

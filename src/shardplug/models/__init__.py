@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from shardplug import moe
 from shardplug.core.remat import REMAT_POLICIES
 from shardplug.errors import ConfigError, UnknownModelError
 from shardplug.flops import TransformerShape
@@ -183,8 +184,8 @@ class ReferenceModel:
         out, new_state = _forward(model, batch[self.inputs], rng, train, state)
         out, aux = out if isinstance(out, tuple) else (out, None)
         loss, metrics = self.head(out.astype(jnp.float32), batch)  # the loss in float32
-        if aux is not None:  # a mixture of experts: its losses, each layer's mean
-            mean = {k: v / aux["moe_layers"] for k, v in aux.items() if k != "moe_layers"}
+        if aux is not None:  # a mixture of experts: its losses, each layer's on average
+            mean = moe.summary(aux)
             loss = loss + BALANCE_WEIGHT * mean["moe_balance_loss"]
             loss = loss + Z_WEIGHT * mean["moe_z_loss"]
             metrics = {**metrics, **mean}

@@ -96,8 +96,8 @@ class Rule:
 
 def mixture(x, router, experts_in, experts_out, rule: Rule):
     """The MLP as a routed mixture of experts (:mod:`shardplug.moe`) on ``x`` (batch, seq,
-    embed); shared by all frameworks. ``(out, aux)``: aux, this block's balancing and z
-    losses, its expert load (the busiest expert's share over the mean) and dropped share."""
+    embed); shared by all frameworks. ``(out, aux)``: aux, this block's
+    :class:`~shardplug.moe.Tally` (the losses and rows come from the stack's tallies)."""
     rows = x.reshape(-1, x.shape[-1])
     logits = rows @ router
     routing = moe.route(logits, rule.top_k)
@@ -105,13 +105,7 @@ def mixture(x, router, experts_in, experts_out, rule: Rule):
         rows, routing, experts_in, experts_out, capacity_factor=rule.capacity_factor,
         capacity_groups=rule.capacity_groups, activation=jax.nn.gelu,
     )  # fmt: skip
-    aux = {
-        "moe_layers": jnp.ones((), jnp.float32),
-        "moe_balance_loss": moe.load_balancing_loss(routing),
-        "moe_z_loss": moe.router_z_loss(logits),
-        "expert_load": stats.load.max() * stats.load.size,
-        "dropped": stats.dropped,
-    }
+    aux = moe.tally(logits, routing, stats)
     return out.reshape(x.shape), aux
 
 
@@ -171,7 +165,7 @@ class TransformerLM(nnx.Module):
         self.remat = remat
 
     def __call__(self, tokens: jax.Array):
-        """The logits; with experts, ``(logits, aux)``: aux summed over the layers."""
+        """The logits; with experts, ``(logits, tallies)``: each layer's routing tally."""
         x = self.embed[...][tokens] + self.position[...][None, : tokens.shape[1]]
         x = stack.apply(self.blocks, x, remat=self.remat)
         if isinstance(x, tuple):
