@@ -2,10 +2,12 @@
 every composition trains like one device, dropless or dropping for capacity."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import shardplug
+from shardplug import moe
 from shardplug.core.hlo import collectives
 from shardplug.core.sharding import leaf_paths
 from shardplug.testing.conformance import _losses, one_device_losses
@@ -18,7 +20,7 @@ MOE = {"experts": 4, "top_k": 2}
     ("name", "mesh", "adapter", "options"),
     [
         # inside pp's schedule each layer's tally adds up over the microbatches
-        ("pp+ep", "stage=2,expert=4", "linen", MOE),
+        ("pp+ep", "stage=2,expert=4", "linen", {**MOE, "bias_rate": 0.05}),
         # capacity in 8 groups (each device's own): slots of exactly the assignments' bytes
         (
             "dp+ep",
@@ -81,6 +83,28 @@ def test_the_step_exchanges_tokens_by_all_to_all():
     textbook.compile(next(model.batches(model.batch_size, 0)))
     found = {(c.kind, c.dtype): c for c in collectives(textbook.compiled.as_text())}
     assert found["all-to-all", "f32"].bytes == 2 * 4 * 512 * 64 * 4
+
+
+def test_the_routing_bias_is_state_each_steps_load_moves():
+    """Auxiliary-loss-free balancing: the bias is model state (no parameter, no Adam state);
+    a step moves each layer's bias by the rate toward even load, from the load it routed."""
+    model, trainer = _ep_trainer(bias_rate=0.05)
+    batch = next(model.batches(model.batch_size, 0))
+    assert not any("router_bias" in p for p in leaf_paths(trainer.state.params))
+    before = trainer.state
+    module = trainer.adapter.bind(
+        before.params, before.model_state, rng=jax.random.key(0), train=False
+    )
+    _, tallies, bias = module(batch["tokens"])  # evaluation: the bias stays
+    assert float(jnp.abs(bias).max()) == 0.0
+    want = moe.balance_bias(bias, tallies.kept, 0.05)
+    (row,) = trainer.fit(iter([batch]), steps=1)
+    (got,) = jax.tree.leaves(trainer.state.model_state)
+    np.testing.assert_allclose(got, want)
+    assert set(np.unique(np.asarray(got)).tolist()) <= {np.float32(x) for x in (-0.05, 0, 0.05)}
+    assert float(jnp.abs(got).max()) > 0 and row["router_bias"] == 0
+    (row,) = trainer.fit(iter([batch]), steps=1)
+    assert row["router_bias"] > 0  # the second step routed by the moved bias
 
 
 def test_rows_carry_the_expert_load_and_the_dropped_share():

@@ -131,8 +131,10 @@ def router_z_loss(logits: jax.Array) -> jax.Array:
 
 def balance_bias(bias: jax.Array, load: jax.Array, rate: float = 1e-3) -> jax.Array:
     """Auxiliary-loss-free balancing's update: each expert's bias up by ``rate`` if it took
-    less than the mean load, down if more."""
-    return bias + rate * jnp.sign(load.mean() - load)
+    less than the mean load (over the last dimension: the experts), down if more; for
+    stacked layers ``bias`` and ``load`` are (layers, E). No gradient flows through it."""
+    load = jax.lax.stop_gradient(load)
+    return bias + rate * jnp.sign(load.mean(-1, keepdims=True) - load)
 
 
 def routed_experts(

@@ -52,16 +52,24 @@ __all__ = ["LAYERS", "REMAT_POLICIES", "LinenLayers", "apply", "equinox_layers",
 
 
 def scan(
-    fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array, *, remat: str = "none"
-) -> jax.Array:
+    fn: Callable[..., Any],
+    params: Any,
+    x: jax.Array,
+    *,
+    remat: str = "none",
+    per_layer: Any = None,
+) -> Any:
     """``fn(params[i], x)`` for each layer ``i`` in turn, as a scan (or ``pp``'s schedule).
 
-    :param fn: one block: its parameters (one layer's slice of ``params``) and the input.
+    :param fn: one block: its parameters (one layer's slice of ``params``) and the input;
+        with ``per_layer``, also that layer's slice of it: ``fn(params[i], x, per_layer[i])``.
     :param params: a pytree of arrays with one leading layer dimension.
     :param remat: ``none`` keeps each block's activations for the backward pass, ``full``
         recomputes them, ``dots`` keeps only the weight matrix products' outputs.
+    :param per_layer: arrays with the same leading dimension that the blocks read but that
+        are not trained (model state: a router's balancing bias).
     """
-    return run_stack(fn, params, x, remat)
+    return run_stack(fn, params, x, remat, per_layer)
 
 
 def _check_count(layers: int) -> None:
@@ -96,8 +104,9 @@ def equinox_layers(make_block: Callable[[jax.Array], Any], layers: int, key: jax
     return eqx.filter_vmap(make_block)(jax.random.split(key, layers))
 
 
-def apply(stack: Any, x: jax.Array, *, remat: str = "none") -> jax.Array:
-    """Run an NNX or Equinox stack (from :func:`nnx_layers` / :func:`equinox_layers`) on ``x``."""
+def apply(stack: Any, x: jax.Array, *, remat: str = "none", per_layer: Any = None) -> Any:
+    """Run an NNX or Equinox stack (from :func:`nnx_layers` / :func:`equinox_layers`) on ``x``;
+    with ``per_layer`` each block is called ``block(x, per_layer[i])`` (see :func:`scan`)."""
     if isinstance(stack, nnx.Module):
         graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
         if jax.tree.leaves(rest):
@@ -105,10 +114,12 @@ def apply(stack: Any, x: jax.Array, *, remat: str = "none") -> jax.Array:
                 "a layer stack's blocks may hold only nnx.Param variables (found batch "
                 "statistics or random state): keep dropout and BatchNorm outside the stack"
             )
-        return scan(lambda p, h: nnx.merge(graphdef, p, rest)(h), params, x, remat=remat)
+        return scan(lambda p, *h: nnx.merge(graphdef, p, rest)(*h), params, x, remat=remat,
+                    per_layer=per_layer)  # fmt: skip
     if isinstance(stack, eqx.Module):
         params, static = eqx.partition(stack, eqx.is_array)
-        return scan(lambda p, h: eqx.combine(p, static)(h), params, x, remat=remat)
+        return scan(lambda p, *h: eqx.combine(p, static)(*h), params, x, remat=remat,
+                    per_layer=per_layer)  # fmt: skip
     raise ConfigError(
         f"shardplug.stack.apply takes a stack from nnx_layers or equinox_layers, got "
         f"{type(stack).__name__}; for Linen use shardplug.stack.LinenLayers"
@@ -124,7 +135,8 @@ class LinenLayers(nn.Module):
     remat: str = "none"
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, per_layer: Any = None) -> Any:
+        """The stack on ``x``; with ``per_layer``, ``block(x, per_layer[i])`` (:func:`scan`)."""
         _check_count(self.layers)
         one = self.block(parent=None)
         shapes = jax.eval_shape(lambda k: one.init(k, x[:1])["params"], jax.random.key(0))
@@ -134,7 +146,8 @@ class LinenLayers(nn.Module):
             return _prepend_layers(jax.vmap(lambda k: one.init(k, x[:1])["params"][name])(keys))
 
         params = {name: self.param(name, build, name) for name in shapes}
-        return scan(lambda p, h: one.apply({"params": p}, h), params, x, remat=self.remat)
+        return scan(lambda p, *h: one.apply({"params": p}, *h), params, x, remat=self.remat,
+                    per_layer=per_layer)  # fmt: skip
 
 
 def _prepend_layers(tree: Any) -> Any:

@@ -115,7 +115,7 @@ def task_arguments(parser: Any) -> None:
 
 
 MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", "experts", "top_k", "capacity_factor",
-              "capacity_groups")  # fmt: skip
+              "capacity_groups", "bias_rate")  # fmt: skip
 SIZES = ("sequence", "batch_size")  # the reference model's, or a task function's that takes them
 
 
@@ -194,6 +194,10 @@ def model_options_arguments(parser: Any) -> None:
                         help="count capacity in G equal groups of consecutive tokens (GShard); "
                         "G = the batch's devices keeps ep's all-to-alls at F x the tokens' "
                         "bytes (default 1: the whole batch)")  # fmt: skip
+    parser.add_argument("--bias-rate", type=_positive(float), default=None, metavar="U",
+                        help="auxiliary-loss-free balancing (DeepSeek-V3): each step every "
+                        "expert's routing bias moves by U toward an even load (e.g. "
+                        "0.001)")  # fmt: skip
     parser.add_argument("--sequence", type=_positive(int), default=None, metavar="N",
                         help="the sequence length: the reference transformer's (default 32), "
                         "or a --task function's that takes a sequence")  # fmt: skip
@@ -202,7 +206,7 @@ def model_options_arguments(parser: Any) -> None:
 def model_options(args: argparse.Namespace) -> dict[str, Any]:
     """The reference model's options the command line gave (``layers``, ``remat``)."""
     names = ("layers", "remat", "sequence", "experts", "top_k", "capacity_factor",
-             "capacity_groups")  # fmt: skip
+             "capacity_groups", "bias_rate")  # fmt: skip
     return {k: getattr(args, k, None) for k in names if getattr(args, k, None)}
 
 

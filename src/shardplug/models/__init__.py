@@ -145,24 +145,27 @@ class ReferenceModel:
                 raise ConfigError(
                     f"model {self.name!r} takes no option {key!r} (it takes: {takes}); "
                     f"the transformer has layers, remat, sequence, experts, top_k, "
-                    f"capacity_factor and capacity_groups"
+                    f"capacity_factor, capacity_groups and bias_rate"
                 )
             if key in ("layers", "sequence", "experts", "top_k", "capacity_groups") and (
                 not isinstance(value, int) or value < 1
             ):
                 raise ConfigError(f"{key} must be a positive integer, got {value!r}")
-            if key == "capacity_factor" and not (isinstance(value, (int, float)) and value > 0):
-                raise ConfigError(f"capacity_factor must be a positive number, got {value!r}")
+            if key in ("capacity_factor", "bias_rate") and not (
+                isinstance(value, (int, float)) and value > 0
+            ):
+                raise ConfigError(f"{key} must be a positive number, got {value!r}")
             if key == "remat" and value not in REMAT_POLICIES:
                 raise ConfigError(
                     f"remat must be one of {', '.join(REMAT_POLICIES)}, got {value!r}"
                 )
         experts = options.get("experts")
         if experts is None and any(
-            options.get(k) for k in ("top_k", "capacity_factor", "capacity_groups")
+            options.get(k) for k in ("top_k", "capacity_factor", "capacity_groups", "bias_rate")
         ):
             raise ConfigError(
-                "top_k, capacity_factor and capacity_groups route among experts: give experts too"
+                "top_k, capacity_factor, capacity_groups and bias_rate route among experts: "
+                "give experts too"
             )
         if options.get("capacity_groups") and not options.get("capacity_factor"):
             raise ConfigError("capacity_groups counts capacity: give capacity_factor too")
@@ -182,18 +185,20 @@ class ReferenceModel:
     ):
         """The loss for this model in any framework: ``(loss, metrics[, new_state])``."""
         out, new_state = _forward(model, batch[self.inputs], rng, train, state)
-        out, aux = out if isinstance(out, tuple) else (out, None)
+        out, *aux = out if isinstance(out, tuple) else (out,)
         loss, metrics = self.head(out.astype(jnp.float32), batch)  # the loss in float32
-        if aux is not None:  # a mixture of experts: its losses, each layer's on average
-            mean = moe.summary(aux)
+        if aux:  # a mixture of experts: its losses, each layer's on average (and its bias)
+            mean = moe.summary(aux[0])
             loss = loss + BALANCE_WEIGHT * mean["moe_balance_loss"]
             loss = loss + Z_WEIGHT * mean["moe_z_loss"]
+            if len(aux) > 1:  # how far apart the biases have moved, on average over layers
+                mean["router_bias"] = jnp.mean(aux[1].max(-1) - aux[1].min(-1))
             metrics = {**metrics, **mean}
         return (loss, metrics) if new_state is None else (loss, metrics, new_state)
 
 
 TRANSFORMER_OPTIONS = ("layers", "remat", "sequence", "experts", "top_k", "capacity_factor",
-                       "capacity_groups")  # fmt: skip
+                       "capacity_groups", "bias_rate")  # fmt: skip
 
 
 def _reference(name, description, nnx_build, linen_module, eqx_build, eqx_rules, **kwargs):

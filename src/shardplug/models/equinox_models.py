@@ -26,6 +26,7 @@ from shardplug.models.nnx_models import (
     LAYERS,
     Rule,
     attention,
+    balanced,
     mixture,
 )
 
@@ -95,12 +96,12 @@ class Block(eqx.Module):
             self.wi = normal(keys[4], (EMBED, HIDDEN))
             self.wf = normal(keys[5], (HIDDEN, EMBED))
 
-    def __call__(self, x):
+    def __call__(self, x, bias=None):
         x = x + attention(_layer_norm(x, *self.norm1), self.wq, self.wk, self.wv, self.wo)
         if self.router is None:
             return x + jax.nn.gelu(_layer_norm(x, *self.norm2) @ self.wi) @ self.wf
         out, aux = mixture(_layer_norm(x, *self.norm2), self.router, self.experts_in,
-                           self.experts_out, self.rule)  # fmt: skip
+                           self.experts_out, self.rule, bias)  # fmt: skip
         return x + out, aux
 
 
@@ -111,6 +112,8 @@ class TransformerLM(eqx.Module):
     norm: tuple[jax.Array, jax.Array]
     unembed: jax.Array
     remat: str = eqx.field(static=True, default="none")
+    rule: Rule = eqx.field(static=True, default=None)
+    router_bias: eqx.nn.StateIndex | None = None  # (layers, experts): state, not trained
 
     def __init__(
         self,
@@ -125,18 +128,29 @@ class TransformerLM(eqx.Module):
         normal = jax.nn.initializers.normal(0.02)
         self.embed = normal(keys[0], (synthetic.VOCAB, EMBED))
         self.position = normal(keys[1], (sequence, EMBED))
-        block = functools.partial(Block, experts=experts, rule=Rule.of(**rule))
+        self.rule = Rule.of(**rule)
+        block = functools.partial(Block, experts=experts, rule=self.rule)
         self.blocks = stack.equinox_layers(block, layers, keys[2])
         self.norm = (jnp.ones(EMBED), jnp.zeros(EMBED))
         self.unembed = normal(keys[3], (EMBED, synthetic.VOCAB))
         self.remat = remat
+        if experts and self.rule.bias_rate is not None:  # built by eqx.nn.make_with_state
+            self.router_bias = eqx.nn.StateIndex(jnp.zeros((layers, experts), jnp.float32))
 
-    def __call__(self, tokens, *, key=None, inference=False):
+    def __call__(self, tokens, state=None, *, key=None, inference=False):
+        """The logits; with experts ``(logits, tallies)``; with a routing bias
+        ``((logits, tallies, bias), new_state)``, as a stateful Equinox model returns."""
         x = self.embed[tokens] + self.position[None, : tokens.shape[1]]
-        x = stack.apply(self.blocks, x, remat=self.remat)
-        if isinstance(x, tuple):  # experts: (logits, aux)
-            return _layer_norm(x[0], *self.norm) @ self.unembed, x[1]
-        return _layer_norm(x, *self.norm) @ self.unembed
+        bias = None if self.router_bias is None else state.get(self.router_bias)
+        x = stack.apply(self.blocks, x, remat=self.remat, per_layer=bias)
+        if not isinstance(x, tuple):
+            return _layer_norm(x, *self.norm) @ self.unembed
+        logits = _layer_norm(x[0], *self.norm) @ self.unembed
+        if bias is None:
+            return logits, x[1]
+        if not inference:
+            state = state.set(self.router_bias, balanced(bias, x[1], self.rule))
+        return (logits, x[1], bias), state
 
 
 TRANSFORMER_RULES = {
@@ -242,6 +256,9 @@ def transformer(layers: int = LAYERS, remat: str = "none", sequence: int = synth
     """A function ``key -> TransformerLM`` of this depth and remat policy (and ``experts``,
     :class:`~shardplug.models.nnx_models.Rule`'s ``top_k``, ``capacity_factor``,
     ``capacity_groups``)."""
+    if moe_options.get("experts") and moe_options.get("bias_rate") is not None:
+        build = eqx.nn.make_with_state(TransformerLM)  # the routing bias is state
+        return lambda key: build(key, layers, remat, sequence, **moe_options)
     return lambda key: TransformerLM(key, layers, remat, sequence, **moe_options)
 
 

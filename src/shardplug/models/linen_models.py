@@ -25,6 +25,7 @@ from shardplug.models.nnx_models import (
     LAYERS,
     Rule,
     attention,
+    balanced,
     mixture,
 )
 
@@ -68,7 +69,7 @@ class Block(nn.Module):
     rule: Rule = Rule()
 
     @nn.compact
-    def __call__(self, x: jax.Array):
+    def __call__(self, x: jax.Array, bias: jax.Array | None = None):
         qkv = (EMBED, HEADS, HEAD_DIM)
         w = {n: _param(self, n, qkv, ("embed", "heads", "kv")) for n in ("wq", "wk", "wv")}
         wo = _param(self, "wo", (HEADS, HEAD_DIM, EMBED), ("heads", "kv", "embed"))
@@ -81,7 +82,7 @@ class Block(nn.Module):
         router = _param(self, "router", (EMBED, e), ("embed", None))
         experts_in = _param(self, "experts_in", (e, EMBED, HIDDEN), ("expert", "embed", "mlp"))
         experts_out = _param(self, "experts_out", (e, HIDDEN, EMBED), ("expert", "mlp", "embed"))
-        out, aux = mixture(_norm()(x), router, experts_in, experts_out, self.rule)
+        out, aux = mixture(_norm()(x), router, experts_in, experts_out, self.rule, bias)
         return x + out, aux
 
 
@@ -93,19 +94,31 @@ class TransformerLM(nn.Module):
     top_k: int = 2
     capacity_factor: float | None = None
     capacity_groups: int = 1
+    bias_rate: float | None = None
 
     @nn.compact
     def __call__(self, tokens: jax.Array, train: bool = False):
         embed = _param(self, "embed", (synthetic.VOCAB, EMBED), ("vocab", "embed"))
         position = _param(self, "position", (self.sequence, EMBED), (None, "embed"))
         x = embed[tokens] + position[None, : tokens.shape[1]]
-        rule = Rule(self.top_k, self.capacity_factor, self.capacity_groups)
+        rule = Rule(self.top_k, self.capacity_factor, self.capacity_groups, self.bias_rate)
         block = functools.partial(Block, experts=self.experts, rule=rule)
-        x = stack.LinenLayers(block, self.layers, self.remat, name="blocks")(x)
+        bias = None
+        if self.experts and self.bias_rate is not None:  # model state: the "moe" collection
+            shape = (self.layers, self.experts)
+            bias = self.variable("moe", "router_bias", jnp.zeros, shape, jnp.float32)
+        per_layer = None if bias is None else bias.value
+        x = stack.LinenLayers(block, self.layers, self.remat, name="blocks")(x, per_layer)
         x, aux = x if isinstance(x, tuple) else (x, None)
         unembed = _param(self, "unembed", (EMBED, synthetic.VOCAB), ("embed", "vocab"))
         logits = _norm()(x) @ unembed
-        return logits if aux is None else (logits, aux)
+        if aux is None:
+            return logits
+        if bias is None:
+            return logits, aux
+        if train and not self.is_initializing():
+            bias.value = balanced(per_layer, aux, rule)
+        return logits, aux, per_layer
 
 
 class CNN(nn.Module):

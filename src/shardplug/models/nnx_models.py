@@ -87,20 +87,32 @@ class Rule:
     top_k: int = 2
     capacity_factor: float | None = None
     capacity_groups: int = 1
+    #: auxiliary-loss-free balancing: each step each expert's routing bias moves this much
+    #: toward an even load (:func:`shardplug.moe.balance_bias`); None: no bias
+    bias_rate: float | None = None
 
     @classmethod
     def of(cls, top_k: int = 2, capacity_factor: float | None = None,
-           capacity_groups: int = 1) -> Rule:  # fmt: skip
-        return cls(top_k, capacity_factor, capacity_groups)
+           capacity_groups: int = 1, bias_rate: float | None = None) -> Rule:  # fmt: skip
+        return cls(top_k, capacity_factor, capacity_groups, bias_rate)
 
 
-def mixture(x, router, experts_in, experts_out, rule: Rule):
+class RouterBias(nnx.Variable):
+    """Each layer's routing bias, (layers, experts): model state, not trained."""
+
+
+def balanced(bias: jax.Array, tallies: moe.Tally, rule: Rule) -> jax.Array:
+    """The routing bias after this step's load (the stack's tallies)."""
+    return moe.balance_bias(bias, tallies.kept, rule.bias_rate)
+
+
+def mixture(x, router, experts_in, experts_out, rule: Rule, bias=None):
     """The MLP as a routed mixture of experts (:mod:`shardplug.moe`) on ``x`` (batch, seq,
     embed); shared by all frameworks. ``(out, aux)``: aux, this block's
     :class:`~shardplug.moe.Tally` (the losses and rows come from the stack's tallies)."""
     rows = x.reshape(-1, x.shape[-1])
     logits = rows @ router
-    routing = moe.route(logits, rule.top_k)
+    routing = moe.route(logits, rule.top_k, bias=bias)
     out, stats = moe.routed_experts(
         rows, routing, experts_in, experts_out, capacity_factor=rule.capacity_factor,
         capacity_groups=rule.capacity_groups, activation=jax.nn.gelu,
@@ -132,13 +144,13 @@ class Block(nnx.Module):
             self.wi = _param(rngs, (EMBED, HIDDEN), ("embed", "mlp"))
             self.wf = _param(rngs, (HIDDEN, EMBED), ("mlp", "embed"))
 
-    def __call__(self, x: jax.Array):
+    def __call__(self, x: jax.Array, bias: jax.Array | None = None):
         x = x + attention(self.norm1(x), self.wq[...], self.wk[...], self.wv[...], self.wo[...])
         if not self.experts:
             return x + nnx.gelu(self.norm2(x) @ self.wi[...]) @ self.wf[...]
         out, aux = mixture(
             self.norm2(x), self.router[...], self.experts_in[...], self.experts_out[...],
-            self.rule,
+            self.rule, bias,
         )  # fmt: skip
         return x + out, aux
 
@@ -158,19 +170,31 @@ class TransformerLM(nnx.Module):
     ):
         self.embed = _param(rngs, (synthetic.VOCAB, EMBED), ("vocab", "embed"))
         self.position = _param(rngs, (sequence, EMBED), (None, "embed"))
-        moe_options = dict(experts=experts, rule=Rule.of(**rule))
+        self.rule = Rule.of(**rule)
+        moe_options = dict(experts=experts, rule=self.rule)
         self.blocks = stack.nnx_layers(lambda r: Block(rngs=r, **moe_options), layers, rngs)
         self.norm = _norm(rngs)
         self.unembed = _param(rngs, (EMBED, synthetic.VOCAB), ("embed", "vocab"))
         self.remat = remat
+        self.router_bias = nnx.data(None)
+        if experts and self.rule.bias_rate is not None:
+            self.router_bias = RouterBias(jnp.zeros((layers, experts), jnp.float32))
+        self.deterministic = False  # eval() sets it: the bias then stays as it is
 
     def __call__(self, tokens: jax.Array):
-        """The logits; with experts, ``(logits, tallies)``: each layer's routing tally."""
+        """The logits; with experts, ``(logits, tallies)``: each layer's routing tally, and
+        with a routing bias ``(logits, tallies, bias)`` (the bias this step routed by)."""
         x = self.embed[...][tokens] + self.position[...][None, : tokens.shape[1]]
-        x = stack.apply(self.blocks, x, remat=self.remat)
-        if isinstance(x, tuple):
-            return self.norm(x[0]) @ self.unembed[...], x[1]
-        return self.norm(x) @ self.unembed[...]
+        bias = None if self.router_bias is None else self.router_bias[...]
+        x = stack.apply(self.blocks, x, remat=self.remat, per_layer=bias)
+        if not isinstance(x, tuple):
+            return self.norm(x) @ self.unembed[...]
+        logits = self.norm(x[0]) @ self.unembed[...]
+        if bias is None:
+            return logits, x[1]
+        if not self.deterministic:
+            self.router_bias[...] = balanced(bias, x[1], self.rule)
+        return logits, x[1], bias
 
 
 def transformer(layers: int = LAYERS, remat: str = "none", sequence: int = synthetic.SEQ_LEN,
