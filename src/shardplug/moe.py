@@ -28,14 +28,18 @@ tokens go to the devices that hold their experts and back (:mod:`shardplug.core.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from shardplug.core import experts, schedule
 from shardplug.core.experts import capacity, experts_override
+from shardplug.core.mesh import is_explicit
+from shardplug.core.sharding import lay_out
 from shardplug.errors import ConfigError
 
 
@@ -75,7 +79,7 @@ class Tally(NamedTuple):
 def tally(logits: jax.Array, routing: Routing, stats: Stats) -> Tally:
     """The :class:`Tally` of one layer: its router's ``logits``, ``routing`` and ``stats``."""
     experts_count = routing.probs.shape[-1]
-    routed = jnp.zeros(experts_count, jnp.float32).at[routing.experts.reshape(-1)].add(1.0)
+    routed = _counts(routing.experts, experts_count)
     lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
     tokens = jnp.asarray(routing.experts.shape[0], jnp.float32)
     return Tally(tokens, routed, stats.kept, routing.probs.sum(0), jnp.sum(lse**2))
@@ -119,7 +123,7 @@ def load_balancing_loss(routing: Routing) -> jax.Array:
     """``E * sum_e f_e * P_e``: ``f_e`` the share of assignments to expert ``e``, ``P_e`` its
     mean router probability; 1 when both are uniform, ``E`` when one expert takes all."""
     experts_count = routing.probs.shape[-1]
-    counts = jnp.zeros(experts_count, jnp.float32).at[routing.experts.reshape(-1)].add(1.0)
+    counts = _counts(routing.experts, experts_count)
     share = counts / routing.experts.size
     return experts_count * jnp.sum(share * routing.probs.mean(0))
 
@@ -180,6 +184,22 @@ def routed_experts(
     if placed is not None:
         y, kept = placed
         return y, _stats(kept, tokens * top_k)
+    local = functools.partial(
+        _local, w_in=w_in, w_out=w_out, w_gate=w_gate, capacity_factor=capacity_factor,
+        capacity_groups=capacity_groups, activation=activation,
+    )  # fmt: skip
+    mesh = jax.sharding.get_abstract_mesh()
+    if is_explicit(mesh) and not mesh.manual_axes:  # sorting by expert needs every row
+        rows = jax.typeof(x).sharding.spec
+        whole = functools.partial(jax.tree.map, lambda a: lay_out(a, P()))
+        y, stats = local(whole(x), whole(routing))
+        return lay_out(y, rows), stats
+    return local(x, routing)
+
+
+def _local(x, routing, *, w_in, w_out, w_gate, capacity_factor, capacity_groups, activation):
+    """:func:`routed_experts` computed where ``x`` is, every expert at hand."""
+    tokens, top_k = routing.experts.shape
     experts_count = w_in.shape[0]
     expert = routing.experts.reshape(-1)  # assignment a = token * k + slot
     kept = jnp.ones(expert.shape, bool)
@@ -193,6 +213,15 @@ def routed_experts(
     y = jnp.zeros_like(x).at[token].add((out * weight[:, None]).astype(x.dtype))
     computed = jnp.zeros(experts_count, jnp.float32).at[expert].add(kept.astype(jnp.float32))
     return y, _stats(computed, expert.size)
+
+
+def _counts(chosen: jax.Array, experts_count: int) -> jax.Array:
+    """How many of the assignments ``chosen`` (any shape) went to each expert (float32)."""
+    chosen = chosen.reshape(-1)
+    mesh = jax.sharding.get_abstract_mesh()
+    if is_explicit(mesh) and not mesh.manual_axes:  # a scatter on explicit axes: ids whole
+        chosen = lay_out(chosen, P())
+    return jnp.zeros(experts_count, jnp.float32).at[chosen].add(1.0)
 
 
 def _stats(kept: jax.Array, assignments: int) -> Stats:

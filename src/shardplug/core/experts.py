@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core.mesh import is_explicit
+from shardplug.core.sharding import lay_out
 from shardplug.errors import ConfigError
 
 _OVERRIDE: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar(
@@ -79,16 +81,27 @@ def grouped_mlp(
 ) -> jax.Array:
     """Each row through its group's expert (``group`` in ``[0, E]``, ``E``: none, zeros out),
     as one ``ragged_dot`` per matrix over the rows sorted by group."""
-    experts = w_in.shape[0]
+    mesh = jax.sharding.get_abstract_mesh()
+    if is_explicit(mesh):  # JAX infers no layout for ragged_dot's transpose: a per-device
+        free = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)  # program
+                if t == jax.sharding.AxisType.Explicit}  # fmt: skip
+        operands = [lay_out(a, P()) for a in (rows, group, w_in, w_out, w_gate) if a is not None]
+        gated = w_gate is not None
+
+        def program(rows, group, w_in, w_out, *gate):
+            return grouped_mlp(rows, group, w_in, w_out, gate[0] if gated else None, activation)
+
+        return jax.shard_map(program, in_specs=P(), out_specs=P(), axis_names=free)(*operands)
+    dot, experts = jax.lax.ragged_dot, w_in.shape[0]
     order = jnp.argsort(group, stable=True)
     sizes = jnp.zeros(experts + 1, jnp.int32).at[group].add(1)[:experts]
     sorted_rows = rows[order]
-    hidden = jax.lax.ragged_dot(sorted_rows, w_in, sizes)
+    hidden = dot(sorted_rows, w_in, sizes)
     if w_gate is not None:
-        hidden = activation(jax.lax.ragged_dot(sorted_rows, w_gate, sizes)) * hidden
+        hidden = activation(dot(sorted_rows, w_gate, sizes)) * hidden
     else:
         hidden = activation(hidden)
-    out = jax.lax.ragged_dot(hidden.astype(w_out.dtype), w_out, sizes)
+    out = dot(hidden.astype(w_out.dtype), w_out, sizes)
     return jnp.zeros_like(out).at[order].set(out)
 
 

@@ -80,7 +80,7 @@ def _losses(strategy, options, adapter, model_name, steps, seed, devices, mesh, 
     return [r["loss"] for r in trainer.fit(model.batches(model.batch_size, seed), steps=steps)]
 
 
-def _explicit_losses(strategy, devices, mesh, steps, seed) -> list[float]:
+def _explicit_losses(strategy, devices, mesh, steps, seed, experts=False) -> list[float]:
     import itertools
 
     import optax
@@ -89,7 +89,8 @@ def _explicit_losses(strategy, devices, mesh, steps, seed) -> list[float]:
     from shardplug.testing import explicit
 
     trainer = shardplug.Trainer(
-        shardplug.from_nnx(explicit.ResidualNet), loss_fn=explicit.loss_fn,
+        shardplug.from_nnx(explicit.ExpertNet if experts else explicit.ResidualNet),
+        loss_fn=explicit.loss_fn,
         optimizer=optax.adam(3e-3), strategy=strategy, devices=devices, mesh=mesh,
         axis_types="explicit", seed=seed,
     )  # fmt: skip
@@ -98,8 +99,8 @@ def _explicit_losses(strategy, devices, mesh, steps, seed) -> list[float]:
 
 
 @functools.cache
-def _explicit_one_device(steps: int, seed: int) -> tuple[float, ...]:
-    return tuple(_explicit_losses("dp", 1, None, steps, seed))
+def _explicit_one_device(steps: int, seed: int, experts: bool = False) -> tuple[float, ...]:
+    return tuple(_explicit_losses("dp", 1, None, steps, seed, experts))
 
 
 class StrategyConformance:
@@ -179,20 +180,19 @@ class StrategyConformance:
         np.testing.assert_allclose(losses, expected, rtol=RTOL.get(shardplug_model, 1e-4))
 
     def test_trains_like_one_device_on_explicit_axes(self) -> None:
-        """A model written for explicit sharding mode (:mod:`shardplug.testing.explicit`)
-        trains on the strategy's mesh with ``AxisType.Explicit`` axes like one device."""
+        """A model written for explicit sharding mode (:mod:`shardplug.testing.explicit`; its
+        ``ExpertNet`` for a plugin that needs experts) trains on the strategy's mesh with
+        ``AxisType.Explicit`` axes like one device."""
 
         import numpy as np
 
         self._skip_unless(Capability.EXPLICIT_AXES)
-        if Capability.WITHOUT_EXPERTS in self._strategy().unsupported:
-            pytest.skip("the explicit-mode model has no experts to place (not yet checked)")
-
-        def losses(strategy, devices, mesh):
-            return _explicit_losses(strategy, devices, mesh, self.steps, self.seed)
-
-        got = losses(self._strategy(), self.devices, self.mesh)
-        np.testing.assert_allclose(got, _explicit_one_device(self.steps, self.seed), rtol=1e-5)
+        experts = Capability.WITHOUT_EXPERTS in self._strategy().unsupported
+        got = _explicit_losses(
+            self._strategy(), self.devices, self.mesh, self.steps, self.seed, experts
+        )
+        want = _explicit_one_device(self.steps, self.seed, experts)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
 
     def test_uneven_shapes_still_train(self) -> None:
         import jax.numpy as jnp

@@ -3,7 +3,9 @@ residual blocks over a sequence (attention through :func:`shardplug.attention`, 
 whose products say where their results go (``jnp.einsum(...,
 out_sharding=shardplug.sharding_of(...))``), so it fails on ``Auto`` mesh axes and runs on
 ``Explicit`` ones under any strategy: its blocks are a layer stack (``pp`` splits it) and its
-batch has a sequence (``cp`` splits that)."""
+batch has a sequence (``cp`` splits that). :class:`ExpertNet` is the same with each MLP a
+routed mixture of :data:`EXPERTS` experts (:mod:`shardplug.moe`), for plugins that place
+experts."""
 
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shardplug import stack
+from shardplug import moe, stack
 from shardplug.core.attention import attention
 from shardplug.core.context import sharding_of
 
 DEPTH, HIDDEN, LAYERS, ROWS, LENGTH = 16, 64, 8, 16, 16
+EXPERTS, TOP_K = 4, 2
 _init = nnx.initializers.lecun_normal()
 
 
@@ -45,8 +48,40 @@ class ResidualNet(nnx.Module):
         return stack.apply(self.blocks, x)
 
 
-def loss_fn(model: ResidualNet, batch: dict[str, jax.Array]) -> jax.Array:
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+class ExpertBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        def param(names, shape):
+            return nnx.Param(nnx.with_partitioning(_init, names)(rngs.params(), shape))
+
+        self.router = param(("embed", None), (DEPTH, EXPERTS))
+        self.up = param(("expert", "embed", "mlp"), (EXPERTS, DEPTH, HIDDEN))
+        self.down = param(("expert", "mlp", "embed"), (EXPERTS, HIDDEN, DEPTH))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, moe.Tally]:
+        heads = x[:, :, None, :]
+        x = x + attention(heads, heads, heads, causal=True)[:, :, 0, :]
+        rows = x.reshape(-1, DEPTH)
+        logits = jnp.einsum("td,de->te", rows, self.router[...], out_sharding=sharding_of(
+            ("batch", None)))  # fmt: skip
+        routing = moe.route(logits, TOP_K)
+        out, stats = moe.routed_experts(rows, routing, self.up[...], self.down[...])
+        return x + out.reshape(x.shape), moe.tally(logits, routing, stats)
+
+
+class ExpertNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.blocks = stack.nnx_layers(ExpertBlock, LAYERS // 4, rngs)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, moe.Tally]:
+        return stack.apply(self.blocks, x)
+
+
+def loss_fn(model: ResidualNet | ExpertNet, batch: dict[str, jax.Array]) -> jax.Array:
+    out = model(batch["x"])
+    if isinstance(out, tuple):  # ExpertNet: and its balancing loss
+        balance = moe.summary(out[1])["moe_balance_loss"]
+        return jnp.mean((out[0] - batch["y"]) ** 2) + 0.01 * balance
+    return jnp.mean((out - batch["y"]) ** 2)
 
 
 def batches(seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
