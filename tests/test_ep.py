@@ -30,6 +30,8 @@ MOE = {"experts": 4, "top_k": 2}
         ),
         # in 2 groups of two devices each: a device's place follows its group's earlier one
         ("ep", "expert=4", "nnx", {**MOE, "capacity_factor": 0.75, "capacity_groups": 2}),
+        # no ep: each device routes its own rows, capacity counted over all of them
+        ("dp", "data=8", "nnx", {**MOE, "capacity_factor": 0.75}),
     ],
 )
 def test_compositions_with_ep_train_like_one_device(name, mesh, adapter, options):
@@ -105,6 +107,19 @@ def test_the_routing_bias_is_state_each_steps_load_moves():
     assert float(jnp.abs(got).max()) > 0 and row["router_bias"] == 0
     (row,) = trainer.fit(iter([batch]), steps=1)
     assert row["router_bias"] > 0  # the second step routed by the moved bias
+
+
+def test_without_ep_each_device_sorts_only_its_own_rows():
+    """dp over 8 devices: the mixture is a per-device program over the batch axes, so the
+    step's all-gathers (the capacity counts, the router's probabilities) move less than one
+    copy of the batch's rows (1024 x 64 x 4 B); sorting across devices moved several."""
+    model = shardplug.get_model("transformer")
+    task = model.task("nnx", **MOE, capacity_factor=0.75)
+    trainer = task.trainer(strategy="dp", devices=8, allocate=False)
+    trainer.compile(next(model.batches(model.batch_size, 0)))
+    found = collectives(trainer.compiled.as_text())
+    assert sum(c.bytes for c in found if c.kind == "all-gather") < 1024 * 64 * 4
+    assert not any(c.kind == "all-to-all" for c in found)
 
 
 def test_rows_carry_the_expert_load_and_the_dropped_share():

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core.compose import implemented
+from shardplug.core.experts import over_batch
 from shardplug.core.hookspecs import Capability, declared
 from shardplug.core.layer_gather import layer_specs
 from shardplug.core.layer_stack import LAYERS
@@ -168,6 +169,8 @@ class _HandWritten(_Contender):
                         p = jax.lax.with_sharding_constraint(p, NamedSharding(mesh, used))
                 out.append(p)
             with layer_specs(per_layer), contextlib.ExitStack() as stack:
+                if composition is not None:  # a mixture of experts: each device its rows
+                    stack.enter_context(over_batch(composition.batch_axes))
                 for part in placing:  # cp's ring attention, ep's exchange, as they put them
                     axis = part.axis.name
                     placed = part.call("trace_context", axis=axis, mesh=mesh, replicas=(),

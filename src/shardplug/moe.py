@@ -24,6 +24,8 @@ updated outside the gradient by :func:`balance_bias`.
 Under ``ep`` (or any parallelism that installs :func:`experts_override` from its
 ``trace_context``) :func:`routed_experts` computes the same across devices: each device's
 tokens go to the devices that hold their experts and back (:mod:`shardplug.core.experts`).
+Under any other strategy the trainer makes it a per-device program over the batch axes:
+each device routes its own rows through the experts it holds whole.
 """
 
 from __future__ import annotations
@@ -206,12 +208,9 @@ def _local(x, routing, *, w_in, w_out, w_gate, capacity_factor, capacity_groups,
     if capacity_factor is not None:  # an assignment's place in its expert's queue
         limit = capacity(tokens // capacity_groups, top_k, experts_count, capacity_factor)
         kept = experts.group_places(expert, experts_count, capacity_groups) < limit
-    group = jnp.where(kept, expert, experts_count)  # the dropped: past the last group
-    token = jnp.arange(expert.size) // top_k
-    out = experts.grouped_mlp(x[token], group, w_in, w_out, w_gate, activation)
-    weight = jnp.where(kept, routing.weights.reshape(-1), 0.0)
-    y = jnp.zeros_like(x).at[token].add((out * weight[:, None]).astype(x.dtype))
-    computed = jnp.zeros(experts_count, jnp.float32).at[expert].add(kept.astype(jnp.float32))
+    y, computed = experts.local_share(
+        x, expert, routing.weights.reshape(-1), kept, w_in, w_out, w_gate, activation
+    )
     return y, _stats(computed, expert.size)
 
 

@@ -113,16 +113,116 @@ def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int:
 def expert_parallel(axis: str, batch_axes: tuple[str, ...]) -> contextlib.AbstractContextManager:
     """Trace the code inside with the experts split over ``axis`` and the tokens over
     ``batch_axes`` (``axis`` among them), exchanged by ``all_to_all`` (see the module)."""
-    return experts_override(_placed(axis, batch_axes))
+    return experts_override(_placed(axis, tuple(batch_axes)))
 
 
-def _placed(axis: str, batch_axes: tuple[str, ...]) -> Callable:
+def over_batch(batch_axes: tuple[str, ...]) -> contextlib.AbstractContextManager:
+    """Trace the code inside with each device routing its own rows of the batch (split over
+    ``batch_axes``) through every expert it holds whole: a per-device program, so sorting the
+    assignments by expert never crosses devices (the trainer's default where no parallelism
+    places experts; one all-gather of counts when capacity spans devices)."""
+    return experts_override(_over_batch(tuple(batch_axes)))
+
+
+def local_share(x, expert, weight, kept, w_in, w_out, w_gate, activation):
+    """The experts' output for the rows ``x`` whose assignments (``expert``, ``weight``, one
+    per token x top_k, in order) are ``kept``, every expert at hand; and each expert's count of
+    kept assignments (E,) float32."""
+    experts = w_in.shape[0]
+    token = jnp.arange(expert.size) // (expert.size // x.shape[0])
+    group = jnp.where(kept, expert, experts)  # the dropped: past the last group
+    out = grouped_mlp(x[token], group, w_in, w_out, w_gate, activation)
+    weight = jnp.where(kept, weight, 0.0)
+    y = jnp.zeros_like(x).at[token].add((out * weight[:, None]).astype(x.dtype))
+    return y, jnp.zeros(experts, jnp.float32).at[expert].add(kept.astype(jnp.float32))
+
+
+def _plan(tokens, top_k, experts, factor, groups, devices) -> int | None:
+    """The capacity of each expert in each group, None when dropless."""
+    if factor is None:
+        return None
+    if groups % devices and devices % groups:
+        raise ConfigError(
+            f"capacity_groups={groups} and the batch's {devices} devices: one must divide "
+            f"the other (a capacity group on whole devices, or devices on whole groups)"
+        )
+    return capacity(tokens // groups, top_k, experts, factor)
+
+
+def _kept(expert, experts, cap, groups, devices, batch):
+    """Which of this device's assignments its experts' capacity keeps, as on one device."""
+    if cap is None:
+        return jnp.ones(expert.shape, bool)
+    if groups % devices == 0:  # my groups are mine alone
+        return group_places(expert, experts, groups // devices) < cap
+    # my place in each queue: after the assignments of earlier devices in my group
+    counts = jnp.zeros(experts, jnp.int32).at[expert].add(1)
+    every = jax.lax.all_gather(counts, batch)  # (devices, experts), in the batch's order
+    me, shared = jax.lax.axis_index(batch), devices // groups
+    others = jnp.arange(devices)
+    earlier = (others < me) & (others // shared == me // shared)
+    before = jnp.sum(every * earlier[:, None], axis=0)
+    return queue_places(expert, experts) + before[expert] < cap
+
+
+def _rows_over(a, batch):
+    """``a`` laid out with its rows over ``batch`` on explicit axes (a per-device program's
+    input must be laid out as its spec says there); as it is on auto axes."""
+    if not is_explicit(jax.sharding.get_abstract_mesh()):
+        return a
+    return lay_out(a, P(batch, *([P.UNCONSTRAINED] * (a.ndim - 1))))
+
+
+def _without(a, axes):
+    """``a`` whole over ``axes`` on explicit axes (its other axes kept), as it is on auto."""
+    if not is_explicit(jax.sharding.get_abstract_mesh()):
+        return a
+    spec = []
+    for entry in tuple(jax.typeof(a).sharding.spec) + (None,) * a.ndim:
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept = tuple(n for n in names if n not in axes)
+        spec.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return lay_out(a, P(*spec[: a.ndim]))
+
+
+def _over_batch(batch: tuple[str, ...]) -> Callable:
+    def routed(x, routing, w_in, w_out, *, w_gate=None, capacity_factor=None,
+               capacity_groups=1, activation):  # fmt: skip
+        mesh = jax.sharding.get_abstract_mesh()
+        devices = math.prod(mesh.shape[a] for a in batch) if batch else 1
+        if mesh.manual_axes or devices == 1:  # already per device (pmap, pp), or one device
+            return None
+        tokens, top_k = routing.experts.shape
+        experts = w_in.shape[0]
+        cap = _plan(tokens, top_k, experts, capacity_factor, capacity_groups, devices)
+        rows, whole = P(batch, None), P()
+        weights = [w for w in (w_in, w_out, w_gate) if w is not None]
+        gated = w_gate is not None
+
+        def program(x, experts_of, weights_of, w_in, w_out, *gate):
+            expert = experts_of.reshape(-1)
+            kept = _kept(expert, experts, cap, capacity_groups, devices, batch)
+            y, computed = local_share(x, expert, weights_of.reshape(-1), kept, w_in, w_out,
+                                      gate[0] if gated else None, activation)  # fmt: skip
+            return y, jax.lax.psum(computed, batch)
+
+        operands = [_rows_over(a, batch) for a in (x, routing.experts, routing.weights)]
+        return jax.shard_map(
+            program,
+            in_specs=(rows, rows, rows, *([whole] * len(weights))),
+            out_specs=(rows, P()),
+            axis_names=set(batch),
+        )(*operands, *(_without(w, batch) for w in weights))
+
+    return routed
+
+
+def _placed(axis: str, batch: tuple[str, ...]) -> Callable:
     def routed(x, routing, w_in, w_out, *, w_gate=None, capacity_factor=None,
                capacity_groups=1, activation):  # fmt: skip
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.manual_axes:  # inside pp's schedule, where XLA refuses a nested exchange:
             return None  # computed as on one device, each layer's experts gathered
-        batch = tuple(batch_axes)
         size, experts = mesh.shape[axis], w_in.shape[0]
         if experts % size:
             raise ConfigError(
@@ -133,14 +233,7 @@ def _placed(axis: str, batch_axes: tuple[str, ...]) -> Callable:
         devices = math.prod(mesh.shape[a] for a in batch)
         local = tokens // devices * top_k  # one device's assignments
         groups = capacity_groups
-        if capacity_factor is not None and groups % devices and devices % groups:
-            raise ConfigError(
-                f"capacity_groups={groups} and the batch's {devices} devices: one must divide "
-                f"the other (a capacity group on whole devices, or devices on whole groups)"
-            )
-        cap = None
-        if capacity_factor is not None:
-            cap = capacity(tokens // groups, top_k, experts, capacity_factor)
+        cap = _plan(tokens, top_k, experts, capacity_factor, groups, devices)
         mine = max(1, groups // devices)  # groups a device holds (or 1 group, shared)
         slot = local if cap is None else min(local, experts // size * cap * mine)
         rows = P(batch, None)
@@ -150,12 +243,13 @@ def _placed(axis: str, batch_axes: tuple[str, ...]) -> Callable:
             activation=activation, gated=w_gate is not None, groups=groups, devices=devices,
         )  # fmt: skip
         gates = () if w_gate is None else (w_gate,)
+        operands = [_rows_over(a, batch) for a in (x, routing.experts, routing.weights)]
         y, kept = jax.shard_map(
             program,
             in_specs=(rows, rows, rows, weights, weights, *((weights,) if gates else ())),
             out_specs=(rows, P()),
             axis_names=set(batch),
-        )(x, routing.experts, routing.weights, w_in, w_out, *gates)
+        )(*operands, w_in, w_out, *gates)
         return y, kept
 
     return routed
@@ -168,17 +262,7 @@ def _exchange(x, experts_of, weights_of, w_in, w_out, *gate, axis, batch, size, 
     experts = per_device * size
     expert = experts_of.reshape(-1)
     token = jnp.arange(expert.size) // experts_of.shape[1]
-    kept = jnp.ones(expert.shape, bool)
-    if cap is not None and groups % devices == 0:  # my groups are mine alone
-        kept = group_places(expert, experts, groups // devices) < cap
-    elif cap is not None:  # my place in each queue: after earlier devices' in my group
-        counts = jnp.zeros(experts, jnp.int32).at[expert].add(1)
-        every = jax.lax.all_gather(counts, batch)  # (devices, experts), in the batch's order
-        me, shared = jax.lax.axis_index(batch), devices // groups
-        others = jnp.arange(devices)
-        earlier = (others < me) & (others // shared == me // shared)
-        before = jnp.sum(every * earlier[:, None], axis=0)
-        kept = queue_places(expert, experts) + before[expert] < cap
+    kept = _kept(expert, experts, cap, groups, devices, batch)
     dest = expert // per_device
     place = queue_places(jnp.where(kept, dest, size), size)  # in its destination's slot
     ok = kept & (place < slot)

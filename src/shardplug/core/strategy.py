@@ -12,6 +12,7 @@ import pluggy
 
 from shardplug.core import compose, fallbacks, hookspecs
 from shardplug.core.context import activation_rules
+from shardplug.core.experts import over_batch
 from shardplug.core.mesh import retyped
 from shardplug.core.sharding import check_batch, constraints_lay_out, to_named
 from shardplug.errors import ConfigError, PluginError, ShardplugError
@@ -184,9 +185,13 @@ class Strategy:
 
     def contexts_while_tracing(self, mesh: Any) -> list[Any]:
         """The context managers entered around every traced program: the activation rules
-        (:func:`shardplug.constrain`) and the parallelisms' own (``pp``'s schedule)."""
-        own = [] if self.composition is None else self.composition.part_contexts(mesh)
-        return [activation_rules(self.activation_rules()), *own]
+        (:func:`shardplug.constrain`), a mixture of experts computed per device over the batch
+        axes, and the parallelisms' own (``pp``'s schedule, ``ep``'s exchange, inside)."""
+        if self.composition is None:
+            return [activation_rules(self.activation_rules())]
+        own = self.composition.part_contexts(mesh)
+        per_device = over_batch(self.composition.batch_axes)
+        return [activation_rules(self.activation_rules()), per_device, *own]
 
     def reduce_grads(self, grads: Any, mesh: Any) -> Any:
         return self._call("reduce_grads", grads=grads, mesh=mesh)
