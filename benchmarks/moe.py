@@ -24,14 +24,13 @@ import dataclasses
 import json
 
 
-def measure(devices: int, experts: int, top_k: int, steps: int, rounds: int) -> dict:
+def measure(devices: int, options: dict, steps: int, rounds: int) -> dict:
     import shardplug
     from shardplug.bench import bench, hand_written
     from shardplug.core.hlo import collectives
     from shardplug.explain import explain
 
     model = shardplug.get_model("transformer")
-    options = {"experts": experts, "top_k": top_k}
     batch = next(model.batches(model.batch_size, 0))
     memory = {}
     for name in ("dp", "ep"):
@@ -73,10 +72,22 @@ def main() -> None:
     import shardplug
 
     shardplug.simulate_cpu_devices(args.devices)
-    result = measure(args.devices, args.experts, args.top_k, args.steps, args.rounds)
+    base = {"experts": args.experts, "top_k": args.top_k}
+    # dropless (ep's slots hold every assignment a device has), and capacity counted per
+    # device at F = 1 (slots of exactly a device's even share: the textbook's bytes)
+    settings = {"dropless": base,
+                "capacity 1.0 per device": {**base, "capacity_factor": 1.0,
+                                            "capacity_groups": args.devices}}  # fmt: skip
+    results = {k: measure(args.devices, o, args.steps, args.rounds) for k, o in settings.items()}
     if args.json:
-        print(json.dumps(result, indent=1))
+        print(json.dumps(results, indent=1))
         return
+    for setting, result in results.items():
+        print(f"--- {setting}")
+        show(result)
+
+
+def show(result: dict) -> None:
     for name, row in result["memory"].items():
         print(f"{name}: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in row.items()))
     print("ep / dp memory: " + ", ".join(

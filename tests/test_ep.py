@@ -109,6 +109,22 @@ def test_the_routing_bias_is_state_each_steps_load_moves():
     assert row["router_bias"] > 0  # the second step routed by the moved bias
 
 
+def test_explain_reduces_the_experts_over_data_only_and_never_gathers_them():
+    """dp+ep: the experts stay split where they are used, so the textbook has no all-gather
+    or reduce-scatter, only the gradients' all-reduce over data (the experts' too: each is
+    held by two data replicas); the compiled all-reduces are that plus the rows' statistics."""
+    from shardplug.explain import explain
+
+    model = shardplug.get_model("transformer")
+    trainer = model.task("nnx", **MOE).trainer(
+        strategy="dp+ep", mesh="data=2,expert=4", devices=8, allocate=False
+    )
+    report = explain(trainer, next(model.batches(model.batch_size, 0)))
+    assert {t["kind"] for t in report.textbook} == {"all-reduce"}
+    compiled = sum(c["bytes"] for c in report.collectives if c["kind"] == "all-reduce")
+    assert 0 <= compiled - report.textbook_bytes("all-reduce") <= 256
+
+
 def test_without_ep_each_device_sorts_only_its_own_rows():
     """dp over 8 devices: the mixture is a per-device program over the batch axes, so the
     step's all-gathers (the capacity counts, the router's probabilities) move less than one

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from shardplug.core.hlo import collectives, wire_bytes
+from shardplug.core.hlo import collectives, textbook_collectives
 from shardplug.core.schedule import Pipeline, circular_order
 from shardplug.core.sequence import sequence_share
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
@@ -163,48 +163,6 @@ def _placed_by(strategy: Any, logical: Any, spec: Any, mesh: Any) -> str:
     return f"model, stored split by {', '.join(parts or more)}"
 
 
-def _textbook(params: list[ParamReport], param_shardings: list, mesh, batch_axes) -> list:
-    """The strategy's collectives as the literature states them, parameter by parameter.
-
-    A parameter replicated over the batch axes has its gradient all-reduced over them (data
-    parallel); one split over batch axes is all-gathered in the forward and again in the
-    backward pass and its gradient reduce-scattered (ZeRO-3/FSDP), plus an all-reduce over
-    any batch axes it is not split over (hybrid). Bytes are result bytes per device, as
-    :func:`shardplug.core.hlo.collectives` counts them. Parameters split over axes the batch
-    is not split on (tensor parallelism) add activation collectives that depend on the
-    model's code: those are not modelled.
-    """
-    if math.prod(mesh.shape[a] for a in batch_axes) == 1:
-        return []
-    totals = {"all-reduce": 0, "all-gather": 0, "reduce-scatter": 0}
-    wire = dict.fromkeys(totals, 0.0)
-    for report, sharding in zip(params, param_shardings, strict=True):
-        split = [a for a in mesh_axes(sharding.spec) if a in batch_axes]
-        rest = [a for a in batch_axes if a not in split and mesh.shape[a] > 1]
-        shard = report.bytes_per_device
-        if split:
-            group = math.prod(mesh.shape[a] for a in split)
-            totals["all-gather"] += 2 * shard * group
-            wire["all-gather"] += 2 * wire_bytes("all-gather", shard * group, group)
-            totals["reduce-scatter"] += shard
-            wire["reduce-scatter"] += wire_bytes("reduce-scatter", shard, group)
-        if rest:
-            totals["all-reduce"] += shard
-            wire["all-reduce"] += wire_bytes(
-                "all-reduce", shard, math.prod(mesh.shape[a] for a in rest)
-            )
-    what = {
-        "all-reduce": "the gradients of parameters replicated over the batch axes",
-        "all-gather": "parameters split over the batch axes, gathered forward and backward",
-        "reduce-scatter": "the gradients of those parameters, onto each device's shard",
-    }
-    return [
-        {"kind": k, "bytes": b, "wire_bytes": round(wire[k]), "what": what[k]}
-        for k, b in totals.items()
-        if b
-    ]
-
-
 def explain(
     trainer: Any, batch: Any, device_memory: int | None = None, param: str | None = None
 ) -> Report:
@@ -311,7 +269,11 @@ def explain(
     bf16 = PRECISIONS.get(trainer.precision) is not None
     if bf16 and (note := float32_note(dtypes)):
         notes.append(note)
-    textbook = _textbook(params, flat_shardings, mesh, batch_axes)
+    composition = trainer.strategy.composition
+    used = [composition.used_spec(x.spec) if composition else x.spec for x in flat_shardings]
+    stored = [x.spec for x in flat_shardings]
+    shards = [p.bytes_per_device for p in params]
+    textbook = textbook_collectives(shards, stored, used, mesh, batch_axes)
     kinds = {c["kind"] for c in found}
     if "reduce-scatter" in {t["kind"] for t in textbook} - kinds:
         notes.append(

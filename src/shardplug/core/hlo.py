@@ -10,6 +10,8 @@ import re
 import tempfile
 from typing import Any
 
+from shardplug.core.sharding import mesh_axes
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 _BYTES = {
@@ -151,3 +153,50 @@ def partitioned_hlo(lowered: Any) -> str:
             raise RuntimeError("XLA wrote no HLO after SPMD partitioning")
         with open(os.path.join(folder, found[-1])) as file:
             return file.read()
+
+
+def textbook_collectives(
+    shard_bytes: list[int], stored: list[Any], used: list[Any], mesh: Any, batch_axes: Any
+) -> list[dict[str, Any]]:
+    """A strategy's collectives as the literature states them, parameter by parameter, from
+    each parameter's bytes per device and its ``stored`` and ``used`` PartitionSpecs.
+
+    A parameter replicated over batch axes has its gradient all-reduced over them (data
+    parallel). One stored split over batch axes but whole there where the step uses it is
+    all-gathered in the forward and again in the backward pass and its gradient
+    reduce-scattered (ZeRO-3/FSDP); one still split where it is used (``ep``'s experts) is
+    neither gathered nor reduced over those axes. Bytes are result bytes per device, as
+    :func:`collectives` counts them. Parameters split over axes the batch is not split on
+    (tensor parallelism) add activation collectives that depend on the model's code, and
+    experts add their tokens' all-to-alls: those are not modelled.
+    """
+    if math.prod(mesh.shape[a] for a in batch_axes) == 1:
+        return []
+    totals = {"all-reduce": 0, "all-gather": 0, "reduce-scatter": 0}
+    wire = dict.fromkeys(totals, 0.0)
+    for shard, spec, at_use in zip(shard_bytes, stored, used, strict=True):
+        split = [a for a in mesh_axes(spec) if a in batch_axes]
+        local = {a for a in mesh_axes(at_use) if a in batch_axes}
+        gathered = [a for a in split if a not in local]
+        rest = [a for a in batch_axes if a not in split and mesh.shape[a] > 1]
+        if gathered:
+            group = math.prod(mesh.shape[a] for a in gathered)
+            totals["all-gather"] += 2 * shard * group
+            wire["all-gather"] += 2 * wire_bytes("all-gather", shard * group, group)
+            totals["reduce-scatter"] += shard
+            wire["reduce-scatter"] += wire_bytes("reduce-scatter", shard, group)
+        if rest:
+            totals["all-reduce"] += shard
+            wire["all-reduce"] += wire_bytes(
+                "all-reduce", shard, math.prod(mesh.shape[a] for a in rest)
+            )
+    what = {
+        "all-reduce": "the gradients of parameters replicated over the batch axes",
+        "all-gather": "parameters split over the batch axes, gathered forward and backward",
+        "reduce-scatter": "the gradients of those parameters, onto each device's shard",
+    }
+    return [
+        {"kind": k, "bytes": b, "wire_bytes": round(wire[k]), "what": what[k]}
+        for k, b in totals.items()
+        if b
+    ]
