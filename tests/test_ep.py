@@ -28,15 +28,17 @@ MOE = {"experts": 4, "top_k": 2}
             "equinox",
             {"experts": 8, "top_k": 2, "capacity_factor": 1.0, "capacity_groups": 8},
         ),
-        # in 2 groups of two devices each: a device's place follows its group's earlier one
-        ("ep", "expert=4", "nnx", {**MOE, "capacity_factor": 0.75, "capacity_groups": 2}),
+        # in 2 groups of two devices each: a device's place follows its group's earlier one;
+        # the axis renamed (axis_names={"expert": "ex"})
+        ("ep", "ex=4", "nnx", {**MOE, "capacity_factor": 0.75, "capacity_groups": 2}),
         # no ep: each device routes its own rows, capacity counted over all of them
         ("dp", "data=8", "nnx", {**MOE, "capacity_factor": 0.75}),
     ],
 )
 def test_compositions_with_ep_train_like_one_device(name, mesh, adapter, options):
     devices = 8 if "data" in mesh or "stage" in mesh else 4
-    losses = _losses(name, {}, adapter, "transformer", STEPS, 0, devices, mesh, options)
+    renamed = {"axis_names": {"expert": "ex"}} if "ex=" in mesh else {}
+    losses = _losses(name, renamed, adapter, "transformer", STEPS, 0, devices, mesh, options)
     want = one_device_losses(adapter, "transformer", STEPS, 0, tuple(sorted(options.items())))
     np.testing.assert_allclose(losses, want, rtol=1e-4)
 
