@@ -111,6 +111,15 @@ def test_the_routing_bias_is_state_each_steps_load_moves():
     assert row["router_bias"] > 0  # the second step routed by the moved bias
 
 
+def test_ep_with_tensor_parallelism_on_explicit_axes_trains_like_one_device():
+    """An explicit-mode mixture (shardplug.testing.explicit.ExpertNet) under ep+tp: the
+    exchange is one per-device program over every axis (XLA refuses one nested in another)."""
+    from shardplug.testing.conformance import _explicit_losses, _explicit_one_device
+
+    got = _explicit_losses("ep+tp", 8, "expert=4,model=2", 5, 0, experts=True)
+    np.testing.assert_allclose(got, _explicit_one_device(5, 0, True), rtol=1e-5)
+
+
 def test_explain_reduces_the_experts_over_data_only_and_never_gathers_them():
     """dp+ep: the experts stay split where they are used, so the textbook has no all-gather
     or reduce-scatter, only the gradients' all-reduce over data (the experts' too: each is

@@ -265,7 +265,8 @@ class CompositionPlugin:
     def _check_agrees(self, path: str, shape: Any, logical: P, spec: P, mesh: Any) -> None:
         """On explicit axes the model's annotation decides where a parameter is used: a
         parallelism that would use it laid out otherwise is refused, naming both."""
-        axes = set(mesh.axis_names)
+        # a logical name a parallelism maps (ep's "expert") is not the mesh axis it may share
+        axes = set(mesh.axis_names) - {n for p in self.parts for n in p.axis.logical}
 
         def named(entry):
             entries = entry if isinstance(entry, tuple) else (entry,)

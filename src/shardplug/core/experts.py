@@ -165,24 +165,18 @@ def _kept(expert, experts, cap, groups, devices, batch):
     return queue_places(expert, experts) + before[expert] < cap
 
 
-def _rows_over(a, batch):
-    """``a`` laid out with its rows over ``batch`` on explicit axes (a per-device program's
-    input must be laid out as its spec says there); as it is on auto axes."""
-    if not is_explicit(jax.sharding.get_abstract_mesh()):
-        return a
-    return lay_out(a, P(batch, *([P.UNCONSTRAINED] * (a.ndim - 1))))
-
-
-def _without(a, axes):
-    """``a`` whole over ``axes`` on explicit axes (its other axes kept), as it is on auto."""
-    if not is_explicit(jax.sharding.get_abstract_mesh()):
-        return a
-    spec = []
-    for entry in tuple(jax.typeof(a).sharding.spec) + (None,) * a.ndim:
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        kept = tuple(n for n in names if n not in axes)
-        spec.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return lay_out(a, P(*spec[: a.ndim]))
+def _program(batch: tuple[str, ...], specs: list[P], operands: list) -> tuple[set, list]:
+    """The axes a per-device program over ``batch`` is manual over, and its operands laid out
+    as ``specs`` say. On auto axes: the batch's (the compiler keeps the others' layouts). On
+    explicit axes: every free axis, the operands laid out exactly (whole over the axes their
+    spec does not name), since XLA refuses a program nested in one (the grouped product's
+    would be, on tensor parallelism's axis)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not is_explicit(mesh):
+        return set(batch), operands
+    free = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+            if t == jax.sharding.AxisType.Explicit}  # fmt: skip
+    return free, [lay_out(a, spec) for a, spec in zip(operands, specs, strict=True)]
 
 
 def _over_batch(batch: tuple[str, ...]) -> Callable:
@@ -206,13 +200,11 @@ def _over_batch(batch: tuple[str, ...]) -> Callable:
                                       gate[0] if gated else None, activation)  # fmt: skip
             return y, jax.lax.psum(computed, batch)
 
-        operands = [_rows_over(a, batch) for a in (x, routing.experts, routing.weights)]
+        specs = [rows, rows, rows, *([whole] * len(weights))]
+        axes, operands = _program(batch, specs, [x, routing.experts, routing.weights, *weights])
         return jax.shard_map(
-            program,
-            in_specs=(rows, rows, rows, *([whole] * len(weights))),
-            out_specs=(rows, P()),
-            axis_names=set(batch),
-        )(*operands, *(_without(w, batch) for w in weights))
+            program, in_specs=tuple(specs), out_specs=(rows, P()), axis_names=axes
+        )(*operands)
 
     return routed
 
@@ -243,14 +235,13 @@ def _placed(axis: str, batch: tuple[str, ...]) -> Callable:
             activation=activation, gated=w_gate is not None, groups=groups, devices=devices,
         )  # fmt: skip
         gates = () if w_gate is None else (w_gate,)
-        operands = [_rows_over(a, batch) for a in (x, routing.experts, routing.weights)]
-        y, kept = jax.shard_map(
-            program,
-            in_specs=(rows, rows, rows, weights, weights, *((weights,) if gates else ())),
-            out_specs=(rows, P()),
-            axis_names=set(batch),
-        )(*operands, w_in, w_out, *gates)
-        return y, kept
+        specs = [rows, rows, rows, weights, weights, *((weights,) if gates else ())]
+        axes, operands = _program(
+            batch, specs, [x, routing.experts, routing.weights, w_in, w_out, *gates]
+        )
+        return jax.shard_map(
+            program, in_specs=tuple(specs), out_specs=(rows, P()), axis_names=axes
+        )(*operands)
 
     return routed
 
