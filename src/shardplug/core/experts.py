@@ -9,6 +9,10 @@ axis, computes what it received as one grouped product per matrix (``ragged_dot`
 experts the groups), and sends the outputs back with a second ``all_to_all``; the backward
 pass is the same exchanges transposed.
 
+Where no parallelism places experts, the trainer still makes the layer a per-device program
+over the batch axes (:func:`over_batch`): each device sorts only its own rows' assignments
+and runs them through the experts it holds whole.
+
 The buffers are static: a device sends each other device a slot of ``tokens x top_k`` rows
 (every assignment could go to one device) when dropless, of ``min(that, E/n x capacity)``
 with a capacity factor. XLA:CPU has no ``ragged_all_to_all``, which would send only the
@@ -83,8 +87,7 @@ def grouped_mlp(
     as one ``ragged_dot`` per matrix over the rows sorted by group."""
     mesh = jax.sharding.get_abstract_mesh()
     if is_explicit(mesh):  # JAX infers no layout for ragged_dot's transpose: a per-device
-        free = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)  # program
-                if t == jax.sharding.AxisType.Explicit}  # fmt: skip
+        free = _free_axes(mesh)  # program
         operands = [lay_out(a, P()) for a in (rows, group, w_in, w_out, w_gate) if a is not None]
         gated = w_gate is not None
 
@@ -174,9 +177,13 @@ def _program(batch: tuple[str, ...], specs: list[P], operands: list) -> tuple[se
     mesh = jax.sharding.get_abstract_mesh()
     if not is_explicit(mesh):
         return set(batch), operands
-    free = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-            if t == jax.sharding.AxisType.Explicit}  # fmt: skip
-    return free, [lay_out(a, spec) for a, spec in zip(operands, specs, strict=True)]
+    return _free_axes(mesh), [lay_out(a, s) for a, s in zip(operands, specs, strict=True)]
+
+
+def _free_axes(mesh) -> set[str]:
+    """The mesh's explicit axes no enclosing per-device program is manual over."""
+    kinds = zip(mesh.axis_names, mesh.axis_types, strict=True)
+    return {a for a, t in kinds if t == jax.sharding.AxisType.Explicit}
 
 
 def _over_batch(batch: tuple[str, ...]) -> Callable:
