@@ -205,9 +205,9 @@ def model_options_arguments(parser: Any) -> None:
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:
     """The reference model's options the command line gave (``layers``, ``remat``)."""
-    names = ("layers", "remat", "sequence", "experts", "top_k", "capacity_factor",
-             "capacity_groups", "bias_rate")  # fmt: skip
-    return {k: getattr(args, k, None) for k in names if getattr(args, k, None)}
+    from shardplug.models import TRANSFORMER_OPTIONS
+
+    return {k: getattr(args, k, None) for k in TRANSFORMER_OPTIONS if getattr(args, k, None)}
 
 
 def _step_range(text: str) -> range:

@@ -128,7 +128,7 @@ class TransformerLM(eqx.Module):
         normal = jax.nn.initializers.normal(0.02)
         self.embed = normal(keys[0], (synthetic.VOCAB, EMBED))
         self.position = normal(keys[1], (sequence, EMBED))
-        self.rule = Rule.of(**rule)
+        self.rule = Rule(**rule)
         block = functools.partial(Block, experts=experts, rule=self.rule)
         self.blocks = stack.equinox_layers(block, layers, keys[2])
         self.norm = (jnp.ones(EMBED), jnp.zeros(EMBED))

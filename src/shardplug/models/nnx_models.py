@@ -91,11 +91,6 @@ class Rule:
     #: toward an even load (:func:`shardplug.moe.balance_bias`); None: no bias
     bias_rate: float | None = None
 
-    @classmethod
-    def of(cls, top_k: int = 2, capacity_factor: float | None = None,
-           capacity_groups: int = 1, bias_rate: float | None = None) -> Rule:  # fmt: skip
-        return cls(top_k, capacity_factor, capacity_groups, bias_rate)
-
 
 class RouterBias(nnx.Variable):
     """Each layer's routing bias, (layers, experts): model state, not trained."""
@@ -170,7 +165,7 @@ class TransformerLM(nnx.Module):
     ):
         self.embed = _param(rngs, (synthetic.VOCAB, EMBED), ("vocab", "embed"))
         self.position = _param(rngs, (sequence, EMBED), (None, "embed"))
-        self.rule = Rule.of(**rule)
+        self.rule = Rule(**rule)
         moe_options = dict(experts=experts, rule=self.rule)
         self.blocks = stack.nnx_layers(lambda r: Block(rngs=r, **moe_options), layers, rngs)
         self.norm = _norm(rngs)
