@@ -95,13 +95,13 @@ def test_a_model_naming_mesh_axes_places_its_own_parameters():
         assert trainer.param_shardings["dot1"]["kernel"].spec[-1] == "model"
 
 
-def test_a_parallelism_that_disagrees_with_the_models_annotation_is_named():
-    """fsdp renamed onto "model" would gather that axis where the model uses it split."""
-    with pytest.raises(shardplug.CompositionError) as info:
-        _dot_relu_dot("dp+fsdp", 8, axis_names={"fsdp": "model", "data": "data"})
+def test_a_batch_split_over_an_axis_the_model_uses_otherwise_is_one_line():
+    """fsdp renamed onto "model" splits the batch's rows over ("data", "model"), and the
+    model's own product then puts "model" on two dimensions: JAX refuses, in one line."""
+    with pytest.raises(shardplug.ConfigError) as info:
+        _dot_relu_dot("dp+fsdp", 8, axis_names={"fsdp": "model"})
     message = str(info.value)
-    assert "the model lays it out as P(None, 'model')" in message
-    assert "'fsdp' as P()" in message
+    assert "the batch's rows are split over ('data', 'model')" in message
     assert len(message.splitlines()) == 1
 
 

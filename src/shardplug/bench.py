@@ -30,8 +30,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core.compose import implemented
+from shardplug.core.declared import Capability, declared
 from shardplug.core.experts import over_batch
-from shardplug.core.hookspecs import Capability, declared
 from shardplug.core.layer_gather import layer_specs
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.registry import get_strategy
@@ -157,12 +157,11 @@ class _HandWritten(_Contender):
             # fsdp: each parameter whole where it is used (ZeRO-3); a layer stack's, one
             # layer at a time inside the model's scan, which reads the layouts from context
             leaves, treedef = jax.tree.flatten(params)
+            stored = [s.spec for s in jax.tree.leaves(params_sharding)]
+            uses = (composition and composition.used_specs(params, mesh)) or stored
             out, per_layer = [], {}
-            for p, sharding, in_stack in zip(
-                leaves, jax.tree.leaves(params_sharding), stacked, strict=True
-            ):
-                used = composition.used_spec(sharding.spec) if composition else sharding.spec
-                if tuple(used) != tuple(sharding.spec):
+            for p, spec, used, in_stack in zip(leaves, stored, uses, stacked, strict=True):
+                if tuple(used) != tuple(spec):
                     if in_stack:
                         per_layer[id(p)] = used
                     else:

@@ -17,12 +17,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from shardplug.core.facts import Explained, StepFacts
 from shardplug.core.hlo import collectives, textbook_collectives
 from shardplug.core.schedule import Pipeline, circular_order
 from shardplug.core.sequence import sequence_share
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.core.step import PRECISIONS
-from shardplug.errors import ConfigError
+from shardplug.errors import ConfigError, PluginError
 from shardplug.flops import float32_note, product_dtypes
 from shardplug.loop.feed import global_struct
 
@@ -72,6 +73,8 @@ class Report:
     axis_types: dict[str, str] = dataclasses.field(default_factory=dict)
     #: a split sequence's axes, positions per device and ring traffic (``sequence_share``)
     sequence: dict[str, Any] | None = None
+    #: what each parallelism reported of its share (``explain_step``), by the name it gave
+    parallelisms: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -254,7 +257,8 @@ def explain(
                  jax.tree.leaves(trainer.batch_shardings)[0]),
         _picture(param, params[chosen].shape, flat_shardings[chosen]),
     ]  # fmt: skip
-    notes = []
+    notes: list[str] = []
+    reports: dict[str, Any] = {}
     tensor_parallel = {a for s in flat_shardings for a in mesh_axes(s.spec) if a not in batch_axes}
     if tensor_parallel:
         notes.append(
@@ -270,8 +274,8 @@ def explain(
     if bf16 and (note := float32_note(dtypes)):
         notes.append(note)
     composition = trainer.strategy.composition
-    used = [composition.used_spec(x.spec) if composition else x.spec for x in flat_shardings]
     stored = [x.spec for x in flat_shardings]
+    used = (composition and composition.used_specs(state.params, mesh)) or stored
     shards = [p.bytes_per_device for p in params]
     textbook = textbook_collectives(shards, stored, used, mesh, batch_axes)
     kinds = {c["kind"] for c in found}
@@ -282,6 +286,25 @@ def explain(
             "stack once for forward and backward: 1 all-gather + 1 all-reduce sends what 2 "
             "all-gathers + 1 reduce-scatter send"
         )
+    if composition is not None:
+        facts = StepFacts(
+            mesh=mesh, jaxpr=trainer.jaxpr, collectives=found, param_paths=paths,
+            params=[jax.ShapeDtypeStruct(p.shape, p.dtype) for p in flat_params],
+            stored=stored, used=used, batch=[global_struct(x) for x in jax.tree.leaves(batch)],
+            batch_shardings=jax.tree.leaves(trainer.batch_shardings), batch_axes=batch_axes,
+        )  # fmt: skip
+        for part in composition.parts:
+            told = part.call("explain_step", axis=part.axis.name, mesh=mesh, step=facts)
+            if told is None:
+                continue
+            if not isinstance(told, Explained):
+                raise PluginError(
+                    f"parallelism {part.name!r}: explain_step returned {told!r}, not an "
+                    f"Explained (or None)"
+                )
+            notes += list(told.notes)
+            if told.name is not None:
+                reports[told.name] = told.report
     pipeline = _pipeline(trainer, params, flat_shardings, found, batch_axes)
     sequence, note = sequence_share(batch, trainer.batch_shardings, found, pipeline is not None)
     notes += [note] if note else []
@@ -300,6 +323,7 @@ def explain(
         notes=notes,
         pipeline=pipeline,
         sequence=sequence,
+        parallelisms=reports,
         axis_types={"types": trainer.axis_types, "why": trainer.axis_types_reason},
         precision={
             "compute": "bfloat16" if bf16 else "float32",

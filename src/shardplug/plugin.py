@@ -28,8 +28,10 @@ from shardplug.core.context import (
     manual_axes,
     per_device_program,
 )
+from shardplug.core.declared import Capability
 from shardplug.core.experts import expert_parallel, experts_override
-from shardplug.core.hookspecs import Capability, hookimpl, hookspec
+from shardplug.core.facts import Explained, StepFacts
+from shardplug.core.hookspecs import hookimpl, hookspec
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh, describe, parse_mesh
 from shardplug.core.schedule import Pipeline, pipelined
@@ -43,7 +45,13 @@ from shardplug.core.sharding import (
     per_parameter,
     shard_largest_dim,
 )
-from shardplug.errors import ConfigError, MeshError, PluginError, StrategyOptionError
+from shardplug.errors import (
+    ConfigError,
+    MeshError,
+    PluginError,
+    ShardplugWarning,
+    StrategyOptionError,
+)
 
 __all__ = [
     "LAYERS",
@@ -51,12 +59,15 @@ __all__ = [
     "Capability",
     "Composed",
     "ConfigError",
+    "Explained",
     "MeshError",
     "Pipeline",
     "NamedSharding",
     "P",
     "PartitionSpec",
     "PluginError",
+    "ShardplugWarning",
+    "StepFacts",
     "StrategyOptionError",
     "attention",
     "experts_override",

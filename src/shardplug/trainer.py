@@ -13,7 +13,13 @@ import jax
 import optax
 
 from shardplug.core.devices import select_devices
-from shardplug.core.mesh import explain_axis_types, explicit_need, parse_mesh, retyped
+from shardplug.core.mesh import (
+    explain_axis_types,
+    explicit_need,
+    model_axes_error,
+    parse_mesh,
+    retyped,
+)
 from shardplug.core.registry import Strategy, get_strategy
 from shardplug.core.state import create_state, state_shardings
 from shardplug.core.step import (
@@ -210,7 +216,7 @@ class Trainer:
             return fn()
 
         try:
-            return call()
+            return self._refusing(call)
         except Exception as exc:
             need = explicit_need(exc, self.settings.axis_types)
             if need is None:
@@ -227,7 +233,20 @@ class Trainer:
                 else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                 self.state, self.state_shardings,
             )  # fmt: skip
-        return call()
+        return self._refusing(call)
+
+    def _refusing(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, a model whose code names mesh axes the run cannot give it refused in one
+        line (:func:`shardplug.core.mesh.model_axes_error`)."""
+        try:
+            return fn()
+        except Exception as exc:
+            composition = self.strategy.composition
+            batch_axes = composition.batch_axes if composition is not None else ()
+            refused = model_axes_error(exc, self.mesh, batch_axes)
+            if refused is not None:
+                raise refused from exc
+            raise
 
     def _lay_out(self) -> None:
         """The state's shardings on the run's mesh, as the strategy chooses them."""

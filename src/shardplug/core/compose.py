@@ -34,7 +34,7 @@ import pluggy
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core import fallbacks, hookspecs
+from shardplug.core import declared, fallbacks, hookspecs
 from shardplug.core.hookspecs import hookimpl
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh, is_explicit
@@ -186,6 +186,7 @@ class CompositionPlugin:
                 )
         self.parts = sorted(parts, key=lambda p: p.axis.rank)  # mesh order, outer first
         self._stored: dict[Any, list[P]] = {}
+        self._fixed: dict[Any, list[dict[int, Any]]] = {}
         self._stacked: dict[Any, list[bool]] = {}
 
     @property
@@ -200,9 +201,9 @@ class CompositionPlugin:
     def unsupported(self) -> dict[str, str]:
         found: dict[str, str] = {}
         for part in self.parts:
-            found.update(hookspecs.declared(part.plugin, "unsupported"))
+            found.update(declared.declared(part.plugin, "unsupported"))
         if self.batch_axes:
-            found.pop(hookspecs.Capability.BATCH_SPLIT, None)
+            found.pop(declared.Capability.BATCH_SPLIT, None)
         return found
 
     def activation_rules(self) -> dict[str, tuple[str, ...]]:
@@ -218,13 +219,15 @@ class CompositionPlugin:
     @hookimpl
     def make_mesh(self, devices, mesh_shape):
         shape = dict(mesh_shape or {})
-        unknown = sorted(set(shape) - set(self.axes))
+        # an axis no parallelism owns, of size 1: a name the model's own code uses, kept whole
+        extra = {a: n for a, n in shape.items() if a not in self.axes and n == 1}
+        unknown = sorted(set(shape) - set(self.axes) - set(extra))
         if unknown:
             roles = ", ".join(f"{p.axis.name} ({p.name})" for p in self.parts)
             raise MeshError(
                 f"mesh axis {unknown[0]!r} is not an axis of this composition, whose axes are "
-                f"{roles}: size those, or rename one to match your model "
-                f"(--axis-name ROLE={unknown[0]})"
+                f"{roles}: size those, rename one to match your model (--axis-name "
+                f"ROLE={unknown[0]}), or give it size 1 to keep a name your model uses whole"
             )
         given = math.prod(shape.values())
         rest = [a for a in self.axes if a not in shape]
@@ -235,8 +238,8 @@ class CompositionPlugin:
                 f"sizes multiply to {len(devices)}, or change --devices"
             )
         shape.update(zip(rest, default_sizes(len(devices) // given, len(rest)), strict=True))
-        sizes = {a: shape[a] for a in self.axes}
-        return build_mesh(devices, sizes, default=dict.fromkeys(self.axes, 1))
+        sizes = {a: shape[a] for a in (*self.axes, *extra)}
+        return build_mesh(devices, sizes, default=dict.fromkeys(sizes, 1))
 
     @hookimpl
     def shard_params(self, params, mesh, annotations):
@@ -247,56 +250,49 @@ class CompositionPlugin:
             if annotations is None
             else jax.tree.leaves(annotations, is_leaf=lambda x: isinstance(x, P))
         )
-        specs = [
-            self._spec(path, leaf.shape, logical, mesh)
+        fixed = [
+            self._model_placed(path, leaf.shape, logical, mesh)
             for path, leaf, logical in zip(paths, leaves, logicals, strict=True)
         ]
+        specs = [
+            self._spec(path, leaf.shape, logical, mesh, own)
+            for path, leaf, logical, own in zip(paths, leaves, logicals, fixed, strict=True)
+        ]
         for part in self.parts:
-            part.call("check_layout", paths=paths, specs=specs, axis=part.axis.name)
-        if is_explicit(mesh):
-            for path, leaf, logical, spec in zip(paths, leaves, logicals, specs, strict=True):
-                self._check_agrees(path, leaf.shape, logical, spec, mesh)
+            part.call("check_layout", paths=paths, specs=specs, axis=part.axis.name,
+                      leaves=leaves, logical=logicals)  # fmt: skip
         self._stored[(treedef, id(mesh))] = specs
+        self._fixed[(treedef, id(mesh))] = fixed
         self._stacked[(treedef, id(mesh))] = [
             len(logical) > 0 and logical[0] == LAYERS for logical in logicals
         ]
         return jax.tree.unflatten(treedef, specs)
 
-    def _check_agrees(self, path: str, shape: Any, logical: P, spec: P, mesh: Any) -> None:
-        """On explicit axes the model's annotation decides where a parameter is used: a
-        parallelism that would use it laid out otherwise is refused, naming both."""
+    def _model_placed(self, path: str, shape: Any, logical: P, mesh: Any) -> dict[int, Any]:
+        """On explicit axes, the dimensions the model's annotation places on mesh axes, and
+        their entries: the model's code uses them so (its types say so), so they are stored
+        and used as it says; the parallelisms split only the dimensions it leaves unnamed.
+        Empty on auto axes, where the parallelisms' rules decide. A mesh axis that does not
+        divide its dimension is refused, naming both."""
+        if not is_explicit(mesh):
+            return {}
         # a logical name a parallelism maps (ep's "expert") is not the mesh axis it may share
         axes = set(mesh.axis_names) - {n for p in self.parts for n in p.axis.logical}
-
-        def named(entry):
+        fixed = {}
+        for dim, entry in enumerate(tuple(logical)[: len(shape)]):
             entries = entry if isinstance(entry, tuple) else (entry,)
             kept = tuple(e for e in entries if e in axes)
-            return None if not kept else kept[0] if len(kept) == 1 else kept
-
-        model = [named(e) for e in logical]
-        if not any(e is not None for e in model):
-            return  # the model names no mesh axis here: the parallelisms decide
-        used = list(self.used_spec(spec))
-        width = max(len(model), len(used))
-        model += [None] * (width - len(model))
-        used += [None] * (width - len(used))
-        if model == used:
-            return
-        who = sorted(
-            {
-                p.name
-                for p in self.parts
-                for m, u in zip(model, used, strict=True)
-                if m != u and p.axis.name in mesh_axes(P(m, u))
-            }
-        )
-        raise CompositionError(
-            f"{path} (shape {tuple(shape)}): the model lays it out as {_trimmed(model)}, "
-            f"{' and '.join(map(repr, who)) or 'the parallelisms'} as {_trimmed(used)}: on "
-            f"explicit axes the model's annotation decides; make them agree (the "
-            f"parallelism's rules or options, or the model's annotation), or use "
-            f"axis_types='auto'"
-        )
+            if not kept:
+                continue
+            parts = math.prod(mesh.shape[a] for a in kept)
+            if shape[dim] % parts:
+                raise CompositionError(
+                    f"{path} (shape {tuple(shape)}): the model places dimension {dim} over "
+                    f"{kept} ({parts} devices), which does not divide its {shape[dim]}: size "
+                    f"the mesh so that it does (--mesh), or change the model's annotation"
+                )
+            fixed[dim] = kept[0] if len(kept) == 1 else kept
+        return fixed
 
     def part_contexts(self, mesh: Any) -> list[Any]:
         """The context managers the parallelisms enter around every traced program."""
@@ -307,16 +303,23 @@ class CompositionPlugin:
         found = [p.call("trace_context", axis=p.axis.name, **asked) for p in self.parts]
         return [c for c in found if c is not None]
 
-    def _spec(self, path: str, shape: tuple[int, ...], logical: P, mesh: Any) -> P:
-        owner: dict[int, Part] = {}
-        axes: dict[int, tuple[str, ...]] = {}
+    def _spec(
+        self, path: str, shape: tuple[int, ...], logical: P, mesh: Any, fixed: dict[int, Any]
+    ) -> P:
+        owner: dict[int, Part | None] = dict.fromkeys(fixed)  # the model's own dimensions
+        axes: dict[int, tuple[str, ...]] = {
+            d: e if isinstance(e, tuple) else (e,) for d, e in fixed.items()
+        }
+        model_axes = {a for entry in axes.values() for a in entry}
         inner = list(reversed(self.parts))  # claims innermost first: model, stage, fsdp, data
         for i, part in enumerate(inner):
             axis = part.axis.name
+            if axis in model_axes:  # the model uses it for this parameter already
+                continue
             spare = {
                 p.axis.name: mesh.shape[p.axis.name]
                 for p in reversed(inner[:i])
-                if p.axis.lends and p not in owner.values()
+                if p.axis.lends and p not in owner.values() and p.axis.name not in model_axes
             }
             got = part.call(
                 "split_param", shape=tuple(shape), logical=logical, axis=axis,
@@ -331,8 +334,9 @@ class CompositionPlugin:
                     f"(shape {tuple(shape)}), which it does not have"
                 )
             if dim in owner:
+                first = "the model" if owner[dim] is None else repr(owner[dim].name)
                 raise CompositionError(
-                    f"{owner[dim].name!r} and {part.name!r} both split dimension {dim} of "
+                    f"{first} and {part.name!r} both split dimension {dim} of "
                     f"{path} (shape {tuple(shape)}): a dimension splits over one parallelism's "
                     f"axis; change the rules of one of them"
                 )
@@ -369,6 +373,7 @@ class CompositionPlugin:
         split = seq[0] if len(seq) == 1 else seq
         parts = math.prod(mesh.shape[a] for a in seq)
         owner = next(p.name for p in self.parts if p.axis.sequence)
+        specs = []
         for path, leaf in zip(leaf_paths(batch), jax.tree.leaves(batch), strict=True):
             if leaf.ndim < 2:
                 raise ConfigError(
@@ -376,20 +381,32 @@ class CompositionPlugin:
                     f"{seq}, and batch leaf {path!r} of shape {tuple(leaf.shape)} has none: "
                     f"give {owner} a batch of (rows, sequence, ...) leaves, or leave it out"
                 )
-            if parts > 1 and leaf.shape[1] % (2 * parts):
-                raise ConfigError(
-                    f"batch leaf {path!r} has a sequence of {leaf.shape[1]}, which does not "
-                    f"split in two chunks for each of the {parts} devices of {seq} (causal "
-                    f"work is balanced by dealing them zig-zag): use a sequence that is a "
-                    f"multiple of {2 * parts}, or fewer {owner} devices (--mesh)"
-                )
-        return jax.tree.map(lambda leaf: P(lead, split), batch)
+            # a sequence the devices do not divide (tokens of L + 1 for a model fed
+            # tokens[:, :-1]) is read whole by each of them: placing an array needs even
+            # blocks, attention does not (it pads), and splits the activations from there
+            specs.append(P(lead) if leaf.shape[1] % parts else P(lead, split))
+        return jax.tree.unflatten(jax.tree.structure(batch), specs)
 
-    def used_spec(self, spec: P) -> P:
-        """A parameter's layout where the step uses it, given its stored ``spec``."""
+    def used_spec(self, spec: P, fixed: Mapping[int, Any] | None = None) -> P:
+        """A parameter's layout where the step uses it, given its stored ``spec`` (and the
+        dimensions the model places itself, ``fixed``: used as it says)."""
         for part in self.parts:
             spec = part.call("gather_param", spec=spec, axis=part.axis.name)
-        return spec
+        if not fixed:
+            return spec
+        out = list(spec) + [None] * (max(fixed, default=-1) + 1 - len(spec))
+        for dim, entry in fixed.items():
+            out[dim] = entry
+        return _trimmed(out)
+
+    def used_specs(self, params: Any, mesh: Any) -> list[P] | None:
+        """Every parameter's layout where the step uses it, in ``jax.tree.leaves`` order
+        (None for parameters this composition did not place)."""
+        key = (jax.tree.structure(params), id(mesh))
+        stored = self._stored.get(key)
+        if stored is None:
+            return None
+        return [self.used_spec(s, f) for s, f in zip(stored, self._fixed[key], strict=True)]
 
     @hookimpl
     def gather_params(self, params, mesh):
@@ -400,13 +417,13 @@ class CompositionPlugin:
         layer at a time (by id, for :func:`shardplug.core.layer_gather.layer_specs`): gathering
         a whole stack before its scan would hold every layer at once."""
         leaves, treedef = jax.tree.flatten(params)
-        stored = self._stored.get((treedef, id(mesh)))
-        if stored is None:
+        used_specs = self.used_specs(params, mesh)
+        if used_specs is None:
             return params, {}
+        stored = self._stored[(treedef, id(mesh))]
         stacked = self._stacked[(treedef, id(mesh))]
         out, per_layer = [], {}
-        for leaf, spec, in_stack in zip(leaves, stored, stacked, strict=True):
-            used = self.used_spec(spec)
+        for leaf, spec, used, in_stack in zip(leaves, stored, used_specs, stacked, strict=True):
             if tuple(used) != tuple(spec):
                 if in_stack:
                     per_layer[id(leaf)] = used

@@ -113,10 +113,26 @@ def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int:
     return max(1, math.ceil(factor * tokens * top_k / experts))
 
 
-def expert_parallel(axis: str, batch_axes: tuple[str, ...]) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def expert_parallel(
+    axis: str, batch_axes: tuple[str, ...], unrouted: Callable[[], None] | None = None
+) -> Iterator[None]:
     """Trace the code inside with the experts split over ``axis`` and the tokens over
-    ``batch_axes`` (``axis`` among them), exchanged by ``all_to_all`` (see the module)."""
-    return experts_override(_placed(axis, tuple(batch_axes)))
+    ``batch_axes`` (``axis`` among them), exchanged by ``all_to_all`` (see the module);
+    ``unrouted()`` is called after a program that never routed through
+    :func:`shardplug.moe.routed_experts` (its experts, if any, were computed by the compiler
+    wherever it put them)."""
+    called = []
+    placed = _placed(axis, tuple(batch_axes))
+
+    def counted(*args, **kwargs):
+        called.append(True)
+        return placed(*args, **kwargs)
+
+    with experts_override(counted):
+        yield
+    if not called and unrouted is not None:
+        unrouted()
 
 
 def over_batch(batch_axes: tuple[str, ...]) -> contextlib.AbstractContextManager:

@@ -33,9 +33,11 @@ written in JAX's explicit sharding mode; ``Trainer(axis_types=...)``). A plugin 
   ``jax.lax.with_sharding_constraint``, looked up as ``jax.lax.with_sharding_constraint``,
   lays arrays out in both modes (on explicit axes core makes it ``jax.sharding.reshard``,
   where JAX's would only assert); ``shardplug.plugin.lay_out(x, spec)`` says so directly.
-- On explicit axes a parameter the model annotates with the run's mesh axes is used as the
-  model says: :func:`gather_param` may gather only what its parallelism stores split beyond
-  that; a layout that disagrees is refused, naming the parallelism and the model.
+- On explicit axes the model's own placement wins: a parameter dimension its annotation
+  places on a run's mesh axis is stored and used as it says (:func:`split_param` sees it
+  in ``taken``, and is not asked for that parameter when its axis is one the model uses
+  there; :func:`gather_param` cannot move it). Refused in one line: a mesh axis that does
+  not divide that dimension, an axis the model's code names that the mesh lacks.
 - A plugin that cannot run on explicit axes declares ``unsupported = {"explicit-axes":
   reason}`` and is refused there with the reason (``pmap``: a per-device program has no
   explicit axes). The conformance suite runs every other plugin in both modes.
@@ -43,7 +45,6 @@ written in JAX's explicit sharding mode; ``Trainer(axis_types=...)``). A plugin 
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -51,83 +52,15 @@ import pluggy
 
 if TYPE_CHECKING:
     from shardplug.core.compose import Axis
+    from shardplug.core.facts import Explained, StepFacts
 
 PROJECT = "shardplug"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-# Besides its hooks, a plugin may declare three fields, as class attributes. Core reads no
-# other attribute of a plugin, and reads these only through declared():
-#
-#   description: str      one line for `shardplug strategies` (default: the docstring's first)
-#   unsupported: dict[str, str]
-#                         capabilities it lacks (a Capability, or its value as a str), with
-#                         the reason the conformance suite shows when it skips their checks
-#   baseline: str         for a whole strategy, how its step is written by hand, for bench:
-#                         "jit" (jax.jit with its shardings) or "shard_map"
-#
-# Example:
-#
-#     class PerDeviceProgram:
-#         """Data parallel as an explicit per-device program."""
-#         baseline = "shard_map"
-#         unsupported = {"uneven-shapes": "every device holds whole parameters"}
-
-
-class Capability(enum.StrEnum):
-    """What a plugin may declare it cannot do (its ``unsupported`` keys); each is one group
-    of the conformance suite's checks, skipped with the plugin's reason. Every use of a
-    capability in core and the suite goes through this declaration."""
-
-    #: the adapters: the model's framework
-    NNX = "nnx"
-    LINEN = "linen"
-    EQUINOX = "equinox"
-    #: models with state besides parameters (batch statistics: the ``cnn``)
-    MODEL_STATE = "model-state"
-    #: parameters whose dimensions no mesh axis divides
-    UNEVEN_SHAPES = "uneven-shapes"
-    #: the batch is split over devices, not replicated (a composition with a batch axis has it)
-    BATCH_SPLIT = "batch-split"
-    #: models without a layer stack (``shardplug.stack``)
-    WITHOUT_LAYER_STACK = "without-layer-stack"
-    #: models whose batch has no sequence dimension (``cp`` splits the sequence; its checks
-    #: then run on the transformer)
-    WITHOUT_SEQUENCE = "without-sequence"
-    #: models without a mixture of experts (``ep``'s checks then run on the transformer's)
-    WITHOUT_EXPERTS = "without-experts"
-    #: meshes whose axes are ``AxisType.Explicit`` (``axis_types="explicit"``); a plugin that
-    #: declares it unsupported is refused in that mode, with its reason
-    EXPLICIT_AXES = "explicit-axes"
-
-
-CAPABILITIES = tuple(c.value for c in Capability)
-BASELINES = ("jit", "shard_map")
-
-
-def declared(plugin: Any, field: str) -> Any:
-    """A plugin's declared ``field`` (``description``, ``unsupported`` or ``baseline``),
-    checked: a mistyped one is a :class:`shardplug.errors.PluginError` naming it."""
-    from shardplug.errors import PluginError
-
-    value = getattr(plugin, field, None)
-    name = getattr(plugin, "__name__", type(plugin).__name__)
-    if field == "unsupported":
-        value = dict(value or {})
-        wrong = [k for k, v in value.items() if k not in CAPABILITIES or not isinstance(v, str)]
-        if wrong:
-            raise PluginError(
-                f"plugin {name}: unsupported names {wrong[0]!r}, which is not a capability "
-                f"({', '.join(CAPABILITIES)}) with a reason (a str)"
-            )
-    elif field == "baseline" and value not in (None, *BASELINES):
-        raise PluginError(f"plugin {name}: baseline must be one of {BASELINES}, got {value!r}")
-    elif field == "description" and value is not None and not isinstance(value, str):
-        raise PluginError(f"plugin {name}: description must be a str, got {value!r}")
-    elif field not in ("unsupported", "baseline", "description"):
-        raise ValueError(f"no declared field {field!r}")
-    return value
+# Besides its hooks, a plugin may declare three fields (description, unsupported, baseline):
+# core/declared.py says what each means and checks them.
 
 
 @hookspec(firstresult=True)
@@ -466,7 +399,9 @@ def gather_param(spec: Any, axis: str) -> Any:
 
 
 @hookspec(firstresult=True)
-def check_layout(paths: list[str], specs: list[Any], axis: str) -> None:
+def check_layout(
+    paths: list[str], specs: list[Any], axis: str, leaves: list[Any], logical: list[Any]
+) -> None:
     """Refuse a model this parallelism cannot split, once every parameter's layout is known.
 
     Called once at set-up, after :func:`split_param` has run for every parameter.
@@ -474,6 +409,9 @@ def check_layout(paths: list[str], specs: list[Any], axis: str) -> None:
     :param paths: every parameter's path (``blocks/wq``).
     :param specs: every parameter's stored ``PartitionSpec``, in the same order.
     :param axis: this parallelism's mesh axis, as the run names it.
+    :param leaves: every parameter as a ``jax.ShapeDtypeStruct`` (its shape and dtype).
+    :param logical: every parameter's logical ``PartitionSpec`` (``P()`` without one): what
+        the model named its dimensions, to say which name was not taken.
     :return: None; raise a :class:`shardplug.errors.ConfigError` saying what to change.
 
     Example, pipeline stages need a layer stack::
@@ -497,4 +435,26 @@ def trace_context(axis: str, mesh: Any, replicas: tuple[str, ...], batch_axes: t
         each device's own tokens to their experts).
     :return: a context manager, or None. ``pp`` returns one under which every layer stack
         (:mod:`shardplug.stack`) runs its pipeline schedule instead of a plain scan.
+    """
+
+
+@hookspec(firstresult=True)
+def explain_step(axis: str, mesh: Any, step: StepFacts) -> Explained | None:
+    """Describe this parallelism's share of a compiled step, for ``shardplug explain``.
+
+    Called by :func:`shardplug.explain.explain` after the step is compiled (and traced,
+    with :func:`trace_context` entered), once per parallelism of the composition.
+
+    :param axis: this parallelism's mesh axis, as the run names it.
+    :param mesh: the run's mesh.
+    :param step: what explain read off the compiled step (:class:`shardplug.plugin.StepFacts`).
+    :return: a :class:`shardplug.plugin.Explained` (a named report for the JSON and notes for
+        the printed page), or None to add nothing.
+
+    Example, the bytes of this axis's collective-permutes as a note::
+
+        @hookimpl
+        def explain_step(self, axis, step):
+            sent = sum(c["bytes"] for c in step.collectives if c["kind"] == "collective-permute")
+            return Explained(notes=(f"{axis}: {sent} B of collective-permutes a step",))
     """

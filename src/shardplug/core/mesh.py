@@ -140,6 +140,40 @@ def explicit_need(exc: BaseException, asked: str | None) -> str | None:
     return None if asked == "explicit" else need
 
 
+_MISSING_AXIS = re.compile(r"Resource axis: (\w+) of (.*?) is not found in mesh")
+
+
+def model_axes_error(exc: BaseException, mesh: Any, batch_axes: tuple[str, ...]) -> Any:
+    """The one line (a :class:`ConfigError`) for a model whose own code names mesh axes the
+    run cannot give it: an axis the mesh lacks (JAX's ``Resource axis ... is not found in
+    mesh``), or, on explicit axes, a layout JAX refuses that involves the batch's axes (rows
+    placed over fewer axes than the batch's, a batch axis used for another dimension too);
+    None for anything else."""
+    seen = 0
+    while exc is not None and seen < 8:
+        text = str(exc)
+        if found := _MISSING_AXIS.search(text):
+            axis, spec = found.groups()
+            return ConfigError(
+                f"the model's code names mesh axis {axis!r} (in {spec}), which this run's "
+                f"mesh ({describe(mesh)}) does not have: compose the parallelism that splits "
+                f"it under that name (e.g. --axis-name model={axis} with tp in the strategy), "
+                f"or give the mesh a {axis!r} axis of size 1 (--mesh {describe(mesh)},{axis}=1)"
+            )
+        rows = str(batch_axes if len(batch_axes) > 1 else batch_axes[0]) if batch_axes else None
+        refused = type(exc).__name__ == "ShardingTypeError" and is_explicit(mesh)
+        if refused and rows and any(re.search(rf"\b{re.escape(a)}\b", text) for a in batch_axes):
+            first = text.splitlines()[0] if text else type(exc).__name__
+            return ConfigError(
+                f"the model's code lays out arrays in a way JAX refuses on explicit axes "
+                f"({first.rstrip('.')}): the batch's rows are split over {rows}, so where the "
+                f"model places rows it must name those axes (P({rows}, ...)) and use them for "
+                f"nothing else; or leave out the parallelisms whose axes it does not name"
+            )
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
 def describe(mesh: Mesh) -> str:
     """``data=2,model=4``: the mesh written the way ``--mesh`` takes it."""
     return ",".join(f"{name}={size}" for name, size in mesh.shape.items())

@@ -20,7 +20,7 @@ from typing import Any
 
 import pluggy
 
-from shardplug.core import compose, fallbacks, hookspecs
+from shardplug.core import compose, declared, fallbacks, hookspecs
 from shardplug.core.strategy import Strategy as Strategy  # re-exported: the run's manager
 from shardplug.errors import (
     CompositionError,
@@ -94,7 +94,7 @@ class StrategyInfo:
 
 
 def _describe(plugin: Any) -> str:
-    text = hookspecs.declared(plugin, "description") or inspect.getdoc(plugin) or ""
+    text = declared.declared(plugin, "description") or inspect.getdoc(plugin) or ""
     return text.strip().splitlines()[0] if text.strip() else "(no description)"
 
 
@@ -141,7 +141,7 @@ def _load(ep: importlib.metadata.EntryPoint) -> tuple[StrategyInfo, Any]:
         return broken(error=f"hooks do not fit the specs: {exc}"), None
     try:
         for field in ("unsupported", "baseline"):
-            hookspecs.declared(plugin, field)
+            declared.declared(plugin, field)
         description = _describe(plugin)
     except PluginError as exc:
         return broken(error=str(exc)), None

@@ -49,17 +49,46 @@ def gathered_attention(axis: str):
     the sequence (gathered over ``axis``), queries and output split over it."""
 
     def attend(query, key, value, *, causal, bias, mask, scale):
+        size = jax.sharding.get_abstract_mesh().shape[axis]
+        length = query.shape[1]
+        (query, key, value), bias, mask = _padded((query, key, value), bias, mask, size)
         split, whole = P(_U, axis, _U, _U), P(_U, None, _U, _U)
         query = lay_out(query, split)
         key, value = lay_out(key, whole), lay_out(value, whole)
+        padded = query.shape[1] != length
         # XLA's: cuDNN's wrapper has no partitioning rule for split queries against whole keys
         out = jax.nn.dot_product_attention(
             query, key, value, bias=bias, mask=mask, scale=scale, is_causal=causal,
+            key_value_seq_lengths=(
+                jnp.full(query.shape[:1], length, jnp.int32) if padded else None
+            ),
             implementation="xla",
         )  # fmt: skip
-        return lay_out(out, split)
+        return lay_out(out, split)[:, :length]
 
     return attend
+
+
+def _padded(qkv, bias, mask, multiple: int):
+    """``qkv`` (and a ``bias`` or ``mask`` over their positions) padded at the end of the
+    sequence to a multiple of ``multiple`` positions: zeros, the mask's padding True (the
+    padded keys are masked by their length, the padded queries' rows are cut off after)."""
+    length = qkv[0].shape[1]
+    extra = -length % multiple
+    if not extra:
+        return qkv, bias, mask
+
+    def pad(x, value=0):
+        if x is None:
+            return None
+        widths = [(0, 0)] * x.ndim
+        for dim in (-2, -1):  # (..., queries, keys), each possibly broadcast (size 1)
+            if x.shape[dim] == length:
+                widths[dim] = (0, extra)
+        return jnp.pad(x, widths, constant_values=value)
+
+    seq = [(0, 0), (0, extra), (0, 0), (0, 0)]
+    return tuple(jnp.pad(x, seq) for x in qkv), pad(bias), pad(mask, True)
 
 
 def ring_attention(axis: str, balance: bool = True):
@@ -80,18 +109,29 @@ def ring_attention(axis: str, balance: bool = True):
             return gathered(query, key, value, causal=causal, bias=bias, mask=mask,
                             scale=scale)  # fmt: skip
         size = mesh.shape[axis]
+        length = query.shape[1]
+        # any length: padded at the end to whole blocks (two chunks each when dealt); causal,
+        # no real query sees a padded key, otherwise the ring masks them by their position
+        dealt = causal and balance
+        (query, key, value), _, _ = _padded((query, key, value), None, None,
+                                            2 * size if dealt else size)  # fmt: skip
+        valid = None if causal or query.shape[1] == length else length
+        split = P(_U, axis, _U, _U)  # explicit axes: their types must say it
+        query, key, value = (lay_out(x, split) for x in (query, key, value))
         block = functools.partial(
-            _ring, axis=axis, size=size, causal=causal, scale=scale, balance=balance
-        )
+            _ring, axis=axis, size=size, causal=causal, scale=scale, balance=balance,
+            valid=valid,
+        )  # fmt: skip
         split = P(None, axis)
-        return jax.shard_map(
+        out = jax.shard_map(
             block, in_specs=(split, split, split), out_specs=split, axis_names={axis}
         )(query, key, value)
+        return out[:, :length]
 
     return attend
 
 
-def _ring(q, k, v, *, axis, size, causal, scale, balance):
+def _ring(q, k, v, *, axis, size, causal, scale, balance, valid=None):
     """One device's share of ring attention: its queries against every block of keys.
 
     Causal and ``balance``, the blocks are first dealt zig-zag (:func:`_deal`): device ``i``
@@ -100,7 +140,9 @@ def _ring(q, k, v, *, axis, size, causal, scale, balance):
     queries against an earlier device's first half, or its second half of queries against a
     later device's whole block. Each device computes ``(C + 1) / 2C`` of the block pairs that
     causal attention without the deal does (all of them, masked), all devices the same; the
-    output is dealt back, so nothing outside sees the order."""
+    output is dealt back, so nothing outside sees the order. Key and value blocks carry
+    their own heads, which may be fewer than the queries' (grouped-query attention): only
+    they go round the ring. ``valid``: keys at positions from it on are padding, masked."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     me = jax.lax.axis_index(axis)
     perm = [(d, (d + 1) % size) for d in range(size)]
@@ -110,14 +152,17 @@ def _ring(q, k, v, *, axis, size, causal, scale, balance):
     length = q.shape[1]
     half = length // 2
 
-    def seen(source):  # the causal mask of my block against source's, contiguous blocks
+    def seen(source):  # my block's mask against source's (contiguous blocks), or None
         places = jnp.arange(length)
-        return (me * length + places)[:, None] >= (source * length + places)[None, :]
+        keys = source * length + places
+        if causal:
+            return (me * length + places)[:, None] >= keys[None, :]
+        return None if valid is None else jnp.broadcast_to(keys < valid, (length, length))
 
     def meet(acc, k, v, step):
         source = (me - step) % size  # whose keys and values these are
         if not dealt:
-            return _meet(q, k, v, acc, scale, seen(source) if causal else None)
+            return _meet(q, k, v, acc, scale, seen(source))
 
         def earlier(acc):  # all my queries against its first half
             return _meet(q, k[:, :half], v[:, :half], acc, scale)
@@ -135,8 +180,9 @@ def _ring(q, k, v, *, axis, size, causal, scale, balance):
     # made from q, so they carry its type: varying where it is (pp's stage axis too), and
     # laid out like it on explicit mesh axes
     zeros = jnp.zeros_like(q[..., 0], jnp.float32).transpose(0, 2, 1)  # (rows, heads, length)
-    acc = (zeros - jnp.inf, zeros, jnp.zeros_like(q, jnp.float32))
-    mine = seen(me) if causal else None
+    out = jnp.zeros_like(q[..., :1], jnp.float32) * jnp.zeros((1, 1, 1, v.shape[-1]), jnp.float32)
+    acc = (zeros - jnp.inf, zeros, out)  # out: (rows, length, heads, value's head_dim)
+    mine = seen(me)
     if dealt:  # my own block: causal at the dealt positions
         places = jnp.arange(half)
         where = jnp.concatenate([me * half + places, (2 * size - 1 - me) * half + places])
@@ -153,10 +199,16 @@ def _ring(q, k, v, *, axis, size, causal, scale, balance):
 
 def _meet(q, k, v, acc, scale, seen=None):
     """The online softmax's running maximum, sum and output (float32) for the rows of ``q``,
-    updated with one block of keys and values (``seen``: which pairs the mask keeps)."""
+    updated with one block of keys and values (``seen``: which pairs the mask keeps). The
+    query heads are grouped over the key/value heads (grouped-query attention: consecutive
+    query heads share one, as ``jax.nn.dot_product_attention`` pairs them)."""
     top, total, out = acc
     f32 = jnp.float32
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=f32) * scale
+    rows, length, heads, _ = q.shape
+    shared = k.shape[2]  # key/value heads
+    grouped = q.reshape(rows, length, shared, heads // shared, q.shape[-1])
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, k, preferred_element_type=f32)
+    scores = scores.reshape(rows, heads, length, k.shape[1]) * scale
     if seen is not None:
         scores = jnp.where(seen, scores, -jnp.inf)
     new_top = jnp.maximum(top, scores.max(-1))
@@ -166,9 +218,9 @@ def _meet(q, k, v, acc, scale, seen=None):
         weights = jnp.where(seen, weights, 0.0)
     fade = jnp.where(jnp.isfinite(top), jnp.exp(top - safe), 0.0)
     total = total * fade + weights.sum(-1)
-    out = out * fade.transpose(0, 2, 1)[..., None] + jnp.einsum(
-        "bhqk,bkhd->bqhd", weights.astype(v.dtype), v, preferred_element_type=f32
-    )
+    weights = weights.reshape(rows, shared, heads // shared, length, k.shape[1])
+    update = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v, preferred_element_type=f32)
+    out = out * fade.transpose(0, 2, 1)[..., None] + update.reshape(out.shape)
     return new_top, total, out
 
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pluggy
 
-from shardplug.core import compose, fallbacks, hookspecs
+from shardplug.core import compose, declared, fallbacks
 from shardplug.core.context import activation_rules
 from shardplug.core.experts import over_batch
 from shardplug.core.mesh import retyped
@@ -79,7 +79,7 @@ class Strategy:
         composition = self.composition
         if composition is not None:
             return composition.unsupported
-        return hookspecs.declared(self.plugin, "unsupported")
+        return declared.declared(self.plugin, "unsupported")
 
     @property
     def composition(self) -> compose.CompositionPlugin | None:
@@ -134,7 +134,7 @@ class Strategy:
 
     def check_explicit(self) -> None:
         """Refuse explicit axes where the strategy declares it cannot run on them."""
-        reason = self.unsupported.get(hookspecs.Capability.EXPLICIT_AXES)
+        reason = self.unsupported.get(declared.Capability.EXPLICIT_AXES)
         if reason is not None:
             raise ConfigError(
                 f"strategy {self.name!r} does not run on explicit mesh axes: {reason}; use "
