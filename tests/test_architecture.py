@@ -49,3 +49,35 @@ def test_no_module_reaches_into_a_trainer():
         if private.search(line)
     ]
     assert not found, "\n".join(found)
+
+
+BUILT_IN = ("dp", "fsdp", "tp", "pp", "cp", "ep", "2d", "pmap")
+
+
+def test_core_names_no_parallelism_and_no_axis_of_one():
+    """Core is the contract, the composition, the traced step and the mesh utilities: no
+    built-in parallelism's name appears in it (code, comments, docstrings), and no axis of
+    theirs as a string in its code or quoted in its text (RANK, in shardplug.plugin, states
+    them once)."""
+    import ast
+    import io
+    import tokenize
+
+    from shardplug.plugin import RANK
+
+    words = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, BUILT_IN)) + r")(?![\w-])")
+    quoted = re.compile(r"[\"'`](" + "|".join(RANK) + r")[\"'`]")
+    found = []
+    for path in sorted((SRC / "core").rglob("*.py")):
+        text = path.read_text()
+        name = path.relative_to(SRC)
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            if token.type in (tokenize.NAME, tokenize.COMMENT, tokenize.STRING):
+                found += [f"{name}:{token.start[0]}: {m}" for m in words.findall(token.string)]
+                found += [f"{name}:{token.start[0]}: {m}" for m in quoted.findall(token.string)]
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Constant) and node.value in RANK:
+                found.append(f"{name}:{node.lineno}: {node.value!r}")
+    # a run with no strategy at all is data parallel, on core's fallback mesh of one axis
+    found = [f for f in found if not f.startswith("core/fallbacks.py:36: ")]
+    assert not found, "\n".join(sorted(set(found)))

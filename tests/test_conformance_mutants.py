@@ -33,6 +33,17 @@ MUTANTS = textwrap.dedent(
             return jax.tree.map(lambda x: P("rows") if x.ndim else P(), batch)
 
 
+    class Leading(Rows):
+        """The earlier contract's whole strategy: every parameter's first dimension split
+        over 'rows' where it divides, a layer stack's layer dimension included; no gather."""
+
+        @hookimpl
+        def shard_params(self, params, mesh):
+            n = mesh.shape["rows"]
+            return jax.tree.map(lambda x: P("rows") if x.ndim and x.shape[0] % n == 0 else P(),
+                                params)  # fmt: skip
+
+
     class Ascends(Rows):
         """Its gradient reduction flips the sign: training diverges from one device's."""
 
@@ -79,7 +90,7 @@ MUTANTS = textwrap.dedent(
 @pytest.fixture
 def mutants(tmp_path, monkeypatch, fresh_registry):  # noqa: F811
     names = {"ascends": "Ascends", "duplicates": "Duplicates", "uneven": "Uneven", "rows": "Rows",
-             "auto-only": "AutoOnly"}  # fmt: skip
+             "auto-only": "AutoOnly", "leading": "Leading"}  # fmt: skip
     entry_points = {name: f"mutants:{cls}" for name, cls in names.items()}
     install(tmp_path, monkeypatch, "mutants", "0.1", entry_points, {"mutants": MUTANTS})
 
@@ -95,6 +106,19 @@ def test_the_plain_plugin_passes_every_check(mutants):
     rows.test_uneven_shapes_still_train()
     rows.test_trains_like_one_device_on_explicit_axes()
     suite("auto-only").test_trains_like_one_device("nnx", "mlp")  # on auto axes it is right
+
+
+def test_a_plugin_of_the_earlier_contract_splitting_a_layer_stack_passes_every_check(mutants):
+    """Written before explicit axes existed, it splits the layer stack's layer dimension;
+    on explicit axes core moves that split off the dimension the stack's loop runs over and
+    gathers one layer at a time, as the compiler does on auto axes (JAX refused the scan:
+    "0th dimension of all xs should be replicated")."""
+    leading = suite("leading")
+    leading.test_trains_like_one_device("nnx", "transformer")
+    leading.test_trains_like_one_device("equinox", "transformer")
+    leading.test_batch_is_split_not_duplicated()
+    leading.test_uneven_shapes_still_train()
+    leading.test_trains_like_one_device_on_explicit_axes()
 
 
 def test_a_wrong_gradient_fails_trains_like_one_device(mutants):

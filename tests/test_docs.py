@@ -33,7 +33,7 @@ def test_the_architecture_page_names_every_hook_there_is():
     text = (ROOT / "docs" / "architecture.md").read_text()
     bullet = text[text.index("- **`core/hookspecs.py`**") :].split("\n- ", 1)[0]
     assert set(re.findall(r"`(\w+)`", bullet)) - {"firstresult"} == specs
-    assert len(specs) == 15
+    assert len(specs) == 17
 
 
 def test_the_newcomers_tour_names_files_that_exist():
@@ -44,3 +44,21 @@ def test_the_newcomers_tour_names_files_that_exist():
     assert len(named) >= 15
     missing = [f for f in named if not (ROOT / "src" / "shardplug" / f).is_file()]
     assert not missing, f"the tour names files that do not exist: {missing}"
+
+
+def test_the_docs_state_the_axes_order_as_the_code_ranks_them():
+    """Wherever the README or docs/ list the axes in order (four or more, backticked), the
+    list is the mesh order shardplug.plugin.RANK states, or the claim order (its reverse),
+    whole: it had drifted to "model, stage, fsdp, data" in seven places."""
+    from shardplug.plugin import RANK
+
+    mesh = sorted(RANK, key=RANK.get)
+    name = "|".join(RANK)
+    run = re.compile(rf"`(?:{name})`(?:,\s+(?:and\s+)?`(?:{name})`){{3,}}")
+    found = 0
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for listed in run.findall(page.read_text()):
+            axes = re.findall(r"`(\w+)`", listed)
+            assert axes in (mesh, mesh[::-1]), f"{page.name}: {listed!r}"
+            found += 1
+    assert found >= 4

@@ -12,9 +12,9 @@ import pytest
 
 import shardplug
 from shardplug.cli import main
-from shardplug.core.schedule import Pipeline, circular_order
 from shardplug.errors import ConfigError, MeshError
 from shardplug.explain import explain
+from shardplug.plugin import Pipeline, circular_order
 
 STEPS = 3
 
@@ -190,8 +190,8 @@ def test_the_schedule_returns_each_layers_aux_summed_over_microbatches_in_layer_
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from shardplug.core import schedule
     from shardplug.core.layer_stack import run_stack
+    from shardplug.plugin import pipelined
 
     def block(w, h):
         h = jnp.tanh(h * w[None, :])
@@ -206,7 +206,7 @@ def test_the_schedule_returns_each_layers_aux_summed_over_microbatches_in_layer_
 
     @jax.jit
     def piped(w, x):
-        with schedule.pipelined(pipeline):
+        with pipelined(pipeline):
             return run_stack(block, w, x)
 
     with jax.set_mesh(mesh):

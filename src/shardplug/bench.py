@@ -29,11 +29,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core.compose import implemented
-from shardplug.core.declared import Capability, declared
-from shardplug.core.experts import over_batch
+from shardplug.core.declared import declared
 from shardplug.core.layer_gather import layer_specs
-from shardplug.core.layer_stack import LAYERS
 from shardplug.core.registry import get_strategy
 from shardplug.errors import ConfigError
 from shardplug.explain import peak_bytes
@@ -71,24 +68,16 @@ class Result:
         return out
 
 
-def _reshapes_the_step(part: Any) -> bool:
-    """A parallelism whose traced-step context reschedules the layer stack (pp's)."""
-    needs_stack = Capability.WITHOUT_LAYER_STACK in (declared(part.plugin, "unsupported") or {})
-    return needs_stack and "trace_context" in implemented(part.plugin)
-
-
 def hand_written_form(strategy: Any) -> str | None:
     """How the strategy's step is written by hand in plain JAX, as its plugin says.
 
     A composition of parallelisms is ``jax.jit`` with its shardings (and each parameter
-    constrained where it is used, as the parallelisms' ``gather_param`` says; attention and
-    experts computed as the parallelisms put them: ``cp``'s ring, ``ep``'s exchange); a
-    whole strategy names its form in a ``baseline`` attribute (``"jit"`` or ``"shard_map"``,
-    as ``pmap`` does), or has no hand-written twin (None).
+    constrained where it is used, as the parallelisms' ``gather_param`` says; the operations
+    they supply computed as they supply them: a ring of attention, an exchange of tokens, a
+    pipeline schedule); a whole strategy names its form in a ``baseline`` attribute
+    (``"jit"`` or ``"shard_map"``), or has no hand-written twin (None).
     """
     if strategy.composition is not None:
-        if any(_reshapes_the_step(p) for p in strategy.composition.parts):
-            return None  # pp: benchmarks/pipeline.py has its twin
         return "jit"
     return declared(strategy.plugin, "baseline")
 
@@ -140,43 +129,20 @@ class _HandWritten(_Contender):
         composition = template.strategy.composition
         whole = NamedSharding(mesh, P())
         key = jax.random.key(0)
-        logical = template.annotations
-        stacked = [
-            len(spec) > 0 and spec[0] == LAYERS
-            for spec in (
-                jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, P))
-                if logical is not None
-                else [P()] * len(jax.tree.leaves(template.state.params))
-            )
-        ]
-
-        placing = [p for p in (composition.parts if composition else [])
-                   if "trace_context" in implemented(p.plugin)]  # fmt: skip
 
         def loss(params, batch):
-            # fsdp: each parameter whole where it is used (ZeRO-3); a layer stack's, one
-            # layer at a time inside the model's scan, which reads the layouts from context
-            leaves, treedef = jax.tree.flatten(params)
-            stored = [s.spec for s in jax.tree.leaves(params_sharding)]
-            uses = (composition and composition.used_specs(params, mesh)) or stored
-            out, per_layer = [], {}
-            for p, spec, used, in_stack in zip(leaves, stored, uses, stacked, strict=True):
-                if tuple(used) != tuple(spec):
-                    if in_stack:
-                        per_layer[id(p)] = used
-                    else:
-                        p = jax.lax.with_sharding_constraint(p, NamedSharding(mesh, used))
-                out.append(p)
+            # each parameter laid out where it is used, as the parallelisms' gather_param
+            # say (ZeRO-3: whole); a layer stack's one layer at a time inside its loop
+            per_layer = {}
+            if composition is not None:
+                params = composition.gather_params(params, mesh)
+                per_layer = composition.layer_gathers(params, mesh)
             with layer_specs(per_layer), contextlib.ExitStack() as stack:
-                if composition is not None:  # a mixture of experts: each device its rows
-                    stack.enter_context(over_batch(composition.batch_axes))
-                for part in placing:  # cp's ring attention, ep's exchange, as they put them
-                    axis = part.axis.name
-                    placed = part.call("trace_context", axis=axis, mesh=mesh, replicas=(),
-                                       batch_axes=composition.batch_axes)  # fmt: skip
-                    if placed is not None:
-                        stack.enter_context(placed)
-                bound = adapter.bind(treedef.unflatten(out), model_state, rng=key, train=True)
+                # the operations the parallelisms supply (a ring of attention, an exchange
+                # of tokens, a pipeline schedule), the activation rules: as they put them
+                for context in template.strategy.contexts_while_tracing(mesh):
+                    stack.enter_context(context)
+                bound = adapter.bind(params, model_state, rng=key, train=True)
                 return _loss_value(model.loss_fn(bound, batch))
 
         def step(params, opt_state, batch):
@@ -334,8 +300,7 @@ def bench(
         raise ConfigError(
             f"bench compares with hand-written JAX; {', '.join(unknown)} has no hand-written "
             f"twin (a whole strategy names one in its plugin's `baseline` attribute): bench "
-            f"parallelisms, their compositions, or pmap; pp is measured against a hand-written "
-            f"GPipe by benchmarks/pipeline.py"
+            f"parallelisms, their compositions, or a strategy that names one"
         )
     batches = list(itertools.islice(task.batches(), 8))
     if not batches:

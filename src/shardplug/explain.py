@@ -17,10 +17,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from shardplug.core.compose import order
 from shardplug.core.facts import Explained, StepFacts
 from shardplug.core.hlo import collectives, textbook_collectives
-from shardplug.core.schedule import Pipeline, circular_order
-from shardplug.core.sequence import sequence_share
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.core.step import PRECISIONS
 from shardplug.errors import ConfigError, PluginError
@@ -64,17 +63,22 @@ class Report:
     pictures: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: where the compiled program and the textbook part ways, and why
     notes: list[str] = dataclasses.field(default_factory=list)
-    #: a pipeline run's schedule, stack bytes and permute traffic (see :func:`_pipeline`)
+    #: a pipeline run's schedule, stack bytes and permute traffic (its parallelism's report
+    #: named "pipeline")
     pipeline: dict[str, Any] | None = None
     #: ``{"compute", "matmul_flops_by_dtype", "float32_sites"}``: the dtypes the step's
     #: matrix products compute in, and where products of float32 operands are
     precision: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: ``{"types": "auto" | "explicit", "why": ...}``: the mesh's axis types and why
     axis_types: dict[str, str] = dataclasses.field(default_factory=dict)
-    #: a split sequence's axes, positions per device and ring traffic (``sequence_share``)
+    #: a split sequence's axes, positions per device and ring traffic (its parallelism's
+    #: report named "sequence")
     sequence: dict[str, Any] | None = None
     #: what each parallelism reported of its share (``explain_step``), by the name it gave
     parallelisms: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: a composition's orders (``shardplug.core.compose.order``): ``mesh`` (its axes,
+    #: outermost first) and ``claims`` (the order they claim parameter dimensions in)
+    order: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -305,9 +309,6 @@ def explain(
             notes += list(told.notes)
             if told.name is not None:
                 reports[told.name] = told.report
-    pipeline = _pipeline(trainer, params, flat_shardings, found, batch_axes)
-    sequence, note = sequence_share(batch, trainer.batch_shardings, found, pipeline is not None)
-    notes += [note] if note else []
     return Report(
         strategy=trainer.strategy.name,
         devices=int(mesh.size),
@@ -321,9 +322,10 @@ def explain(
         compile_seconds=trainer.compile_seconds,
         pictures=pictures,
         notes=notes,
-        pipeline=pipeline,
-        sequence=sequence,
+        pipeline=reports.get("pipeline"),
+        sequence=reports.get("sequence"),
         parallelisms=reports,
+        order=order(composition.parts) if composition is not None else {},
         axis_types={"types": trainer.axis_types, "why": trainer.axis_types_reason},
         precision={
             "compute": "bfloat16" if bf16 else "float32",
@@ -349,100 +351,6 @@ def memory_limit_note(device: Any) -> str:
         "memory): set XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 before starting to allow more, or "
         "pass --device-memory to plan for another device"
     )
-
-
-def _pipeline(trainer, params, shardings, found, batch_axes) -> dict[str, Any] | None:
-    """Stages, microbatches, repeats and bubble; the layer stack's bytes (whole and per
-    device); which layers each stage holds; and the collective-permute traffic per step as
-    compiled against the schedule's own figure: one send forward and one back per tick, each
-    a microbatch's stage input per device. The circular schedule also moves the stack's
-    shards into its order (and their gradients back): the difference."""
-    mesh = trainer.mesh
-    found_schedule = schedule_of(trainer.jaxpr)
-    if found_schedule is None:
-        return None
-    axis, ticks, inputs = found_schedule
-    m_, s_ = inputs.shape[0], mesh.shape[axis]
-    r_ = (ticks - s_ + 1) // m_
-    pl = Pipeline(axis, s_, m_, r_)
-    stacked = [
-        (p, sh) for p, sh in zip(params, shardings, strict=True)
-        if len(sh.spec) and sh.spec[0] == axis
-    ]  # fmt: skip
-    if not stacked:  # a ring over another axis (cp's attention), not a pipeline's stages
-        return None
-    layers = stacked[0][0].shape[0]
-    shape, dtype = (inputs.shape[0] * inputs.shape[1], *inputs.shape[2:]), inputs.dtype
-    shards = math.prod(mesh.shape[a] for a in batch_axes) if batch_axes else 1
-    send = shape[0] // m_ // shards * math.prod(shape[1:]) * np.dtype(dtype).itemsize
-    permutes = [c for c in found if c["kind"] == "collective-permute"]
-    compiled = sum(c["bytes"] for c in permutes)
-    return {
-        "stages": s_,
-        "microbatches": m_,
-        "repeats": r_,
-        "bubble": pl.bubble,
-        "layers": layers,
-        "stage_layers": circular_order(layers, s_, r_).reshape(s_, -1).tolist(),
-        "stack_bytes": sum(_bytes(p.shape, p.dtype) for p, _ in stacked),
-        "stack_bytes_per_device": sum(p.bytes_per_device for p, _ in stacked),
-        "ticks": pl.ticks,
-        "collective_permute": {
-            "compiled_ops": sum(c["count"] for c in permutes),
-            "compiled_bytes_per_step": compiled,
-            "schedule_ops": 2 * pl.ticks,
-            "textbook_bytes_per_step": 2 * send * pl.ticks,
-        },
-    }
-
-
-def schedule_of(jaxpr: Any) -> tuple[str, int, Any] | None:
-    """A pipeline schedule as the traced step runs it: its stage axis, its ticks (the loop
-    with a ``ppermute`` inside a ``shard_map``) and its stacked microbatch inputs (the
-    ``shard_map``'s last operand: microbatches x rows x ...); None without one.
-
-    Read from the program, not from the plugin: nothing is recorded while it is traced."""
-
-    def subs(eqn):
-        for value in eqn.params.values():
-            for v in value if isinstance(value, tuple) else (value,):
-                inner = getattr(v, "jaxpr", v)
-                if hasattr(inner, "eqns"):
-                    yield inner
-
-    def permute_axis(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "ppermute":
-                names = eqn.params["axis_name"]
-                return names[0] if isinstance(names, tuple) else names
-            for sub in subs(eqn):
-                if (found := permute_axis(sub)) is not None:
-                    return found
-        return None
-
-    def tick_loop(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "scan":
-                body = eqn.params["jaxpr"]
-                if (axis := permute_axis(getattr(body, "jaxpr", body))) is not None:
-                    return axis, int(eqn.params["length"])
-            for sub in subs(eqn):
-                if (found := tick_loop(sub)) is not None:
-                    return found
-        return None
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "shard_map":
-                body = eqn.params["jaxpr"]
-                if (found := tick_loop(getattr(body, "jaxpr", body))) is not None:
-                    return (*found, eqn.invars[-1].aval)
-            for sub in subs(eqn):
-                if (found := walk(sub)) is not None:
-                    return found
-        return None
-
-    return walk(getattr(jaxpr, "jaxpr", jaxpr))
 
 
 def _picture(name: str, shape: tuple[int, ...], sharding: NamedSharding) -> dict[str, Any]:

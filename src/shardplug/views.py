@@ -39,6 +39,11 @@ def render(report: Report, console: Any, every_row: bool = False) -> None:
     if report.axis_types:
         types = report.axis_types
         console.print(f"mesh axes {types['types']}: {types['why']}")
+    if len(report.order.get("mesh", ())) > 1:
+        console.print(
+            f"order: the mesh {', '.join(report.order['mesh'])} (outermost first); parameter "
+            f"dimensions claimed {', '.join(report.order['claims'])}"
+        )
     flops = report.precision.get("matmul_flops_by_dtype") or {}
     if flops:
         total = sum(flops.values())

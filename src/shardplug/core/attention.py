@@ -6,31 +6,24 @@ materialises the ``sequence x sequence`` scores. :func:`attention` asks for cuDN
 devices are NVIDIA GPUs and the inputs qualify (bfloat16 or float16, a head dimension that is
 a multiple of 8 and at most 128, or 256 on Hopper), and says once why when they do not.
 
-It is also the place a parallelism that splits the sequence replaces attention's inside
-(ring attention, all-gathered keys and values): :func:`attention_override` installs another
-implementation for the code traced inside it, so the model's code does not change between
-strategies, the way ``pp`` replaces the layer stack's scan.
+It is also an operation a parallelism may compute its own way (:mod:`shardplug.core.ops`):
+one that splits the sequence supplies attention over it through its ``operations`` hook, so
+the model's code does not change between strategies.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
+from shardplug.core import ops
 from shardplug.errors import ShardplugWarning
 
 Implementation = Literal["cudnn", "xla"]
-
-#: what replaces attention's inside while a parallelism's program is traced
-_OVERRIDE: contextvars.ContextVar[Callable[..., jax.Array] | None] = contextvars.ContextVar(
-    "shardplug_attention", default=None
-)
 _SAID: set[str] = set()  # each fallback reason is said once per process
 
 FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -53,15 +46,15 @@ def attention(
     ``is_causal``); key and value may have fewer heads than the query (grouped-query
     attention), dividing them. ``implementation=None`` chooses: cuDNN's fused attention on
     NVIDIA GPUs where the inputs qualify, XLA's otherwise; name one to insist (``"cudnn"``
-    raises where it cannot run). Inside a parallelism that replaces attention (see
-    :func:`attention_override`) that parallelism's implementation runs instead.
+    raises where it cannot run). Under a parallelism that supplies attention (over a
+    sequence split across devices) that parallelism's implementation runs instead.
 
     Example, in any framework's forward pass::
 
         q, k, v = (jnp.einsum("bse,ehd->bshd", x, w) for w in (wq, wk, wv))
         out = shardplug.attention(q, k, v, causal=True)  # (batch, seq, heads, head_dim)
     """
-    override = _OVERRIDE.get()
+    override = ops.supplied("attention")
     if override is not None:
         return override(query, key, value, causal=causal, bias=bias, mask=mask, scale=scale)
     if implementation is None:
@@ -126,17 +119,9 @@ def _say_once(why: str) -> None:
         warnings.warn(f"shardplug.attention: {why}", ShardplugWarning, stacklevel=3)
 
 
-@contextlib.contextmanager
-def attention_override(implementation: Callable[..., jax.Array]) -> Iterator[None]:
-    """Trace the code inside with ``implementation`` in place of :func:`attention`'s own.
-
-    ``implementation(query, key, value, *, causal, bias, mask, scale)`` returns what
-    :func:`attention` would. A parallelism that splits the sequence installs its ring (or
-    all-gather) attention this way around the step it traces, and every model that calls
-    :func:`attention` uses it unchanged.
-    """
-    token = _OVERRIDE.set(implementation)
-    try:
-        yield
-    finally:
-        _OVERRIDE.reset(token)
+def attention_override(implementation: Callable[..., jax.Array]) -> Any:
+    """Trace the code inside with ``implementation`` in place of :func:`attention`'s own:
+    ``implementation(query, key, value, *, causal, bias, mask, scale)``. A parallelism
+    supplies it through its ``operations`` hook instead (``Operations(attention=...)``);
+    this context manager stays for plugins written before that hook."""
+    return ops.override("attention", implementation)

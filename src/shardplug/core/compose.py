@@ -1,25 +1,25 @@
-"""Parallelisms composed on one mesh: ``"dp+fsdp+tp"`` as one strategy.
+"""Parallelisms composed on one mesh: ``"a+b+c"`` as one strategy.
 
-Each parallelism owns one mesh axis (:func:`~shardplug.core.hookspecs.parallel_axis`). Core
-composes them in one fixed order, written down here once:
+Each parallelism owns one mesh axis (:func:`~shardplug.core.hookspecs.parallel_axis`), whose
+``Axis.rank`` places it. Core composes them in one order, derived from the ranks alone:
 
-- **the mesh** lays the axes out by ``Axis.rank``, outermost first: ``data`` (replicas, the
-  least traffic, across nodes), ``stage`` (pipeline), ``fsdp``, ``context`` (the sequence),
-  ``model`` (tensor parallel, the most traffic, on the fastest links), as MaxText lays out
-  its mesh;
+- **the mesh** lays the axes out by rank, outermost (lowest) first: replicas, with the
+  least traffic, across nodes; the axis whose parallelism talks every layer, on the fastest
+  links, innermost (as MaxText lays out its mesh);
 - **parameters** are split in the reverse order, innermost first, like torchtitan's
   ``parallelize`` (tensor parallel, then pipeline stages, then sharding of what remains):
-  ``model`` claims its dimensions, then ``stage``, then ``fsdp`` among the dimensions left;
-- **the batch** splits its second dimension (the sequence) over every axis whose
-  parallelism says ``sequence=True`` (``cp``);
-- **the batch** splits its leading dimension over every axis whose parallelism says
-  ``batch=True``, in mesh order (``P(("data", "fsdp"))`` for ``dp+fsdp``);
+  each parallelism claims its dimensions among those the ones before it left
+  (:func:`~shardplug.core.hookspecs.split_param`);
+- **the batch**: each parallelism says which dimension of each batch leaf it splits
+  (:func:`~shardplug.core.hookspecs.split_batch`; by default the leading one where its
+  ``Axis`` says ``batch``), and a dimension several split is split over their axes in mesh
+  order;
 - **the step** sees each parameter as every parallelism's
-  :func:`~shardplug.core.hookspecs.gather_param` leaves it (``fsdp`` gathers its own axis
-  only, so ``tp``'s split stays).
+  :func:`~shardplug.core.hookspecs.gather_param` leaves it, in mesh order.
 
-Two parallelisms on one axis, or claiming one dimension of one parameter, are refused with
-a :class:`~shardplug.errors.CompositionError` naming both.
+:func:`order` states the orders of a composition; ``explain`` prints them. Two parallelisms
+on one axis, or claiming one dimension of one parameter, are refused with a
+:class:`~shardplug.errors.CompositionError` naming both.
 """
 
 from __future__ import annotations
@@ -27,21 +27,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import pluggy
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core import declared, fallbacks, hookspecs
+from shardplug.core import declared, fallbacks, hookspecs, ops
 from shardplug.core.hookspecs import hookimpl
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh, is_explicit
 from shardplug.core.sharding import constraints_lay_out, lay_out, leaf_paths, mesh_axes
 from shardplug.errors import (
     CompositionError,
-    ConfigError,
     MeshError,
     PluginError,
     ShardplugError,
@@ -63,36 +62,27 @@ class Axis:
 
     :param name: the axis's role and default name (``--axis-name ROLE=NAME`` renames it).
     :param rank: its place in the order: lower is further out in the mesh and claims
-        parameter dimensions later. The built-ins use the class constants below; a new
-        parallelism picks a number between them.
-    :param batch: whether the batch's leading dimension splits over this axis.
+        parameter dimensions later (:data:`shardplug.plugin.RANK` gives the built-ins'; a
+        new parallelism picks a number between them).
+    :param batch: whether the batch's leading dimension (its rows) splits over this axis,
+        the default of :func:`~shardplug.core.hookspecs.split_batch`.
     :param logical: logical activation names this axis splits (``shardplug.constrain``).
     :param lends: whether a parameter this parallelism leaves whole may be stored split over
-        its axis by another (``fsdp`` stores what ``tp`` leaves whole over ``model`` too, and
-        gathers it at use); replicas (``data``) keep whole copies and do not lend.
-    :param sequence: whether every batch leaf's second dimension (the sequence) splits over
-        this axis (``cp``); a leaf without one is refused, naming it.
+        its axis by another (one that gathers it at use); replicas keep whole copies and do
+        not lend.
     """
-
-    DATA: ClassVar[int] = 10
-    STAGE: ClassVar[int] = 20
-    FSDP: ClassVar[int] = 30
-    EXPERT: ClassVar[int] = 33
-    CONTEXT: ClassVar[int] = 35
-    MODEL: ClassVar[int] = 40
 
     name: str
     rank: int
     batch: bool = False
     logical: tuple[str, ...] = ()
     lends: bool = False
-    sequence: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Composed:
-    """An entry point that names a composition: ``2d = "...:TWO_D"`` with
-    ``TWO_D = Composed("dp+tp", "2D mesh ...")`` makes ``--strategy 2d`` mean ``dp+tp``.
+    """An entry point that names a composition: ``both = "...:BOTH"`` with
+    ``BOTH = Composed("a+b", "a and b on one mesh")`` makes ``--strategy both`` mean ``a+b``.
 
     A declaration only; the run's plugin for a composition is :class:`CompositionPlugin`."""
 
@@ -150,8 +140,8 @@ def make_part(name: str, plugin: Any, renames: Mapping[str, str], pm: pluggy.Plu
 
 def default_sizes(count: int, parts: int) -> list[int]:
     """``count`` devices as ``parts`` factors, as even as divisibility allows, larger ones
-    first (outer axes): 8 over three axes is 2x2x2, over two 4x2 (``dp+tp``: data=4, model=2:
-    tensor parallelism talks every layer, so it gets the smaller factor)."""
+    first (outer axes): 8 over three axes is 2x2x2, over two 4x2 (replicas 4, tensor
+    parallelism 2: it talks every layer, so it gets the smaller factor)."""
     sizes = []
     for left in range(parts, 0, -1):
         size = next(d for d in range(1, count + 1) if count % d == 0 and d**left >= count)
@@ -163,7 +153,7 @@ def default_sizes(count: int, parts: int) -> list[int]:
 class CompositionPlugin:
     """The whole-strategy hooks of a composition, answered from its parallelisms.
 
-    Core builds it from names (``get_strategy("fsdp+tp")``); it is the plugin of the run's
+    Core builds it from names (``get_strategy("a+b")``); it is the plugin of the run's
     :class:`~shardplug.core.registry.Strategy`, next to the parallelisms' own step hooks.
     """
 
@@ -276,7 +266,7 @@ class CompositionPlugin:
         divide its dimension is refused, naming both."""
         if not is_explicit(mesh):
             return {}
-        # a logical name a parallelism maps (ep's "expert") is not the mesh axis it may share
+        # a logical name a parallelism maps is not the mesh axis of that name it may share
         axes = set(mesh.axis_names) - {n for p in self.parts for n in p.axis.logical}
         fixed = {}
         for dim, entry in enumerate(tuple(logical)[: len(shape)]):
@@ -295,13 +285,16 @@ class CompositionPlugin:
         return fixed
 
     def part_contexts(self, mesh: Any) -> list[Any]:
-        """The context managers the parallelisms enter around every traced program."""
+        """The context managers entered around every traced program: the parallelisms'
+        operations (:mod:`shardplug.core.ops`), and the contexts of plugins that still
+        install theirs from ``trace_context``."""
         split = {a for key, specs in self._stored.items() if key[1] == id(mesh)
                  for spec in specs for a in mesh_axes(spec)}  # fmt: skip
         replicas = tuple(a for a in self.batch_axes if split and a not in split)
         asked = dict(mesh=mesh, replicas=replicas, batch_axes=self.batch_axes)
+        records = [(p.name, p.call("operations", axis=p.axis.name, **asked)) for p in self.parts]
         found = [p.call("trace_context", axis=p.axis.name, **asked) for p in self.parts]
-        return [c for c in found if c is not None]
+        return [ops.supplying(records), *(c for c in found if c is not None)]
 
     def _spec(
         self, path: str, shape: tuple[int, ...], logical: P, mesh: Any, fixed: dict[int, Any]
@@ -311,7 +304,7 @@ class CompositionPlugin:
             d: e if isinstance(e, tuple) else (e,) for d, e in fixed.items()
         }
         model_axes = {a for entry in axes.values() for a in entry}
-        inner = list(reversed(self.parts))  # claims innermost first: model, stage, fsdp, data
+        inner = list(reversed(self.parts))  # claims innermost first (compose.order)
         for i, part in enumerate(inner):
             axis = part.axis.name
             if axis in model_axes:  # the model uses it for this parameter already
@@ -360,31 +353,28 @@ class CompositionPlugin:
             out.pop()
         return P(*out)
 
-    @property
-    def sequence_axes(self) -> tuple[str, ...]:
-        return tuple(p.axis.name for p in self.parts if p.axis.sequence)
-
     @hookimpl
     def shard_batch(self, batch, mesh):
-        axes, seq = self.batch_axes, self.sequence_axes
-        lead = None if not axes else axes[0] if len(axes) == 1 else axes
-        if not seq:
-            return jax.tree.map(lambda leaf: P(lead) if leaf.ndim and lead else P(), batch)
-        split = seq[0] if len(seq) == 1 else seq
-        parts = math.prod(mesh.shape[a] for a in seq)
-        owner = next(p.name for p in self.parts if p.axis.sequence)
-        specs = []
-        for path, leaf in zip(leaf_paths(batch), jax.tree.leaves(batch), strict=True):
-            if leaf.ndim < 2:
-                raise ConfigError(
-                    f"{owner} splits every batch leaf's sequence (its second dimension) over "
-                    f"{seq}, and batch leaf {path!r} of shape {tuple(leaf.shape)} has none: "
-                    f"give {owner} a batch of (rows, sequence, ...) leaves, or leave it out"
-                )
-            # a sequence the devices do not divide (tokens of L + 1 for a model fed
-            # tokens[:, :-1]) is read whole by each of them: placing an array needs even
-            # blocks, attention does not (it pads), and splits the activations from there
-            specs.append(P(lead) if leaf.shape[1] % parts else P(lead, split))
+        paths, leaves = leaf_paths(batch), jax.tree.leaves(batch)
+        entries: list[list[list[str]]] = [[[] for _ in leaf.shape] for leaf in leaves]
+        for part in self.parts:  # mesh order: a dimension's axes in it
+            axis, size = part.axis.name, mesh.shape[part.axis.name]
+            own = "split_batch" in implemented(part.plugin)
+            for path, leaf, dims in zip(paths, leaves, entries, strict=True):
+                if own:
+                    dim = part.call("split_batch", path=path, shape=tuple(leaf.shape),
+                                    axis=axis, size=size)  # fmt: skip
+                else:
+                    dim = 0 if part.axis.batch and leaf.ndim else None
+                if dim is None:
+                    continue
+                if not isinstance(dim, int) or not 0 <= dim < leaf.ndim:
+                    raise PluginError(
+                        f"parallelism {part.name!r}: split_batch chose dimension {dim!r} of "
+                        f"batch leaf {path!r} (shape {tuple(leaf.shape)}), which it does not have"
+                    )
+                dims[dim].append(axis)
+        specs = [_trimmed([_entry(axes) for axes in dims]) for dims in entries]
         return jax.tree.unflatten(jax.tree.structure(batch), specs)
 
     def used_spec(self, spec: P, fixed: Mapping[int, Any] | None = None) -> P:
@@ -410,27 +400,50 @@ class CompositionPlugin:
 
     @hookimpl
     def gather_params(self, params, mesh):
-        return self.gather(params, mesh)[0]
-
-    def gather(self, params: Any, mesh: Any) -> tuple[Any, dict[int, P]]:
-        """The parameters as the step uses them, and the layer stacks' leaves to gather one
-        layer at a time (by id, for :func:`shardplug.core.layer_gather.layer_specs`): gathering
-        a whole stack before its scan would hold every layer at once."""
+        """The parameters as the step uses them; a layer stack's are left as stored, to be
+        gathered one layer at a time inside its loop (:meth:`layer_gathers`): gathering a
+        whole stack before its scan would hold every layer at once."""
         leaves, treedef = jax.tree.flatten(params)
         used_specs = self.used_specs(params, mesh)
         if used_specs is None:
-            return params, {}
+            return params
         stored = self._stored[(treedef, id(mesh))]
         stacked = self._stacked[(treedef, id(mesh))]
-        out, per_layer = [], {}
-        for leaf, spec, used, in_stack in zip(leaves, stored, used_specs, stacked, strict=True):
-            if tuple(used) != tuple(spec):
-                if in_stack:
-                    per_layer[id(leaf)] = used
-                else:
-                    leaf = lay_out(leaf, NamedSharding(mesh, used))
-            out.append(leaf)
-        return jax.tree.unflatten(treedef, out), per_layer
+        out = [
+            lay_out(leaf, NamedSharding(mesh, used))
+            if tuple(used) != tuple(spec) and not in_stack
+            else leaf
+            for leaf, spec, used, in_stack in zip(leaves, stored, used_specs, stacked, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, out)
+
+    def layer_gathers(self, params: Any, mesh: Any) -> dict[int, P]:
+        """The layer stacks' leaves of ``params`` to gather one layer at a time, by id, with
+        their layout where the step uses them (for
+        :func:`shardplug.core.layer_gather.layer_specs`)."""
+        leaves, treedef = jax.tree.flatten(params)
+        used_specs = self.used_specs(params, mesh)
+        if used_specs is None:
+            return {}
+        stored = self._stored[(treedef, id(mesh))]
+        stacked = self._stacked[(treedef, id(mesh))]
+        return {
+            id(leaf): used
+            for leaf, spec, used, in_stack in zip(leaves, stored, used_specs, stacked, strict=True)
+            if in_stack and tuple(used) != tuple(spec)
+        }
+
+
+def _entry(axes: Sequence[str]) -> Any:
+    """A PartitionSpec entry for a dimension split over ``axes`` (None, a name, a tuple)."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def order(parts: Sequence[Part]) -> dict[str, list[str]]:
+    """The orders of a composition, from its axes' ranks: ``mesh`` (outermost first) and
+    ``claims`` (the order parameter dimensions are claimed in, innermost first)."""
+    mesh = [p.axis.name for p in sorted(parts, key=lambda p: p.axis.rank)]
+    return {"mesh": mesh, "claims": mesh[::-1]}
 
 
 def _trimmed(entries: list[Any]) -> P:
@@ -442,11 +455,11 @@ def _trimmed(entries: list[Any]) -> P:
 
 
 def parse(name: str) -> list[str]:
-    """``"dp+fsdp+tp"`` into ``["dp", "fsdp", "tp"]``; refuses empty and repeated names."""
+    """``"a+b+c"`` into ``["a", "b", "c"]``; refuses empty and repeated names."""
     names = [n.strip() for n in name.split("+")]
     if not all(names):
         raise CompositionError(
-            f"malformed composition {name!r}: write parallelism names joined by '+', e.g. fsdp+tp"
+            f"malformed composition {name!r}: write parallelism names joined by '+' (a+b)"
         )
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:

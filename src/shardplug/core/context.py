@@ -22,6 +22,12 @@ _RULES: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVa
     "shardplug_activation_rules", default=None
 )
 _COMPUTE: contextvars.ContextVar[Any] = contextvars.ContextVar("shardplug_compute", default=None)
+_ROWS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "shardplug_batch_axes", default=()
+)
+_IN_PARTS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "shardplug_microbatched", default=False
+)
 
 
 def compute_dtype() -> Any:
@@ -50,15 +56,49 @@ def computing_in(dtype: Any) -> Iterator[None]:
 def batch_axis_name() -> str | tuple[str, ...] | None:
     """The mesh axis (or axes) the batch is split over, inside an explicit per-device program.
 
-    Under ``jax.jit`` strategies (dp, fsdp, 2d and their compositions) the step is written
-    for the global batch and this is None: a batch mean is already the global one. Inside a
-    per-device program (pmap) each device sees only its rows, and batch statistics must be
+    Under ``jax.jit`` strategies (every composition of parallelisms) the step is written for
+    the global batch and this is None: a batch mean is already the global one. Inside a
+    per-device program each device sees only its rows, and batch statistics must be
     averaged over this axis to be those of the global batch. Pass it where a layer takes one
     (``lax.pmean`` takes a name or a tuple of names alike)::
 
         nn.BatchNorm(use_running_average=not train, axis_name=shardplug.batch_axis_name())
     """
     return _BATCH_AXIS.get()
+
+
+def batch_axes() -> tuple[str, ...]:
+    """The mesh axes the batch's rows are split over while the step is traced (in mesh
+    order; empty outside a step, and for a whole strategy). Code that works on each
+    device's own rows (a mixture of experts sorting its tokens) takes them as manual axes."""
+    return _ROWS.get()
+
+
+@contextlib.contextmanager
+def splitting_rows(axes: tuple[str, ...]) -> Iterator[None]:
+    """Trace the code inside with the batch's rows split over ``axes``."""
+    token = _ROWS.set(tuple(axes))
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def microbatched() -> bool:
+    """Whether the code being traced sees the batch one microbatch at a time (inside a
+    schedule that runs a layer stack on microbatches): what it counts over its rows (an
+    expert's capacity) is then counted per microbatch, not over the batch."""
+    return _IN_PARTS.get()
+
+
+@contextlib.contextmanager
+def in_microbatches() -> Iterator[None]:
+    """Trace the code inside as seeing the batch one microbatch at a time."""
+    token = _IN_PARTS.set(True)
+    try:
+        yield
+    finally:
+        _IN_PARTS.reset(token)
 
 
 def manual_axes() -> tuple[str, ...]:

@@ -2,7 +2,7 @@
 plugin manager that holds them.
 
 Registered in every run's plugin manager with ``trylast``, so any strategy's implementation
-is asked first. With only these, a run is data parallel on a one-axis ``data`` mesh.
+is asked first. With only these, a run is data parallel on a mesh of one axis, named data.
 """
 
 from __future__ import annotations

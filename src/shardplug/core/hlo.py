@@ -164,7 +164,7 @@ def textbook_collectives(
     A parameter replicated over batch axes has its gradient all-reduced over them (data
     parallel). One stored split over batch axes but whole there where the step uses it is
     all-gathered in the forward and again in the backward pass and its gradient
-    reduce-scattered (ZeRO-3/FSDP); one still split where it is used (``ep``'s experts) is
+    reduce-scattered (ZeRO-3); one still split where it is used (experts placed by device) is
     neither gathered nor reduced over those axes. Bytes are result bytes per device, as
     :func:`collectives` counts them. Parameters split over axes the batch is not split on
     (tensor parallelism) add activation collectives that depend on the model's code, and

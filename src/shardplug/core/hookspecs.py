@@ -11,15 +11,17 @@ published under the entry-point group ``shardplug``; the entry point's name is i
 the object is a class, ``get_strategy(name, **options)`` instantiates it with the options as
 keyword arguments. There are two kinds:
 
-- a **parallelism** implements :func:`parallel_axis` (and :func:`split_param`,
-  :func:`gather_param` as it needs): it owns one mesh axis, and core composes any number of
-  them on one mesh by name (``"dp+fsdp+tp"``, :mod:`shardplug.core.compose`). It may also
-  implement the step hooks below (:func:`compute_grads`, :func:`reduce_grads`,
-  :func:`encode_grads`, :func:`compile_step`, :func:`shard_model_state`); two parallelisms of
-  one composition that implement the same step hook are refused.
+- a **parallelism** implements :func:`parallel_axis` and, as it needs, the other hooks of
+  :mod:`shardplug.core.parallel_hooks` (where its parameters and batch split, how a
+  parameter is used, the operations it computes its own way, its account for explain): it
+  owns one mesh axis, and core composes any number of them on one mesh by name
+  (``"a+b+c"``, :mod:`shardplug.core.compose`). It may also implement the step hooks below
+  (:func:`compute_grads`, :func:`reduce_grads`, :func:`encode_grads`, :func:`compile_step`,
+  :func:`shard_model_state`); two parallelisms of one composition that implement the same
+  step hook, or supply the same operation, are refused.
 - a **whole strategy** implements the mesh and placement hooks itself (:func:`make_mesh`,
-  :func:`shard_params`, :func:`shard_batch`, ...): it runs alone, as ``pmap`` and strategies
-  written before compositions existed do.
+  :func:`shard_params`, :func:`shard_batch`, ...): it runs alone, as a per-device program
+  and strategies written before compositions existed do.
 
 **Mesh modes.** A run's mesh has ``Auto`` axes (the default) or ``Explicit`` ones (a model
 written in JAX's explicit sharding mode; ``Trainer(axis_types=...)``). A plugin may assume:
@@ -27,8 +29,8 @@ written in JAX's explicit sharding mode; ``Trainer(axis_types=...)``). A plugin 
 - :func:`make_mesh` builds its mesh as always (``build_mesh`` makes ``Auto`` axes); core
   retypes it. Every PartitionSpec a hook returns means the same in both modes.
 - Hooks that run inside the traced step (:func:`gather_params`, :func:`reduce_grads`,
-  :func:`encode_grads`, :func:`compute_grads`, :func:`trace_context`'s code, the function
-  :func:`compile_step` wraps) see the current mode in ``jax.sharding.get_abstract_mesh()``
+  :func:`encode_grads`, :func:`compute_grads`, the operations of :func:`operations`, the
+  function :func:`compile_step` wraps) see the current mode in ``jax.sharding.get_abstract_mesh()``
   and in each array's type (``jax.typeof(x).sharding``). There
   ``jax.lax.with_sharding_constraint``, looked up as ``jax.lax.with_sharding_constraint``,
   lays arrays out in both modes (on explicit axes core makes it ``jax.sharding.reshard``,
@@ -39,20 +41,19 @@ written in JAX's explicit sharding mode; ``Trainer(axis_types=...)``). A plugin 
   there; :func:`gather_param` cannot move it). Refused in one line: a mesh axis that does
   not divide that dimension, an axis the model's code names that the mesh lacks.
 - A plugin that cannot run on explicit axes declares ``unsupported = {"explicit-axes":
-  reason}`` and is refused there with the reason (``pmap``: a per-device program has no
-  explicit axes). The conformance suite runs every other plugin in both modes.
+  reason}`` and is refused there with the reason (a per-device program has no explicit
+  axes). The conformance suite runs every other plugin in both modes, except a whole
+  strategy whose parameters a model's explicit types cannot name: there core does what the
+  compiler does on auto axes (a layer stack split along its layers is gathered a layer at a
+  time).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
-
-if TYPE_CHECKING:
-    from shardplug.core.compose import Axis
-    from shardplug.core.facts import Explained, StepFacts
 
 PROJECT = "shardplug"
 
@@ -71,17 +72,17 @@ def make_mesh(devices: Sequence[Any], mesh_shape: dict[str, int] | None) -> Any:
 
     :param devices: the devices of the run, in order (``jax.devices()`` or the first D of them).
     :param mesh_shape: the axis sizes the user asked for (``--mesh data=2,model=4`` gives
-        ``{"data": 2, "model": 4}``), or None when they asked for nothing.
+        ``{"rows": 2, "tensor": 4}``), or None when they asked for nothing.
     :return: a ``jax.sharding.Mesh`` over exactly these devices. Raise
         :class:`shardplug.errors.MeshError` when ``mesh_shape`` names axes the strategy does not
         have or sizes whose product is not ``len(devices)``.
 
-    Core's fallback puts every device on one axis named ``data``, or builds ``mesh_shape`` as
-    given. Example, a strategy with a single ``fsdp`` axis::
+    Core's fallback puts every device on one axis (named data: the run is data parallel), or
+    builds ``mesh_shape`` as given. Example, a strategy with a single ``shards`` axis::
 
         @hookimpl
         def make_mesh(self, devices, mesh_shape):
-            return shardplug.core.mesh.build_mesh(devices, mesh_shape, default={"fsdp": -1})
+            return shardplug.plugin.build_mesh(devices, mesh_shape, default={"shards": -1})
     """
 
 
@@ -105,7 +106,7 @@ def shard_params(params: Any, mesh: Any, annotations: Any | None) -> Any:
 
         @hookimpl
         def shard_params(self, params, mesh):
-            return jax.tree.map(lambda p: P("fsdp") if p.ndim == 2 else P(), params)
+            return jax.tree.map(lambda p: P("shards") if p.ndim == 2 else P(), params)
     """
 
 
@@ -125,11 +126,11 @@ def shard_batch(batch: Any, mesh: Any) -> Any:
         raises :class:`shardplug.errors.BatchError` naming the leaf when it does not.
 
     Core's fallback splits the leading (batch) dimension over every mesh axis. Example, split
-    over ``data`` only and keep the ``model`` axis whole::
+    over ``rows`` only and keep the ``tensor`` axis whole::
 
         @hookimpl
         def shard_batch(self, batch):
-            return jax.tree.map(lambda _: P("data"), batch)
+            return jax.tree.map(lambda _: P("rows"), batch)
     """
 
 
@@ -176,7 +177,7 @@ def reduce_grads(grads: Any, mesh: Any) -> Any:
 
         @hookimpl
         def reduce_grads(self, grads):
-            return jax.lax.pmean(grads, "data")
+            return jax.lax.pmean(grads, "rows")
     """
 
 
@@ -239,7 +240,7 @@ def compile_step(
         def compile_step(self, step_fn, mesh, state_shardings, batch_shardings):
             def per_device(state, batch):
                 state, metrics = step_fn(state, batch)
-                return state, jax.lax.pmean(metrics, "data")
+                return state, jax.lax.pmean(metrics, "rows")
 
             specs = lambda tree: jax.tree.map(lambda s: s.spec, tree)
             per_device = jax.shard_map(
@@ -262,11 +263,11 @@ def shard_model_state(model_state: Any, mesh: Any) -> Any:
     :return: a ``PartitionSpec`` (or ``NamedSharding``) for every leaf.
 
     Core's fallback replicates it: batch statistics are small and every device reads them.
-    Example, split a stacked state's leading (layer) dimension over ``stage``::
+    Example, split a stacked state's leading (layer) dimension over ``stages``::
 
         @hookimpl
         def shard_model_state(self, model_state):
-            return jax.tree.map(lambda x: P("stage") if x.ndim else P(), model_state)
+            return jax.tree.map(lambda x: P("stages") if x.ndim else P(), model_state)
     """
 
 
@@ -286,8 +287,8 @@ def compute_grads(
     does it: the whole batch at once, or ``microbatches`` slices in a ``lax.scan`` with the
     gradients summed (``grad_accum``), and the explicit per-shard reduction when a plugin
     implements :func:`encode_grads`. A strategy that schedules the whole model's microbatches
-    itself implements it (the built-in ``pp`` does not: it pipelines the layer stack from
-    inside the forward pass, through :func:`trace_context`).
+    itself implements it (a pipeline of a layer stack need not: it supplies the layer stack's
+    operation and runs inside the forward pass, :func:`operations`).
 
     :param loss_and_grad: ``loss_and_grad(params, model_state, batch, rng)`` returns
         ``((loss, (metrics, model_state)), grads)`` for one (micro)batch: core's forward
@@ -314,147 +315,37 @@ def compute_grads(
     """
 
 
-# The hooks of a composable parallelism. Core calls each parallelism of a composition on its
-# own (its axis under the name the run gives it), in the orders core/compose.py documents:
-# split_param innermost first (model, stage, fsdp, data), gather_param in mesh order.
+# The hooks of a composable parallelism live in core/parallel_hooks.py; they are part of this
+# contract (registered with it).
+from shardplug.core.parallel_hooks import (  # noqa: E402
+    check_layout,
+    explain_step,
+    gather_param,
+    operations,
+    parallel_axis,
+    split_batch,
+    split_param,
+    trace_context,
+)
 
-
-@hookspec(firstresult=True)
-def parallel_axis() -> Axis:
-    """Declare the mesh axis this parallelism owns: implementing it makes a plugin composable.
-
-    Called once when a composition is built.
-
-    :return: a :class:`shardplug.plugin.Axis`: the axis's name (its role: ``data``,
-        ``fsdp``, ``model``, ``stage``, or a new one), its place in the composition order
-        (``rank``), whether the batch's leading dimension splits over it, and the logical
-        activation names it splits (for :func:`shardplug.constrain`).
-
-    Example, tensor parallelism::
-
-        @hookimpl
-        def parallel_axis(self):
-            return Axis("model", rank=Axis.MODEL, batch=False, logical=("mlp", "heads"))
-    """
-
-
-@hookspec(firstresult=True)
-def split_param(
-    shape: tuple[int, ...],
-    logical: Any,
-    axis: str,
-    size: int,
-    taken: frozenset[int],
-    spare: dict[str, int],
-) -> int | tuple[int, tuple[str, ...]] | None:
-    """Which dimension of one parameter this parallelism splits over its axis, if any.
-
-    Called once per parameter at set-up, parallelisms innermost first (``model``, ``stage``,
-    ``fsdp``, ``data``: tensor parallelism claims first, as in torchtitan): those called
-    before have claimed the dimensions in ``taken``. Returning a taken dimension is an
-    error that names both parallelisms.
-
-    :param shape: the parameter's shape.
-    :param logical: its logical ``PartitionSpec`` (``P("embed", "mlp")``; ``P()`` without one).
-        A model that names mesh axes directly (Flax's explicit-sharding examples) names
-        ``axis`` itself here.
-    :param axis: this parallelism's mesh axis, as the run names it.
-    :param size: that axis's size; the chosen dimension must be divisible by it.
-    :param taken: dimensions other parallelisms already split.
-    :param spare: the axes (and sizes) of parallelisms that split nothing of this parameter
-        and lend their axis for storage (``Axis.lends``: ``tp``'s ``model``); a parallelism
-        that gathers the parameter at use may store it split over them too.
-    :return: a dimension index, or ``(dimension, borrowed spare axes)`` to split it over
-        this axis and those, or None to leave the parameter whole along this axis.
-
-    Core's fallback splits nothing (``dp``). Example, the first free dimension that divides::
-
-        @hookimpl
-        def split_param(self, shape, size, taken):
-            return next((d for d, n in enumerate(shape) if d not in taken and n % size == 0),
-                        None)
-    """
-
-
-@hookspec(firstresult=True)
-def gather_param(spec: Any, axis: str) -> Any:
-    """The layout one parameter has where the forward pass uses it, given its stored layout.
-
-    Called while tracing the step, once per parameter, parallelisms in mesh order (outermost
-    first), each seeing the previous one's answer. Core constrains the parameter to the final
-    spec when it differs from the stored one (the gradient flows back through it).
-
-    :param spec: the parameter's ``PartitionSpec`` so far.
-    :param axis: this parallelism's mesh axis, as the run names it.
-    :return: a ``PartitionSpec``.
-
-    Core's fallback keeps the spec. Example, ZeRO-3 (``fsdp``): gather the dimension it split
-    (over its axis and any it borrowed), so the other parallelisms' splits stay::
-
-        @hookimpl
-        def gather_param(self, spec, axis):
-            mine = lambda e: e == axis or (isinstance(e, tuple) and axis in e)
-            return P(*(None if mine(entry) else entry for entry in spec))
-    """
-
-
-@hookspec(firstresult=True)
-def check_layout(
-    paths: list[str], specs: list[Any], axis: str, leaves: list[Any], logical: list[Any]
-) -> None:
-    """Refuse a model this parallelism cannot split, once every parameter's layout is known.
-
-    Called once at set-up, after :func:`split_param` has run for every parameter.
-
-    :param paths: every parameter's path (``blocks/wq``).
-    :param specs: every parameter's stored ``PartitionSpec``, in the same order.
-    :param axis: this parallelism's mesh axis, as the run names it.
-    :param leaves: every parameter as a ``jax.ShapeDtypeStruct`` (its shape and dtype).
-    :param logical: every parameter's logical ``PartitionSpec`` (``P()`` without one): what
-        the model named its dimensions, to say which name was not taken.
-    :return: None; raise a :class:`shardplug.errors.ConfigError` saying what to change.
-
-    Example, pipeline stages need a layer stack::
-
-        @hookimpl
-        def check_layout(self, specs, axis):
-            if not any(axis in tuple(s) for s in specs):
-                raise ConfigError("pp needs a layer stack: build the blocks with shardplug.stack")
-    """
-
-
-@hookspec(firstresult=True)
-def trace_context(axis: str, mesh: Any, replicas: tuple[str, ...], batch_axes: tuple) -> Any:
-    """A context manager entered around the tracing of every program of the run.
-
-    :param axis: this parallelism's mesh axis, as the run names it.
-    :param mesh: the run's mesh.
-    :param replicas: the batch axes over which no parameter is split (``dp``'s ``data``):
-        a per-device program may take them as manual axes, each device's rows its own.
-    :param batch_axes: every axis the batch's rows split over, in mesh order (``ep`` sends
-        each device's own tokens to their experts).
-    :return: a context manager, or None. ``pp`` returns one under which every layer stack
-        (:mod:`shardplug.stack`) runs its pipeline schedule instead of a plain scan.
-    """
-
-
-@hookspec(firstresult=True)
-def explain_step(axis: str, mesh: Any, step: StepFacts) -> Explained | None:
-    """Describe this parallelism's share of a compiled step, for ``shardplug explain``.
-
-    Called by :func:`shardplug.explain.explain` after the step is compiled (and traced,
-    with :func:`trace_context` entered), once per parallelism of the composition.
-
-    :param axis: this parallelism's mesh axis, as the run names it.
-    :param mesh: the run's mesh.
-    :param step: what explain read off the compiled step (:class:`shardplug.plugin.StepFacts`).
-    :return: a :class:`shardplug.plugin.Explained` (a named report for the JSON and notes for
-        the printed page), or None to add nothing.
-
-    Example, the bytes of this axis's collective-permutes as a note::
-
-        @hookimpl
-        def explain_step(self, axis, step):
-            sent = sum(c["bytes"] for c in step.collectives if c["kind"] == "collective-permute")
-            return Explained(notes=(f"{axis}: {sent} B of collective-permutes a step",))
-    """
+__all__ = [
+    "check_layout",
+    "compile_step",
+    "compute_grads",
+    "encode_grads",
+    "explain_step",
+    "gather_param",
+    "gather_params",
+    "hookimpl",
+    "hookspec",
+    "make_mesh",
+    "operations",
+    "parallel_axis",
+    "reduce_grads",
+    "shard_batch",
+    "shard_model_state",
+    "shard_params",
+    "split_batch",
+    "split_param",
+    "trace_context",
+]

@@ -1,7 +1,8 @@
-"""fsdp's per-layer gather: a layer stack's parameters gathered one layer at a time.
+"""The per-layer gather: a layer stack's parameters gathered one layer at a time.
 
-fsdp splits a stacked parameter over its axis and, through ``gather_params``, names the
-layout one layer has where the step uses it (:func:`layer_specs`, by the parameter's id).
+A parallelism that stores a stacked parameter split and gathers it at use (ZeRO-3) names,
+through ``gather_param``, the layout one layer has where the step uses it (core hands it
+to :func:`layer_specs`, by the parameter's id).
 The layer stack's scan then constrains each layer's slice to that layout inside the loop
 (:func:`layer_gather`), and :func:`regathered` keeps the gathered layer out of the backward
 pass's residuals, gathering it again there: ZeRO-3, one layer whole at a time.
@@ -21,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from shardplug.core.remat import saveable
 from shardplug.core.sharding import lay_out
 
-#: the name of a stacked parameter's layer where the step uses it (gathered by fsdp)
+#: the name of a stacked parameter's layer where the step uses it (gathered at use)
 GATHERED = "shardplug_gathered_layer"
 
 #: id(stacked parameter) -> its layout where one layer is used (set by gather_params)

@@ -1,21 +1,29 @@
 """A layer stack applied by a scan: what :mod:`shardplug.stack` calls under every strategy.
 
 :func:`run_stack` is a ``lax.scan`` over the stack's leading (layer) dimension, each block
-rematerialised by the policy asked for (:mod:`shardplug.core.remat`); its layers gathered
-one at a time where fsdp split them (:mod:`shardplug.core.layer_gather`); and, while a
-pipeline is active, pp's schedule over the ``stage`` axis instead of the scan
-(:mod:`shardplug.core.schedule`).
+rematerialised by the policy asked for (:mod:`shardplug.core.remat`), its layers gathered
+one at a time where a parallelism stores them split (:mod:`shardplug.core.layer_gather`);
+or, where a parallelism of the run supplies the layer stack operation
+(:mod:`shardplug.core.ops`), that parallelism's loop, given the same block.
+
+On explicit mesh axes a scan refuses a stack split along its layers (a whole strategy
+written for auto axes may split every leading dimension): the split moves to another
+dimension the axes divide (one all-to-all) and each layer is gathered inside the loop, as
+the compiler does on auto axes (:func:`off_the_layers`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec as P
 
-from shardplug.core import schedule
-from shardplug.core.layer_gather import layer_gather, regathered
+from shardplug.core import ops
+from shardplug.core.layer_gather import layer_gather, layer_specs, regathered
+from shardplug.core.mesh import is_explicit
 from shardplug.core.remat import remat
 from shardplug.errors import ConfigError
 
@@ -41,21 +49,59 @@ def run_stack(fn: Callable[..., Any], params: Any, x: jax.Array, policy: str = "
 
     A block may return ``(x, aux)``, a pytree of auxiliary values that are sums over the
     block's tokens (a mixture of experts' :class:`~shardplug.moe.Tally`): the stack then
-    returns ``(x, aux)`` with aux stacked over the layers, each layer's summed over pp's
-    microbatches."""
+    returns ``(x, aux)`` with aux stacked over the layers (a supplied loop that runs the
+    blocks on microbatches sums each layer's over them)."""
     if per_layer is not None:
         params, user = (params, per_layer), fn
         fn = lambda layer, h: user(layer[0], h, layer[1])  # noqa: E731
-    gather = layer_gather(params)
+    supplied = ops.supplied("layer_stack")
+    moved: dict[int, P] = {}
+    if supplied is None:
+        params, moved = off_the_layers(params)
+    with layer_specs(moved):
+        gather = layer_gather(params)
     if gather is None:
         block = remat(fn, policy)
     else:  # one checkpoint: the gather and the block, the policy of both in one
         block = regathered(lambda w, h: fn(gather(w), h), policy)
     layers = layers_of(params)
-    pipeline = schedule.active()
-    if pipeline is None:
-        h, aux = jax.lax.scan(lambda h, layer: schedule.split_aux(block(layer, h)), x, params)
-        return h if aux is None else (h, aux)
-    pipeline = pipeline.split_over(schedule.rows_split(x)).resolve(x.shape[0])
-    pipeline.check(layers, x.shape[0])
-    return schedule.schedule(block, params, x, pipeline, layers)
+    if supplied is not None:
+        return supplied(block, params, x, layers=layers)
+    h, aux = jax.lax.scan(lambda h, layer: split_aux(block(layer, h)), x, params)
+    return h if aux is None else (h, aux)
+
+
+def off_the_layers(params: Any) -> tuple[Any, dict[int, P]]:
+    """On explicit axes, ``params`` with no leaf split along its layers (the dimension a scan
+    runs over): the split moved to the first later dimension its axes divide, or, where none
+    does, the leaf gathered whole; and the moved leaves' layouts where one layer is used (by
+    id, for :func:`shardplug.core.layer_gather.layer_specs`: whole along the moved axes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not is_explicit(mesh):
+        return params, {}
+    leaves, treedef = jax.tree.flatten(params)
+    out, moved = [], {}
+    for leaf in leaves:
+        spec = tuple(jax.typeof(leaf).sharding.spec) + (None,) * leaf.ndim
+        lead = spec[0]
+        if lead is None:
+            out.append(leaf)
+            continue
+        axes = (lead,) if isinstance(lead, str) else tuple(lead)
+        size = math.prod(mesh.shape[a] for a in axes)
+        used = P(None, *spec[1 : leaf.ndim])
+        free = [d for d in range(1, leaf.ndim) if spec[d] is None and leaf.shape[d] % size == 0]
+        if not free:
+            out.append(jax.sharding.reshard(leaf, used))
+            continue
+        to = list(spec[: leaf.ndim])
+        to[0], to[free[0]] = None, lead
+        leaf = jax.sharding.reshard(leaf, P(*to))
+        moved[id(leaf)] = used
+        out.append(leaf)
+    return jax.tree.unflatten(treedef, out), moved
+
+
+def split_aux(out: Any) -> tuple[Any, Any]:
+    """A block's ``(x, aux)`` or ``x`` as a scan's ``(carry, per-layer output)``."""
+    return (out[0], out[1]) if isinstance(out, tuple) else (out, None)

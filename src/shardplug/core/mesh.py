@@ -17,10 +17,10 @@ _AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """Parse ``"data=2,model=4"`` into ``{"data": 2, "model": 4}``.
+    """Parse ``"a=2,b=4"`` into ``{"a": 2, "b": 4}``: axis names and sizes.
 
-    >>> parse_mesh("data=2,model=4")
-    {'data': 2, 'model': 4}
+    >>> parse_mesh("a=2,b=4")
+    {'a': 2, 'b': 4}
     """
     shape: dict[str, int] = {}
     for part in text.split(","):
@@ -157,7 +157,7 @@ def model_axes_error(exc: BaseException, mesh: Any, batch_axes: tuple[str, ...])
             return ConfigError(
                 f"the model's code names mesh axis {axis!r} (in {spec}), which this run's "
                 f"mesh ({describe(mesh)}) does not have: compose the parallelism that splits "
-                f"it under that name (e.g. --axis-name model={axis} with tp in the strategy), "
+                f"it under that name (--axis-name ROLE={axis}), "
                 f"or give the mesh a {axis!r} axis of size 1 (--mesh {describe(mesh)},{axis}=1)"
             )
         rows = str(batch_axes if len(batch_axes) > 1 else batch_axes[0]) if batch_axes else None

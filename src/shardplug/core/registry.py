@@ -76,9 +76,9 @@ class StrategyInfo:
     options: tuple[StrategyOption, ...] = ()
     hooks: tuple[str, ...] = ()
     #: "parallelism" (composes with others on one mesh), "strategy" (runs alone) or
-    #: "composition" (a name for parallelisms composed, like ``2d`` for ``dp+tp``)
+    #: "composition" (a name for parallelisms composed, declared with ``Composed``)
     kind: str = "strategy"
-    #: for a composition, the parallelisms it composes (``"dp+tp"``)
+    #: for a composition, the parallelisms it composes (``"a+b"``)
     parts: str | None = None
     #: why it cannot be used (failed import, hooks that do not fit the specs, a name two
     #: packages claim), or None when it loaded.
@@ -121,18 +121,18 @@ def _hooks(plugin: Any) -> tuple[str, ...]:
     return tuple(sorted(caller.name for caller in pm.get_hookcallers(plugin) or ()))
 
 
-def _load(ep: importlib.metadata.EntryPoint) -> tuple[StrategyInfo, Any]:
-    package = ep.dist.name if ep.dist is not None else "?"
-    version = ep.dist.version if ep.dist is not None else "?"
-    broken = functools.partial(StrategyInfo, ep.name, "(failed to load)", package, version)
+def _load(entry: importlib.metadata.EntryPoint) -> tuple[StrategyInfo, Any]:
+    package = entry.dist.name if entry.dist is not None else "?"
+    version = entry.dist.version if entry.dist is not None else "?"
+    broken = functools.partial(StrategyInfo, entry.name, "(failed to load)", package, version)
     try:
-        plugin = ep.load()
+        plugin = entry.load()
     except Exception as exc:  # a broken plugin must not take the others down
         return broken(error=f"import failed: {type(exc).__name__}: {exc}"), None
     if isinstance(plugin, compose.Composed):
         description = plugin.description or f"the composition {plugin.parts}"
         info = StrategyInfo(
-            ep.name, description, package, version, kind="composition", parts=plugin.parts
+            entry.name, description, package, version, kind="composition", parts=plugin.parts
         )
         return info, plugin
     try:
@@ -140,40 +140,42 @@ def _load(ep: importlib.metadata.EntryPoint) -> tuple[StrategyInfo, Any]:
     except pluggy.PluginValidationError as exc:
         return broken(error=f"hooks do not fit the specs: {exc}"), None
     try:
-        for field in ("unsupported", "baseline"):
+        for field in ("capabilities", "unsupported", "baseline"):
             declared.declared(plugin, field)
         description = _describe(plugin)
     except PluginError as exc:
         return broken(error=str(exc)), None
     kind = "parallelism" if "parallel_axis" in hooks else "strategy"
-    info = StrategyInfo(ep.name, description, package, version, _options(plugin), hooks, kind=kind)
+    info = StrategyInfo(
+        entry.name, description, package, version, _options(plugin), hooks, kind=kind
+    )
     return info, plugin
 
 
-def _selected(ep: importlib.metadata.EntryPoint, selection: str | None) -> bool:
-    if ep.dist is not None and ep.dist.name == BUILTIN_PACKAGE:
+def _selected(entry: importlib.metadata.EntryPoint, selection: str | None) -> bool:
+    if entry.dist is not None and entry.dist.name == BUILTIN_PACKAGE:
         return True
     if selection is None:
         return True
-    return ep.name in {name.strip() for name in selection.split(",") if name.strip()}
+    return entry.name in {name.strip() for name in selection.split(",") if name.strip()}
 
 
 @functools.cache
 def _discover(group: str, selection: str | None) -> dict[str, tuple[StrategyInfo, Any]]:
     entries: dict[str, tuple[StrategyInfo, Any]] = {}
-    for ep in importlib.metadata.entry_points(group=group):
-        if not _selected(ep, selection):
+    for entry in importlib.metadata.entry_points(group=group):
+        if not _selected(entry, selection):
             continue
-        info, plugin = _load(ep)
-        if ep.name in entries:
-            first = entries[ep.name][0]
+        info, plugin = _load(entry)
+        if entry.name in entries:
+            first = entries[entry.name][0]
             info = dataclasses.replace(
                 info,
                 error=f"claimed by two packages, {first.package} {first.version} and "
                 f"{info.package} {info.version}: uninstall one of them",
             )
             plugin = None
-        entries[ep.name] = (info, plugin)
+        entries[entry.name] = (info, plugin)
     for info, _ in entries.values():
         if info.error is not None:
             warnings.warn(
@@ -235,15 +237,14 @@ def get_strategy(
 ) -> Strategy:
     """The strategy called ``name``, configured with ``options``, wrapped by ``addons``.
 
-    >>> get_strategy("fsdp", min_size=0).name
-    'fsdp'
-    >>> get_strategy("fsdp+tp", **{"tp.min_size": 0}).name
-    'fsdp+tp'
+    Example, two installed parallelisms composed, an option given to one of them::
+
+        get_strategy("a+b", **{"b.min_size": 0})
 
     ``name`` is an installed strategy, a parallelism, or parallelisms joined by ``+``
     (:mod:`shardplug.core.compose`). In a composition an option ``KEY`` goes to every
     parallelism that takes it, ``PART.KEY`` to that one only. ``axis_names`` renames a
-    composition's mesh axes (``{"model": "tp"}``) to the names the model uses.
+    composition's mesh axes (``{ROLE: NAME}``) to the names the model uses.
 
     Raises :class:`UnknownStrategyError` (listing the available names) for an unknown name,
     :class:`StrategyOptionError` for an option it does not take, :class:`CompositionError`
@@ -261,14 +262,14 @@ def get_strategy(
             if axis_names:
                 raise CompositionError(
                     f"strategy {name!r} lays out its own mesh: axis_names (--axis-name) "
-                    f"renames the axes of parallelisms (dp, fsdp, tp, ...) only"
+                    f"renames the axes of parallelisms only"
                 )
             return Strategy(info, _instantiate(info, plugin, options), extra)
     return _composition(name, names, options, dict(axis_names or {}), extra)
 
 
 def _expand(names: Sequence[str]) -> list[tuple[StrategyInfo, Any]]:
-    """Each name's plugin, a composition's name (``2d``) replaced by its parallelisms."""
+    """Each name's plugin, a composition's name replaced by its parallelisms."""
     found = []
     for part in names:
         info, plugin = _lookup(GROUP, part, "parallelism")

@@ -156,7 +156,7 @@ def make_step(
     # The model state is an argument, not a closure: frameworks that update it in place
     # (NNX's BatchStat) must see it at the level of the gradient's trace.
     def loss_of(params, model_state, batch, rng):
-        if compute is not None:  # cast before gathering: fsdp's all-gathers move half the bytes
+        if compute is not None:  # cast before gathering: all-gathers move half the bytes
             params, batch = _cast_floats((params, batch), compute)
         params, per_layer = strategy.gather_for_step(params, mesh)
         with layer_specs(per_layer), computing_in(compute):
@@ -166,7 +166,7 @@ def make_step(
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         rng = step_key(state)
-        axis = batch_axis_name()  # set inside a per-device program (pmap)
+        axis = batch_axis_name()  # set inside a per-device program
         plain = axis is None and not encodes  # under jit, the compiler places the reduction
         grad_fn = _accumulate(value_and_grad, grad_accum, batch_shardings if plain else None)
         owned = strategy.compute_grads(

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import pluggy
 
 from shardplug.core import compose, declared, fallbacks
-from shardplug.core.context import activation_rules
-from shardplug.core.experts import over_batch
+from shardplug.core.context import activation_rules, splitting_rows
 from shardplug.core.mesh import retyped
 from shardplug.core.sharding import check_batch, constraints_lay_out, to_named
 from shardplug.errors import ConfigError, PluginError, ShardplugError
@@ -80,6 +79,15 @@ class Strategy:
         if composition is not None:
             return composition.unsupported
         return declared.declared(self.plugin, "unsupported")
+
+    @property
+    def capabilities(self) -> dict[str, str]:
+        """Capabilities beyond the built-in ones that its plugins declare, with their meaning."""
+        plugins = [p.plugin for p in self.composition.parts] if self.composition else [self.plugin]
+        found: dict[str, str] = {}
+        for plugin in plugins:
+            found.update(declared.declared(plugin, "capabilities"))
+        return found
 
     @property
     def composition(self) -> compose.CompositionPlugin | None:
@@ -177,21 +185,23 @@ class Strategy:
         return self._call("gather_params", params=params, mesh=mesh)
 
     def gather_for_step(self, params: Any, mesh: Any) -> tuple[Any, dict[int, Any]]:
-        """:meth:`gather_params`, and (for a composition) the layer stacks' leaves that are
-        gathered one layer at a time inside their scan instead."""
-        if self.composition is not None:
-            return self.composition.gather(params, mesh)
-        return self.gather_params(params, mesh), {}
+        """:meth:`gather_params` (through the hook, so an add-on that wraps it runs under a
+        composition too), and (for a composition) the layer stacks' leaves of what it
+        returned, which are gathered one layer at a time inside their scan instead."""
+        gathered = self.gather_params(params, mesh)
+        if self.composition is None:
+            return gathered, {}
+        return gathered, self.composition.layer_gathers(gathered, mesh)
 
     def contexts_while_tracing(self, mesh: Any) -> list[Any]:
         """The context managers entered around every traced program: the activation rules
-        (:func:`shardplug.constrain`), a mixture of experts computed per device over the batch
-        axes, and the parallelisms' own (``pp``'s schedule, ``ep``'s exchange, inside)."""
+        (:func:`shardplug.constrain`), the batch's row axes, and the parallelisms'
+        operations (a composition's)."""
+        rules = activation_rules(self.activation_rules())
         if self.composition is None:
-            return [activation_rules(self.activation_rules())]
-        own = self.composition.part_contexts(mesh)
-        per_device = over_batch(self.composition.batch_axes)
-        return [activation_rules(self.activation_rules()), per_device, *own]
+            return [rules]
+        rows = splitting_rows(self.composition.batch_axes)
+        return [rules, rows, *self.composition.part_contexts(mesh)]
 
     def reduce_grads(self, grads: Any, mesh: Any) -> Any:
         return self._call("reduce_grads", grads=grads, mesh=mesh)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardplug.plugin import Axis, hookimpl
+from shardplug.plugin import RANK, Axis, hookimpl
 
 
 class DataParallel:
@@ -10,4 +10,4 @@ class DataParallel:
 
     @hookimpl
     def parallel_axis(self):
-        return Axis("data", rank=Axis.DATA, batch=True)
+        return Axis("data", rank=RANK["data"], batch=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from shardplug.plugin import Axis, P, StrategyOptionError, hookimpl, largest_divisible_dim
+from shardplug.plugin import RANK, Axis, P, StrategyOptionError, hookimpl, largest_divisible_dim
 
 
 class FullyShardedDataParallel:
@@ -42,7 +42,7 @@ class FullyShardedDataParallel:
 
     @hookimpl
     def parallel_axis(self):
-        return Axis("fsdp", rank=Axis.FSDP, batch=True)
+        return Axis("fsdp", rank=RANK["fsdp"], batch=True)
 
     @hookimpl
     def split_param(self, shape, logical, axis, size, taken, spare):

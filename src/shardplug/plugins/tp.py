@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from shardplug.plugin import (
+    RANK,
     Axis,
     Capability,
     StrategyOptionError,
@@ -58,7 +59,7 @@ class TensorParallel:
 
     @hookimpl
     def parallel_axis(self):
-        return Axis("model", rank=Axis.MODEL, logical=self.rules, lends=True)
+        return Axis("model", rank=RANK["model"], logical=self.rules, lends=True)
 
     @hookimpl
     def split_param(self, shape, logical, axis, size, taken):

@@ -126,11 +126,30 @@ class StrategyConformance:
 
         return shardplug.get_strategy(self.strategy, **self.options)
 
-    def _skip_unless(self, capability: Capability | str) -> None:
-        capability = Capability(capability)  # only declared capabilities are checked
-        unsupported = self._strategy().unsupported
+    def requires(self, capability: Capability | str) -> None:
+        """Skip the calling check, showing the plugin's reason, where the strategy declares
+        ``capability`` unsupported: a built-in :class:`Capability` or one its plugin declares
+        in ``capabilities`` (for the checks a plugin's own suite adds)::
+
+            class TestMine(StrategyConformance):
+                strategy = "mine"
+
+                def test_sliding_windows(self):
+                    self.requires("sliding-window")
+                    ...
+        """
+        strategy = self._strategy()
+        known = {*(c.value for c in Capability), *strategy.capabilities}
+        if capability not in known:
+            raise ValueError(
+                f"{capability!r} is not a capability ({', '.join(sorted(known))}): declare it "
+                f"in the plugin's capabilities"
+            )
+        unsupported = strategy.unsupported
         if capability in unsupported:
             pytest.skip(f"{self.strategy} does not support {capability}: {unsupported[capability]}")
+
+    _skip_unless = requires
 
     def _needs_transformer(self) -> bool:
         unsupported = self._strategy().unsupported

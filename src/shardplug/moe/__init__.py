@@ -21,28 +21,30 @@ layer stack carries across layers and microbatches); a ``bias`` added to the sco
 choosing experts only (not to the weights) is auxiliary-loss-free balancing (DeepSeek-V3),
 updated outside the gradient by :func:`balance_bias`.
 
-Under ``ep`` (or any parallelism that installs :func:`experts_override` from its
-``trace_context``) :func:`routed_experts` computes the same across devices: each device's
-tokens go to the devices that hold their experts and back (:mod:`shardplug.core.experts`).
-Under any other strategy the trainer makes it a per-device program over the batch axes:
-each device routes its own rows through the experts it holds whole.
+Under ``ep`` (or any parallelism that supplies the experts operation, an
+``Operations(experts=...)``) :func:`routed_experts` computes the same across devices: each
+device's tokens go to the devices that hold their experts and back. Under any other
+composition it is a per-device program over the batch axes (:mod:`.kernels`): each device
+routes its own rows through the experts it holds whole.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core import experts, schedule
-from shardplug.core.experts import capacity, experts_override
+from shardplug.core import ops
+from shardplug.core.context import batch_axes, microbatched
 from shardplug.core.mesh import is_explicit
 from shardplug.core.sharding import lay_out
 from shardplug.errors import ConfigError
+from shardplug.moe import kernels
+from shardplug.moe.kernels import capacity
 
 
 class Routing(NamedTuple):
@@ -171,14 +173,16 @@ def routed_experts(
             f"capacity_groups={capacity_groups} must divide the {tokens} tokens (batch x "
             f"sequence) into equal groups: use a divisor of {tokens}"
         )
-    if capacity_factor is not None and schedule.active() is not None:
+    if capacity_factor is not None and microbatched():
         raise ConfigError(
             "a capacity factor under pp would count capacity in each microbatch, not as one "
             "device does: train pp's mixtures of experts dropless (no capacity_factor)"
         )
-    override = experts.active()
+    override = ops.supplied("experts")  # a parallelism places the experts (ep)
+    if override is None and batch_axes():  # each device its own rows
+        override = kernels.over_batch(batch_axes())
     placed = None
-    if override is not None:  # a parallelism places the experts (ep)
+    if override is not None:
         placed = override(
             x, routing, w_in, w_out, w_gate=w_gate, capacity_factor=capacity_factor,
             capacity_groups=capacity_groups, activation=activation,
@@ -207,8 +211,8 @@ def _local(x, routing, *, w_in, w_out, w_gate, capacity_factor, capacity_groups,
     kept = jnp.ones(expert.shape, bool)
     if capacity_factor is not None:  # an assignment's place in its expert's queue
         limit = capacity(tokens // capacity_groups, top_k, experts_count, capacity_factor)
-        kept = experts.group_places(expert, experts_count, capacity_groups) < limit
-    y, computed = experts.local_share(
+        kept = kernels.group_places(expert, experts_count, capacity_groups) < limit
+    y, computed = kernels.local_share(
         x, expert, routing.weights.reshape(-1), kept, w_in, w_out, w_gate, activation
     )
     return y, _stats(computed, expert.size)
@@ -221,6 +225,12 @@ def _counts(chosen: jax.Array, experts_count: int) -> jax.Array:
     if is_explicit(mesh) and not mesh.manual_axes:  # a scatter on explicit axes: ids whole
         chosen = lay_out(chosen, P())
     return jnp.zeros(experts_count, jnp.float32).at[chosen].add(1.0)
+
+
+def experts_override(implementation: Callable[..., Any]) -> Any:
+    """Trace the code inside with ``implementation`` as the experts operation (for plugins
+    written before the ``operations`` hook: ``Operations(experts=...)`` says it now)."""
+    return ops.override("experts", implementation)
 
 
 def _stats(kept: jax.Array, assignments: int) -> Stats:

@@ -1,9 +1,11 @@
-"""pp's pipeline schedule: a layer stack's layers split over the ``stage`` axis.
+"""Building blocks of pipeline parallelism: a layer stack's layers split over a stage axis.
 
-While a pipeline is active (the ``pp`` parallelism enters :func:`pipelined` around every
-traced program), :func:`shardplug.core.layer_stack.run_stack` runs :func:`schedule` instead
-of its scan, inside ``jax.shard_map``, manual over the stage axis (and the replica axes)
-only, so the other axes (``data``, ``fsdp``, ``model``) stay the compiler's.
+:class:`Pipeline` is a schedule's plan (stages, microbatches, repeats, the replica axes),
+:func:`schedule` runs a layer stack by it, inside ``jax.shard_map``, manual over the stage
+axis (and the replica axes) only, so the other axes stay the compiler's. ``pp`` supplies
+the layer stack operation with it (:class:`shardplug.plugin.Operations`); a plugin with
+another schedule builds its own from :func:`microbatches`, :func:`circular_order` and
+:func:`rows_split`.
 
 **The schedule.** The batch is cut into M microbatches (rows ``m, m+M, ...``, so each stays
 spread over the batch axes). The L layers are R*S groups of G = L/(R*S) consecutive layers;
@@ -19,16 +21,17 @@ rematerialised by default, so a stage keeps its inputs per tick, not every activ
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core import ops
+from shardplug.core.context import in_microbatches
+from shardplug.core.layer_stack import split_aux
 from shardplug.core.mesh import is_explicit
 from shardplug.core.sharding import lay_out
 from shardplug.errors import ConfigError
@@ -107,24 +110,26 @@ class Pipeline:
             )
 
 
-_PIPELINE: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar(
-    "shardplug_pipeline", default=None
-)
+def pipelined(pipeline: Pipeline | None) -> Any:
+    """Trace the code inside with every layer stack run by ``pipeline``'s schedule (for
+    plugins written before the ``operations`` hook: ``Operations(layer_stack=...)`` says it
+    now)."""
+    if pipeline is None:
+        return ops.override("layer_stack", None)
+    return ops.override("layer_stack", stack_operation(pipeline))
 
 
-def active() -> Pipeline | None:
-    """The pipeline the current program is traced under, if any."""
-    return _PIPELINE.get()
+def stack_operation(pipeline: Pipeline):
+    """The layer stack operation of ``pipeline``: its microbatches chosen for each batch, the
+    stack and batch checked (one line each), the schedule run, seeing microbatches."""
 
+    def run(block, params, x, *, layers):
+        plan = pipeline.split_over(rows_split(x)).resolve(x.shape[0])
+        plan.check(layers, x.shape[0])
+        with in_microbatches():
+            return schedule(block, params, x, plan, layers)
 
-@contextlib.contextmanager
-def pipelined(pipeline: Pipeline | None) -> Iterator[None]:
-    """Trace the code inside with every layer stack run by ``pipeline``'s schedule."""
-    token = _PIPELINE.set(pipeline)
-    try:
-        yield
-    finally:
-        _PIPELINE.reset(token)
+    return run
 
 
 def circular_order(layers: int, stages: int, repeats: int) -> jnp.ndarray:
@@ -133,11 +138,6 @@ def circular_order(layers: int, stages: int, repeats: int) -> jnp.ndarray:
     g = layers // (stages * repeats)
     idx = jnp.arange(layers).reshape(repeats, stages, g)
     return idx.transpose(1, 0, 2).reshape(-1)
-
-
-def split_aux(out):
-    """A block's ``(x, aux)`` or ``x`` as a scan's ``(carry, per-layer output)``."""
-    return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
 
 
 def schedule(block, params, x, pl: Pipeline, layers: int):
@@ -154,10 +154,7 @@ def schedule(block, params, x, pl: Pipeline, layers: int):
             return w.reshape(layers, *w.shape[3:])
 
         params = jax.tree.map(reorder, params)
-    batch = x.shape[0]
-    # microbatch m is rows m, m+M, ...: each stays spread over the batch's axes
-    split, whole = _microbatch_shardings(x)
-    xs = jnp.reshape(x, (batch // m_, m_, *x.shape[1:]), out_sharding=split).swapaxes(0, 1)
+    xs = microbatches(x, m_)
     rows = None if not pl.replicas else pl.replicas[0] if len(pl.replicas) == 1 else pl.replicas
 
     def stage_program(local, xs):
@@ -214,7 +211,7 @@ def schedule(block, params, x, pl: Pipeline, layers: int):
         out_specs=(P(None, rows), P(pl.axis)),
         axis_names={pl.axis, *pl.replicas},
     )(params, xs)
-    out = jnp.reshape(out.swapaxes(0, 1), x.shape, out_sharding=whole)
+    out = joined(out, x)
     if aux is None:
         return out
     if r_ > 1:  # the stage axis holds the layers in the circular order: put them back
@@ -233,6 +230,20 @@ def rows_split(x: jax.Array) -> int:
     lead = lead[0] if len(lead) else None
     axes = () if lead is None else (lead,) if isinstance(lead, str) else tuple(lead)
     return math.prod(mesh.shape[a] for a in axes)
+
+
+def microbatches(x: jax.Array, count: int) -> jax.Array:
+    """``x`` cut into ``count`` microbatches, ``(count, rows / count, ...)``: microbatch
+    ``m`` is rows ``m, m + count, ...``, so each stays spread over the batch's axes."""
+    split, _ = _microbatch_shardings(x)
+    shape = (x.shape[0] // count, count, *x.shape[1:])
+    return jnp.reshape(x, shape, out_sharding=split).swapaxes(0, 1)
+
+
+def joined(xs: jax.Array, like: jax.Array) -> jax.Array:
+    """Microbatches (:func:`microbatches`) put back as a batch laid out like ``like``."""
+    _, whole = _microbatch_shardings(like)
+    return jnp.reshape(xs.swapaxes(0, 1), like.shape, out_sharding=whole)
 
 
 def _microbatch_shardings(x: jax.Array) -> tuple[P | None, P | None]:

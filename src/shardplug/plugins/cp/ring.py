@@ -1,5 +1,5 @@
-"""Attention over a sequence split across devices: what ``cp`` puts in place of
-:func:`shardplug.attention` while the step is traced.
+"""cp's attention over the sequence split on the context axis: the ring (the default) and
+the gather scheme, built from :mod:`shardplug.plugin`'s attention blocks.
 
 The batch's sequence dimension (and every activation along it) is split over the context
 axis in contiguous blocks; attention needs every key for each query. Two schemes, the causal
@@ -18,30 +18,31 @@ Measured side by side (``benchmarks/cp_attention.py``, 4 CPU devices, the refere
 transformer, batch 4): ring (zig-zag) / gather step time 0.51 at sequence 1024 and 0.23 at
 4096, compiled temporaries 0.40 and 0.28; without the zig-zag the ring's were 0.59 and 0.35,
 0.44 and 0.32. So the balanced ring is the default. Attention alone against a ring written
-by hand (``--alone``, sequence 4096): 0.71x its time and 0.67x its memory. Inside pp's
-pipeline schedule (itself a per-device program) XLA's partitioner refuses the ring's nested
-manual axes, and the keys and values are gathered there.
+by hand (``--alone``, sequence 4096): 0.71x its time and 0.67x its memory. Inside another
+per-device program (a pipeline schedule's) XLA's partitioner refuses the ring's nested manual
+axes, and the keys and values are gathered there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
-import warnings
 from collections.abc import Iterator
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from shardplug.core.attention import attention_override
-from shardplug.core.sharding import lay_out
-from shardplug.errors import ShardplugWarning
+from shardplug.plugin import P, attention_override, lay_out
+from shardplug.plugin.attention import (
+    pad_sequence,
+    softmax_end,
+    softmax_join,
+    softmax_meet,
+    softmax_rows,
+    softmax_start,
+)
 
 _U = P.UNCONSTRAINED
-_WARNED: set[str] = set()  # said once per parallelism and process
 
 
 def gathered_attention(axis: str):
@@ -51,7 +52,7 @@ def gathered_attention(axis: str):
     def attend(query, key, value, *, causal, bias, mask, scale):
         size = jax.sharding.get_abstract_mesh().shape[axis]
         length = query.shape[1]
-        (query, key, value), bias, mask = _padded((query, key, value), bias, mask, size)
+        (query, key, value), bias, mask = pad_sequence((query, key, value), bias, mask, size)
         split, whole = P(_U, axis, _U, _U), P(_U, None, _U, _U)
         query = lay_out(query, split)
         key, value = lay_out(key, whole), lay_out(value, whole)
@@ -69,35 +70,14 @@ def gathered_attention(axis: str):
     return attend
 
 
-def _padded(qkv, bias, mask, multiple: int):
-    """``qkv`` (and a ``bias`` or ``mask`` over their positions) padded at the end of the
-    sequence to a multiple of ``multiple`` positions: zeros, the mask's padding True (the
-    padded keys are masked by their length, the padded queries' rows are cut off after)."""
-    length = qkv[0].shape[1]
-    extra = -length % multiple
-    if not extra:
-        return qkv, bias, mask
-
-    def pad(x, value=0):
-        if x is None:
-            return None
-        widths = [(0, 0)] * x.ndim
-        for dim in (-2, -1):  # (..., queries, keys), each possibly broadcast (size 1)
-            if x.shape[dim] == length:
-                widths[dim] = (0, extra)
-        return jnp.pad(x, widths, constant_values=value)
-
-    seq = [(0, 0), (0, extra), (0, 0), (0, 0)]
-    return tuple(jnp.pad(x, seq) for x in qkv), pad(bias), pad(mask, True)
-
-
-def ring_attention(axis: str, balance: bool = True):
+def ring_attention(axis: str, balance: bool = True, on_ring=None):
     r"""An attention function for :func:`attention_override`: each device keeps its block of
     queries, keys and values, and the key/value blocks go round the ring over ``axis``
     (``C - 1`` ``ppermute``\s), each met with an online softmax (running maximum, sum and
     output in float32), so no device ever holds more than one other block, nor scores of
     more than one block pair. The backward pass is autodiff through the ring (the
-    transposed ``ppermute``\s send the key/value gradients back), each step recomputed."""
+    transposed ``ppermute``\s send the key/value gradients back), each step recomputed.
+    ``on_ring()`` is called each time the ring itself is traced (not its gathered fallback)."""
     gathered = gathered_attention(axis)
 
     def attend(query, key, value, *, causal, bias, mask, scale):
@@ -108,13 +88,15 @@ def ring_attention(axis: str, balance: bool = True):
         if bias is not None or mask is not None or nested:
             return gathered(query, key, value, causal=causal, bias=bias, mask=mask,
                             scale=scale)  # fmt: skip
+        if on_ring is not None:
+            on_ring()
         size = mesh.shape[axis]
         length = query.shape[1]
         # any length: padded at the end to whole blocks (two chunks each when dealt); causal,
         # no real query sees a padded key, otherwise the ring masks them by their position
         dealt = causal and balance
-        (query, key, value), _, _ = _padded((query, key, value), None, None,
-                                            2 * size if dealt else size)  # fmt: skip
+        (query, key, value), _, _ = pad_sequence((query, key, value), None, None,
+                                                 2 * size if dealt else size)  # fmt: skip
         valid = None if causal or query.shape[1] == length else length
         split = P(_U, axis, _U, _U)  # explicit axes: their types must say it
         query, key, value = (lay_out(x, split) for x in (query, key, value))
@@ -162,14 +144,14 @@ def _ring(q, k, v, *, axis, size, causal, scale, balance, valid=None):
     def meet(acc, k, v, step):
         source = (me - step) % size  # whose keys and values these are
         if not dealt:
-            return _meet(q, k, v, acc, scale, seen(source))
+            return softmax_meet(q, k, v, acc, scale, seen(source))
 
         def earlier(acc):  # all my queries against its first half
-            return _meet(q, k[:, :half], v[:, :half], acc, scale)
+            return softmax_meet(q, k[:, :half], v[:, :half], acc, scale)
 
         def later(acc):  # my second half of queries against all of it
-            mine = _meet(q[:, half:], k, v, _rows(acc, slice(half, None)), scale)
-            return _join(_rows(acc, slice(None, half)), mine)
+            mine = softmax_meet(q[:, half:], k, v, softmax_rows(acc, slice(half, None)), scale)
+            return softmax_join(softmax_rows(acc, slice(None, half)), mine)
 
         return jax.lax.cond(source < me, earlier, later, acc)
 
@@ -177,61 +159,19 @@ def _ring(q, k, v, *, axis, size, causal, scale, balance, valid=None):
         acc, k, v = carry  # not recomputed by the checkpoint
         return (meet(acc, k, v, step), *jax.lax.ppermute((k, v), axis, perm)), None
 
-    # made from q, so they carry its type: varying where it is (pp's stage axis too), and
-    # laid out like it on explicit mesh axes
-    zeros = jnp.zeros_like(q[..., 0], jnp.float32).transpose(0, 2, 1)  # (rows, heads, length)
-    out = jnp.zeros_like(q[..., :1], jnp.float32) * jnp.zeros((1, 1, 1, v.shape[-1]), jnp.float32)
-    acc = (zeros - jnp.inf, zeros, out)  # out: (rows, length, heads, value's head_dim)
+    acc = softmax_start(q, v.shape[-1])
     mine = seen(me)
     if dealt:  # my own block: causal at the dealt positions
         places = jnp.arange(half)
         where = jnp.concatenate([me * half + places, (2 * size - 1 - me) * half + places])
         mine = where[:, None] >= where[None, :]
     # every meeting recomputed for the backward pass: only the running sums are kept
-    acc = jax.checkpoint(lambda acc, k, v: _meet(q, k, v, acc, scale, mine))(acc, k, v)
+    acc = jax.checkpoint(lambda acc, k, v: softmax_meet(q, k, v, acc, scale, mine))(acc, k, v)
     k, v = jax.lax.ppermute((k, v), axis, perm)
     steps = jnp.arange(1, size - 1)
     acc, k, v = jax.lax.scan(jax.checkpoint(meet_and_pass), (acc, k, v), steps)[0]
-    _, total, out = jax.checkpoint(meet)(acc, k, v, size - 1)
-    out = (out / total.transpose(0, 2, 1)[..., None]).astype(q.dtype)
+    out = softmax_end(jax.checkpoint(meet)(acc, k, v, size - 1), q.dtype)
     return _deal(out, axis, size, back=True) if dealt else out
-
-
-def _meet(q, k, v, acc, scale, seen=None):
-    """The online softmax's running maximum, sum and output (float32) for the rows of ``q``,
-    updated with one block of keys and values (``seen``: which pairs the mask keeps). The
-    query heads are grouped over the key/value heads (grouped-query attention: consecutive
-    query heads share one, as ``jax.nn.dot_product_attention`` pairs them)."""
-    top, total, out = acc
-    f32 = jnp.float32
-    rows, length, heads, _ = q.shape
-    shared = k.shape[2]  # key/value heads
-    grouped = q.reshape(rows, length, shared, heads // shared, q.shape[-1])
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, k, preferred_element_type=f32)
-    scores = scores.reshape(rows, heads, length, k.shape[1]) * scale
-    if seen is not None:
-        scores = jnp.where(seen, scores, -jnp.inf)
-    new_top = jnp.maximum(top, scores.max(-1))
-    safe = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
-    weights = jnp.exp(scores - safe[..., None])
-    if seen is not None:
-        weights = jnp.where(seen, weights, 0.0)
-    fade = jnp.where(jnp.isfinite(top), jnp.exp(top - safe), 0.0)
-    total = total * fade + weights.sum(-1)
-    weights = weights.reshape(rows, shared, heads // shared, length, k.shape[1])
-    update = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v, preferred_element_type=f32)
-    out = out * fade.transpose(0, 2, 1)[..., None] + update.reshape(out.shape)
-    return new_top, total, out
-
-
-def _rows(acc, rows: slice):
-    top, total, out = acc
-    return top[..., rows], total[..., rows], out[:, rows]
-
-
-def _join(first, second):
-    return tuple(jnp.concatenate(pair, axis) for pair, axis in
-                 zip(zip(first, second, strict=True), (-1, -1, 1), strict=True))  # fmt: skip
 
 
 def _deal(x, axis: str, size: int, back: bool = False):
@@ -256,63 +196,13 @@ def _deal(x, axis: str, size: int, back: bool = False):
     ], 1)  # fmt: skip
 
 
-def sequence_share(batch: Any, batch_shardings: Any, found: list[dict], pipelined: bool):
-    """explain's account of a split sequence (None when the batch's is whole): its axes, the
-    positions each device holds, and the ring's traffic (the step's collective-permutes, a
-    pipeline's aside) as a share of all the step sends; ``(report, note)``."""
-    leaf, sharding = jax.tree.leaves(batch)[0], jax.tree.leaves(batch_shardings)[0]
-    spec = tuple(sharding.spec) + (None,) * 2
-    if leaf.ndim < 2 or spec[1] is None:
-        return None, None
-    axes = (spec[1],) if isinstance(spec[1], str) else tuple(spec[1])
-    parts = math.prod(sharding.mesh.shape[a] for a in axes)
-    length = leaf.shape[1]
-    ring = [c for c in found if c["kind"] == "collective-permute" and not pipelined]
-    sent = sum(c["wire_bytes"] for c in found)
-    ring_bytes = sum(c["wire_bytes"] for c in ring)
-    report = {
-        "axes": list(axes), "devices": parts, "length": length,
-        "per_device": length // parts, "ring_permutes": sum(c["count"] for c in ring),
-        "ring_bytes": ring_bytes, "ring_share": ring_bytes / sent if sent else 0.0,
-    }  # fmt: skip
-    how = (
-        f"its attention's ring sends {report['ring_permutes']} collective-permutes, "
-        f"{ring_bytes / 2**20:.1f} MiB per device per step ({report['ring_share']:.0%} of "
-        f"what the step sends)"
-        if ring
-        else "its attention gathers the keys and values (all-gathers; no ring)"
-    )
-    note = (
-        f"the sequence is split over {list(axes)}: each device holds {length // parts} of "
-        f"the {length} positions of every row and every activation along them; {how}"
-    )
-    return report, note
-
-
 @contextlib.contextmanager
 def sequence_parallel(
     axis: str, name: str, scheme: str = "ring", balance: bool = True
 ) -> Iterator[None]:
     """Trace the code inside with :func:`shardplug.attention` attending over the sequence
-    split on ``axis``; a program that never called it is warned of once (its attention, if
-    any, then runs through the compiler's own gathers of the sequence)."""
-    called = []
+    split on ``axis`` (the earlier contract's way; a parallelism now returns
+    ``Operations(attention=...)`` from its ``operations`` hook)."""
     attend = ring_attention(axis, balance) if scheme == "ring" else gathered_attention(axis)
-
-    def counted(*args, **kwargs):
-        called.append(True)
-        return attend(*args, **kwargs)
-
-    with attention_override(counted):
+    with attention_override(attend):
         yield
-    if not called and name not in _WARNED:
-        _WARNED.add(name)
-        warnings.warn(
-            f"{name}: the model never called shardplug.attention, so {name} did not gather "
-            f"its keys and values: attention written by hand (an einsum, or "
-            f"jax.nn.dot_product_attention) still computes right over the sequence split on "
-            f"{axis!r}, through whatever gathers the compiler chooses (explain shows them); "
-            f"call shardplug.attention(q, k, v, causal=True) instead",
-            ShardplugWarning,
-            stacklevel=3,
-        )

@@ -2,9 +2,10 @@
 
 A model's layer stack (:mod:`shardplug.stack`) has its leading layer dimension split over
 ``stage``: stage ``s`` holds L/S consecutive layers (GPipe) or R non-adjacent groups of
-L/(R*S) (circular, ``repeats=R``). Every stack call in the step runs the schedule of
-:mod:`shardplug.core.schedule`: the batch cut into M microbatches, activations passed to
-the next stage with ``ppermute``, the backward pass by autodiff through the schedule. The
+L/(R*S) (circular, ``repeats=R``). pp supplies the layer stack operation: every stack call
+in the step runs the schedule of :mod:`shardplug.plugin.stages`, the batch cut into M
+microbatches, activations passed to the next stage with ``ppermute``, the backward pass by
+autodiff through the schedule; explain shows its figures (:mod:`.report`). The
 layers before and after the stack (embeddings, head) are replicated over ``stage`` and
 split by the other parallelisms of the composition (``pp+fsdp+tp``: 3D parallelism).
 
@@ -20,14 +21,18 @@ from typing import ClassVar
 
 from shardplug.plugin import (
     LAYERS,
+    RANK,
     Axis,
     Capability,
     ConfigError,
+    Explained,
+    Operations,
     Pipeline,
     StrategyOptionError,
     hookimpl,
-    pipelined,
+    stack_operation,
 )
+from shardplug.plugins.pp.report import pipeline_report
 
 
 class PipelineParallel:
@@ -62,7 +67,7 @@ class PipelineParallel:
 
     @hookimpl
     def parallel_axis(self):
-        return Axis("stage", rank=Axis.STAGE)
+        return Axis("stage", rank=RANK["stage"])
 
     @hookimpl
     def split_param(self, shape, logical, axis, size, taken):
@@ -90,9 +95,15 @@ class PipelineParallel:
             )
 
     @hookimpl
-    def trace_context(self, axis, mesh, replicas):
+    def operations(self, axis, mesh, replicas):
         replicas = tuple(a for a in replicas if mesh.shape[a] > 1)
-        return pipelined(Pipeline(
+        plan = Pipeline(
             axis, mesh.shape[axis], self.microbatches, self.repeats, self.remat,
             replicas=replicas, replica_size=math.prod(mesh.shape[a] for a in replicas),
-        ))  # fmt: skip
+        )  # fmt: skip
+        return Operations(layer_stack=stack_operation(plan))
+
+    @hookimpl
+    def explain_step(self, axis, mesh, step):
+        report = pipeline_report(axis, mesh, step)
+        return None if report is None else Explained(name="pipeline", report=report)

@@ -4,10 +4,10 @@ A parameter dimension the model names ``expert`` (the leading dimension of the s
 expert weights, :mod:`shardplug.moe`) is split over ``expert``: each device holds ``E / n``
 experts, and their Adam state. The batch's rows split over ``expert`` too (it is a batch
 axis: the non-expert layers see it as data parallel; an ``fsdp`` beside it also stores the
-other parameters over it). While the step is traced, :func:`shardplug.moe.routed_experts`
-sends each device's token assignments to their experts' devices and back with
-``all_to_all`` (:mod:`shardplug.core.experts`), so the experts compute only the tokens
-routed to them, as one grouped product each. Dropless routing and capacity dropping give
+other parameters over it). ep supplies :func:`shardplug.moe.routed_experts`'s operation
+(:mod:`.exchange`): each device's token assignments go to their experts' devices and back
+with ``all_to_all``, so the experts compute only the tokens routed to them, as one grouped
+product each. Dropless routing and capacity dropping give
 what one device gives.
 """
 
@@ -18,14 +18,16 @@ import warnings
 from typing import ClassVar
 
 from shardplug.plugin import (
+    RANK,
     Axis,
     Capability,
     ConfigError,
     Explained,
+    Operations,
     ShardplugWarning,
-    expert_parallel,
     hookimpl,
 )
+from shardplug.plugins.ep.exchange import exchange
 
 _SAID: set[str] = set()  # each note once per process
 
@@ -44,7 +46,7 @@ class ExpertParallel:
 
     @hookimpl
     def parallel_axis(self):
-        return Axis("expert", rank=Axis.EXPERT, batch=True, logical=("expert",), lends=True)
+        return Axis("expert", rank=RANK["expert"], batch=True, logical=("expert",), lends=True)
 
     @hookimpl
     def split_param(self, shape, logical, axis, size, taken):
@@ -75,10 +77,13 @@ class ExpertParallel:
         self._experts = mine
 
     @hookimpl
-    def trace_context(self, axis, mesh, batch_axes):
+    def operations(self, axis, mesh, batch_axes):
         if mesh.shape[axis] == 1:
             return None
-        return expert_parallel(axis, batch_axes, unrouted=lambda: self._unrouted(axis, mesh))
+        self.unrouted_note = None
+        return Operations(
+            experts=exchange(axis, tuple(batch_axes)), unused=lambda _: self._unrouted(axis, mesh)
+        )
 
     def _unrouted(self, axis: str, mesh) -> None:
         """Say once that the model's experts were not routed through shardplug.moe: ep then

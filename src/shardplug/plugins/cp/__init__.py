@@ -1,0 +1,147 @@
+"""Context parallel over the `context` axis: the sequence split across devices.
+
+Every batch leaf's second dimension (the sequence) is split over ``context`` in contiguous
+blocks (a leaf whose length the devices do not divide is placed whole), and so is every
+activation along it; parameters are replicated over ``context`` (an ``fsdp`` of the same
+composition stores them split over it too, as torchtitan shards over dp_shard x cp).
+Attention sees the whole sequence: cp supplies :func:`shardplug.attention`'s operation
+(:mod:`.ring`), ring attention (the key/value blocks passed round ``context``;
+``attention="ring"``, the default by measurement) or an attention whose keys and values are
+all-gathered (``attention="gather"``). Causal, the ring deals each layer's blocks zig-zag for
+its span and back (``balance="zigzag"``, the default), so every device computes the same
+half of the causal work and skips the other; positions and targets are those of the sequence
+as it is: nothing outside attention sees an order but the real one. Any length: attention
+pads the sequence to whole blocks and masks the padding. A model that computes attention
+otherwise is warned of once: it trains right, through the compiler's own gathers.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import ClassVar
+
+from shardplug.plugin import (
+    RANK,
+    Axis,
+    Capability,
+    ConfigError,
+    Explained,
+    Operations,
+    ShardplugWarning,
+    StrategyOptionError,
+    hookimpl,
+)
+from shardplug.plugins.cp.ring import gathered_attention, ring_attention
+
+_SAID: set[str] = set()  # each warning once per process
+
+
+class ContextParallel:
+    """Context parallel: the sequence split over `context`, ring attention over it."""
+
+    unsupported: ClassVar[dict[str, str]] = {
+        Capability.WITHOUT_SEQUENCE: "context parallelism splits the batch's sequence; a "
+        "model whose batch has none has nothing to split",
+        Capability.UNEVEN_SHAPES: "a model of two plain layers has no sequence",
+        Capability.BATCH_SPLIT: "context parallelism alone splits the sequence, not the rows",
+    }
+
+    def __init__(self, attention: str = "ring", balance: str = "zigzag"):
+        if attention not in ("gather", "ring"):
+            raise StrategyOptionError(
+                f"cp option attention must be 'gather' (keys and values all-gathered) or "
+                f"'ring' (passed round the ring), got {attention!r}"
+            )
+        if balance not in ("zigzag", "none"):
+            raise StrategyOptionError(
+                f"cp option balance must be 'zigzag' (the ring's causal work dealt evenly) or "
+                f"'none' (every block pair computed, masked), got {balance!r}"
+            )
+        self.attention, self.balance = attention, balance
+        self._ring_ran = False  # whether the last traced program went round the ring
+
+    @hookimpl
+    def parallel_axis(self):
+        return Axis("context", rank=RANK["context"], logical=("length",), lends=True)
+
+    @hookimpl
+    def split_batch(self, path, shape, axis, size):
+        if len(shape) < 2:
+            raise ConfigError(
+                f"cp splits every batch leaf's sequence (its second dimension) over {axis!r}, "
+                f"and batch leaf {path!r} of shape {tuple(shape)} has none: give cp a batch "
+                f"of (rows, sequence, ...) leaves, or leave it out"
+            )
+        # a sequence the devices do not divide (tokens of L + 1 for a model fed
+        # tokens[:, :-1]) is read whole by each of them: placing an array needs even
+        # blocks, attention does not (it pads), and splits the activations from there
+        return None if shape[1] % size else 1
+
+    @hookimpl
+    def operations(self, axis, mesh):
+        if mesh.shape[axis] == 1:
+            return None
+        self._ring_ran = False
+
+        def ran() -> None:
+            self._ring_ran = True
+
+        if self.attention == "ring":
+            attend = ring_attention(axis, self.balance == "zigzag", on_ring=ran)
+        else:
+            attend = gathered_attention(axis)
+        return Operations(attention=attend, unused=lambda _: self._unused(axis))
+
+    def _unused(self, axis: str) -> None:
+        said = (
+            f"cp: the model never called shardplug.attention, so cp did not gather its keys "
+            f"and values: attention written by hand (an einsum, or "
+            f"jax.nn.dot_product_attention) still computes right over the sequence split on "
+            f"{axis!r}, through whatever gathers the compiler chooses (explain shows them); "
+            f"call shardplug.attention(q, k, v, causal=True) instead"
+        )
+        if said not in _SAID:
+            _SAID.add(said)
+            warnings.warn(said, ShardplugWarning, stacklevel=2)
+
+    @hookimpl
+    def explain_step(self, axis, mesh, step):
+        """How the sequence is split (positions per device) and what the ring sends, as a
+        share of what the step sends."""
+        split = [
+            (leaf, sharding) for leaf, sharding in zip(step.batch, step.batch_shardings,
+                                                       strict=True)
+            if len(sharding.spec) > 1 and axis in _axes(sharding.spec[1])
+        ]  # fmt: skip
+        if not split:
+            return None
+        leaf, sharding = split[0]
+        axes = _axes(sharding.spec[1])
+        parts = math.prod(mesh.shape[a] for a in axes)
+        length = leaf.shape[1]
+        found = step.collectives
+        ring = [c for c in found if c["kind"] == "collective-permute" and self._ring_ran]
+        sent = sum(c["wire_bytes"] for c in found)
+        ring_bytes = sum(c["wire_bytes"] for c in ring)
+        report = {
+            "axes": list(axes), "devices": parts, "length": length,
+            "per_device": length // parts, "ring_permutes": sum(c["count"] for c in ring),
+            "ring_bytes": ring_bytes, "ring_share": ring_bytes / sent if sent else 0.0,
+        }  # fmt: skip
+        how = (
+            f"its attention's ring sends {report['ring_permutes']} collective-permutes, "
+            f"{ring_bytes / 2**20:.1f} MiB per device per step ({report['ring_share']:.0%} of "
+            f"what the step sends)"
+            if ring
+            else "its attention gathers the keys and values (all-gathers; no ring)"
+        )
+        note = (
+            f"the sequence is split over {list(axes)}: each device holds {length // parts} of "
+            f"the {length} positions of every row and every activation along them; {how}"
+        )
+        return Explained(name="sequence", report=report, notes=(note,))
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

@@ -1,0 +1,114 @@
+"""pp's account of its share of a step, for explain: stages, microbatches, repeats and
+bubble, the layer stack's bytes, which layers each stage holds, and the schedule's
+collective-permute traffic as compiled against its own figure."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from shardplug.plugin import Pipeline, circular_order
+
+
+def pipeline_report(axis: str, mesh: Any, step: Any) -> dict[str, Any] | None:
+    """The schedule's figures (see the module), read from the traced program; None when the
+    step runs no schedule over ``axis``. One send forward and one back per tick, each a
+    microbatch's stage input per device; the circular schedule also moves the stack's
+    shards into its order (and their gradients back): the difference."""
+    found_schedule = schedule_of(step.jaxpr)
+    if found_schedule is None or found_schedule[0] != axis:
+        return None
+    _, ticks, inputs = found_schedule
+    m_, s_ = inputs.shape[0], mesh.shape[axis]
+    r_ = (ticks - s_ + 1) // m_
+    pl = Pipeline(axis, s_, m_, r_)
+    stacked = [
+        (leaf, spec) for leaf, spec in zip(step.params, step.stored, strict=True)
+        if len(spec) and spec[0] == axis
+    ]  # fmt: skip
+    if not stacked:
+        return None
+    layers = stacked[0][0].shape[0]
+    shape, dtype = (inputs.shape[0] * inputs.shape[1], *inputs.shape[2:]), inputs.dtype
+    batch_axes = step.batch_axes
+    shards = math.prod(mesh.shape[a] for a in batch_axes) if batch_axes else 1
+    send = shape[0] // m_ // shards * math.prod(shape[1:]) * np.dtype(dtype).itemsize
+    permutes = [c for c in step.collectives if c["kind"] == "collective-permute"]
+    compiled = sum(c["bytes"] for c in permutes)
+    return {
+        "stages": s_,
+        "microbatches": m_,
+        "repeats": r_,
+        "bubble": pl.bubble,
+        "layers": layers,
+        "stage_layers": circular_order(layers, s_, r_).reshape(s_, -1).tolist(),
+        "stack_bytes": sum(_bytes(leaf) for leaf, _ in stacked),
+        "stack_bytes_per_device": sum(_bytes(leaf, spec, mesh) for leaf, spec in stacked),
+        "ticks": pl.ticks,
+        "collective_permute": {
+            "compiled_ops": sum(c["count"] for c in permutes),
+            "compiled_bytes_per_step": compiled,
+            "schedule_ops": 2 * pl.ticks,
+            "textbook_bytes_per_step": 2 * send * pl.ticks,
+        },
+    }
+
+
+def _bytes(leaf: Any, spec: Any = None, mesh: Any = None) -> int:
+    """A parameter's bytes, whole or (with its spec) per device."""
+    shape = list(leaf.shape)
+    for dim, entry in enumerate(spec or ()):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        shape[dim] //= math.prod(mesh.shape[a] for a in axes)
+    return math.prod(shape) * np.dtype(leaf.dtype).itemsize
+
+
+def schedule_of(jaxpr: Any) -> tuple[str, int, Any] | None:
+    """A pipeline schedule as the traced step runs it: its stage axis, its ticks (the loop
+    with a ``ppermute`` inside a ``shard_map``) and its stacked microbatch inputs (the
+    ``shard_map``'s last operand: microbatches x rows x ...); None without one.
+
+    Read from the program, not from the plugin: nothing is recorded while it is traced."""
+
+    def subs(eqn):
+        for value in eqn.params.values():
+            for v in value if isinstance(value, tuple) else (value,):
+                inner = getattr(v, "jaxpr", v)
+                if hasattr(inner, "eqns"):
+                    yield inner
+
+    def permute_axis(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "ppermute":
+                names = eqn.params["axis_name"]
+                return names[0] if isinstance(names, tuple) else names
+            for sub in subs(eqn):
+                if (found := permute_axis(sub)) is not None:
+                    return found
+        return None
+
+    def tick_loop(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                body = eqn.params["jaxpr"]
+                if (axis := permute_axis(getattr(body, "jaxpr", body))) is not None:
+                    return axis, int(eqn.params["length"])
+            for sub in subs(eqn):
+                if (found := tick_loop(sub)) is not None:
+                    return found
+        return None
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "shard_map":
+                body = eqn.params["jaxpr"]
+                if (found := tick_loop(getattr(body, "jaxpr", body))) is not None:
+                    return (*found, eqn.invars[-1].aval)
+            for sub in subs(eqn):
+                if (found := walk(sub)) is not None:
+                    return found
+        return None
+
+    return walk(getattr(jaxpr, "jaxpr", jaxpr))
