@@ -50,6 +50,7 @@ def operations(hlo: str) -> collections.Counter:
         ("dp+fsdp+tp", "mlp"),
         ("fsdp+tp", "transformer"),
         ("fsdp+cp+tp", "transformer"),  # the twin's attention: the same ring
+        ("pp+dp", "transformer"),  # the twin's layer stack: the same schedule
     ],
 )
 def test_the_compiled_step_is_the_hand_written_program(strategy, model_name):

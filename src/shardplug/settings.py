@@ -24,7 +24,49 @@ def _positive(name: str, value: Any, optional: bool = False) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """How a :class:`~shardplug.Trainer` runs; see its parameters of the same names."""
+    """How a :class:`~shardplug.Trainer` runs: its keyword arguments of the same names.
+
+    :param seed: seeds the parameter initialisation of a model the adapter builds.
+    :param log_every: the loop waits for the devices only every ``log_every`` steps (and at
+        the end), to read the metrics; ``step_time`` is the mean over that window.
+    :param checkpoint_dir: where to keep checkpoints (created if missing; must be writable).
+        :meth:`fit` then saves every ``checkpoint_every`` steps and when it ends, in the
+        background, each device writing its own shards; SIGINT and SIGTERM finish the
+        current step, save it and raise :class:`shardplug.errors.TrainingInterrupted`.
+        Continue a run with :meth:`restore`.
+    :param checkpoint_every: steps between checkpoints (None: only when ``fit`` ends).
+    :param keep: how many checkpoints to keep.
+    :param config: JSON-serialisable settings to store in each checkpoint (the command line
+        stores its arguments), read back as ``trainer.restored_meta["config"]``.
+    :param on_nonfinite: ``"stop"``: a NaN or infinite loss raises
+        :class:`shardplug.errors.NonFiniteError` naming the step and the last good
+        checkpoint (nothing more is saved; parameters that are not finite are never saved);
+        ``"skip"``: a step whose loss or gradient norm is not finite leaves the model and
+        optimizer as they were, and is counted in ``trainer.skipped_steps``.
+    :param grad_accum: microbatches per step: the step computes the gradient of the batch
+        in ``grad_accum`` parts, one after another, inside the compiled step, and makes one
+        update, equal to that of the whole batch (batch statistics, being per microbatch,
+        excepted). Activation memory falls to that of one microbatch.
+    :param precision: ``"float32"``, or ``"bfloat16"`` (``"bf16"``): the matrix products of
+        forward and backward in bfloat16, on bfloat16 copies of the parameters and the batch's
+        float32 leaves, stock layers that chose no dtype computing in it; parameters,
+        gradients and optimizer state stay float32. Products left in float32 are warned of.
+    :param profile_dir: write a profiler trace (TensorBoard, Perfetto) of the steps
+        ``profile_steps`` (a ``range`` of step numbers, default 3 to 5, after compilation)
+        into this directory (``process_<i>/`` in it for each process of a multi-process run).
+    :param axis_types: the mesh's axis types: ``"auto"`` (JAX's ``AxisType.Auto``: the
+        compiler propagates shardings), ``"explicit"`` (``AxisType.Explicit``: shardings are
+        part of every array's type, for models that use ``jax.sharding.reshard``, einsums with
+        ``out_sharding`` and the like), or None: explicit when the model's parameters already
+        live on an explicit mesh or its code needs explicit axes (found when the step is
+        first traced), auto otherwise; ``trainer.axis_types`` and ``axis_types_reason`` say
+        which ran and why.
+    :param data_timeout: seconds to wait for a batch before giving up (None: announced
+        after 30 s, never given up).
+    :param flops_per_sample: the model's textbook FLOPs per sample, for the rows'
+        ``model_tflops`` and ``mfu``; ``peak_tflops``: a device's peak TFLOP/s, for devices
+        shardplug does not know.
+    """
 
     seed: int = 0
     log_every: int = 10
@@ -38,6 +80,9 @@ class Settings:
     profile_dir: str | None = None
     profile_steps: range = range(3, 6)
     axis_types: AxisTypes | None = None
+    data_timeout: float | None = None
+    flops_per_sample: float | None = None
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, int):
@@ -68,3 +113,14 @@ class Settings:
             if value is not None:
                 object.__setattr__(self, name, os.fspath(value))
         object.__setattr__(self, "config", dict(self.config))
+
+
+def reads(owner: str, name: str, doc: str = "", settable: bool = False) -> property:
+    """A property that reads ``name`` of the value held in attribute ``owner`` (None while
+    that is None); ``settable``: a setter that replaces it in the frozen ``settings``."""
+
+    def set_(self: Any, value: Any) -> None:
+        self.settings = dataclasses.replace(self.settings, **{name: value})
+
+    getter = lambda self: getattr(getattr(self, owner), name, None)  # noqa: E731
+    return property(getter, set_ if settable else None, doc=doc)

@@ -21,7 +21,7 @@ import optax
 from shardplug.core.step import LossFn
 from shardplug.errors import TaskError
 from shardplug.loop.evaluate import ONE_SHOT, one_shot
-from shardplug.models.adapter import Adapter
+from shardplug.models.adapter import Adapter, check_parts
 
 Data = Iterable[Any] | Callable[[], Iterable[Any]]
 
@@ -59,15 +59,7 @@ class Task:
     flops_per_sample: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.adapter, Adapter):
-            raise TaskError(
-                f"task {self.name!r}: adapter must be a shardplug adapter "
-                f"(shardplug.from_nnx(model) and its kin), got {type(self.adapter).__name__}"
-            )
-        if not callable(self.loss_fn):
-            raise TaskError(f"task {self.name!r}: loss_fn must be a function loss_fn(model, batch)")
-        if not (hasattr(self.optimizer, "init") and hasattr(self.optimizer, "update")):
-            raise TaskError(f"task {self.name!r}: optimizer must be an optax transformation")
+        check_parts(self.adapter, self.loss_fn, self.optimizer, TaskError, f"task {self.name!r}")
         for field in ("data", "eval_data"):
             value = getattr(self, field)
             if value is not None and not (callable(value) or isinstance(value, Iterable)):

@@ -204,10 +204,15 @@ def model_options_arguments(parser: Any) -> None:
 
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The reference model's options the command line gave (``layers``, ``remat``)."""
-    from shardplug.models import TRANSFORMER_OPTIONS
+    """The reference model's options the command line gave (``layers``, ``remat``, the
+    experts'...): read once, the one path every command takes to them (checked, stored in
+    the checkpoint's config, given to the model)."""
+    if getattr(args, "_model_options", None) is None:
+        from shardplug.models import TRANSFORMER_OPTIONS
 
-    return {k: getattr(args, k, None) for k in TRANSFORMER_OPTIONS if getattr(args, k, None)}
+        given = {k: getattr(args, k, None) for k in TRANSFORMER_OPTIONS}
+        args._model_options = {k: v for k, v in given.items() if v}
+    return args._model_options
 
 
 def _step_range(text: str) -> range:
@@ -223,9 +228,9 @@ def _step_range(text: str) -> range:
 def parse_options(strategy: str, pairs: Sequence[str]) -> dict[str, Any]:
     """``["min_size=0"]`` into ``{"min_size": 0}``, typed by the strategy's own signature
     (:meth:`shardplug.StrategyOption.parse`)."""
-    from shardplug.core.registry import get_strategy
+    from shardplug.core.registry import strategy_options
 
-    known = {o.name: o for o in get_strategy(strategy).info.options}
+    known = {o.name: o for o in strategy_options(strategy)}
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
@@ -240,6 +245,23 @@ def parse_options(strategy: str, pairs: Sequence[str]) -> dict[str, Any]:
     return options
 
 
+def cli_strategy(args: argparse.Namespace, name: str | None = None) -> Any:
+    r"""The one path from the command line to a :class:`~shardplug.core.registry.Strategy`:
+    ``name`` (``--strategy`` by default, its ``-o`` options with it; another name, as a
+    candidate, without them), its ``--addon``\s and ``--axis-name``\s. Made once for
+    ``--strategy`` (an unknown name or option is one line, before JAX starts)."""
+    from shardplug.core.registry import get_strategy
+
+    if name is not None and name != getattr(args, "strategy", None):
+        return get_strategy(name, addons=args.addon, axis_names=axis_names(args.axis_name))
+    if getattr(args, "_strategy", None) is None:
+        options = parse_options(args.strategy, getattr(args, "option", []))
+        args._strategy = get_strategy(
+            args.strategy, addons=args.addon, axis_names=axis_names(args.axis_name), **options
+        )
+    return args._strategy
+
+
 def axis_names(pairs: Sequence[str]) -> dict[str, str]:
     """``["model=tp"]`` into ``{"model": "tp"}``."""
     names: dict[str, str] = {}
@@ -252,24 +274,16 @@ def axis_names(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def _planning_trainer(
-    args: argparse.Namespace,
-    strategy: str,
-    options: dict[str, Any],
-    allocate: bool = True,
-    task: Any = None,
+    args: argparse.Namespace, strategy: str, allocate: bool = True, task: Any = None
 ):
-    """A trainer of the task with ``strategy`` (planning only, for ``allocate=False``); and
-    the batch to compile its step for. ``task``: another size of the command line's task
-    (:func:`task_at`), planned on its own first batch."""
-    from shardplug.core.registry import get_strategy
-
+    """A trainer of the task with ``strategy`` (:func:`cli_strategy`; planning only, for
+    ``allocate=False``); and the batch to compile its step for. ``task``: another size of
+    the command line's task (:func:`task_at`), planned on its own first batch."""
     own = task is None
     task = cli_task(args) if own else task
     trainer = task.trainer(
         allocate=allocate,
-        strategy=get_strategy(
-            strategy, addons=args.addon, axis_names=axis_names(args.axis_name), **options
-        ),
+        strategy=cli_strategy(args, strategy),
         devices=args.devices,
         mesh=args.mesh,
         seed=args.seed,

@@ -11,20 +11,20 @@ from shardplug.cli._common import (
     _plan_batch,
     _planning_trainer,
     _prepare,
+    cli_strategy,
     cli_task,
-    parse_options,
     task_at,
 )
 from shardplug.errors import ConfigError
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    options = parse_options(args.strategy, args.option)
+    cli_strategy(args)  # an unknown name or option is one line, before anything else
     _prepare(args)
     from shardplug.explain import explain
     from shardplug.views import plot, render
 
-    trainer, batch = _planning_trainer(args, args.strategy, options, allocate=False)
+    trainer, batch = _planning_trainer(args, args.strategy, allocate=False)
     report = explain(trainer, batch, device_memory=args.device_memory, param=args.param)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
@@ -68,7 +68,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         def compile_at(name: str, sequence: int, rows: int | None):
             task = cli_task(args) if sequence == start and rows is None else \
                 task_at(args, sequence, rows)  # fmt: skip
-            return _planning_trainer(args, name, {}, allocate=False, task=task)
+            return _planning_trainer(args, name, allocate=False, task=task)
 
         result = longest_sequences(
             compile_at, args.device_memory, strategies or candidates(), start
@@ -79,7 +79,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
             render_longest(result, _console(), title)
         return 0
     result = recommend(
-        lambda name: _planning_trainer(args, name, {}, allocate=False),
+        lambda name: _planning_trainer(args, name, allocate=False),
         args.device_memory,
         strategies,
     )

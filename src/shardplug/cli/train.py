@@ -10,12 +10,11 @@ from typing import Any
 
 from shardplug.cli._common import (
     _quiet_orbax,
-    axis_names,
     check_task_flags,
+    cli_strategy,
     cli_task,
     first_batch,
     model_options,
-    parse_options,
 )
 from shardplug.errors import CheckpointError, ConfigError
 
@@ -92,8 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_adapter(args.adapter)
     elif args.seed is None:
         args.seed = saved.get("seed", 0)
-    options = parse_options(args.strategy, args.option)
-    names = axis_names(args.axis_name)
+    strategy = cli_strategy(args)  # made once: an unknown name or option is one line, now
     mesh = parse_mesh(args.mesh) if args.mesh else None
     if args.metrics_out is not None and args.metrics_out.is_dir():
         raise ConfigError(f"--metrics-out {args.metrics_out} is a directory: name a file")
@@ -103,7 +101,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     _quiet_orbax()
 
     from shardplug.core.mesh import describe
-    from shardplug.core.registry import get_strategy
 
     task = cli_task(args)  # after the devices: a task file may use JAX as it is imported
     if args.eval_every is not None and task.eval_data is None:
@@ -117,7 +114,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "lr": args.lr or get_model(args.model).learning_rate, **model_options(args),
         }  # fmt: skip
     trainer = task.trainer(
-        strategy=get_strategy(args.strategy, addons=args.addon, axis_names=names, **options),
+        strategy=strategy,
         devices=args.devices,
         mesh=mesh,
         seed=args.seed,
@@ -211,7 +208,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             for k, v in last.items()
             if k.startswith("eval_") and k != "eval_batches"
         )
-    if trainer.on_nonfinite == "skip" and trainer.skipped_steps:
+    if trainer.settings.on_nonfinite == "skip" and trainer.skipped_steps:
         rate += (f"; skipped {trainer.skipped_steps} of {trainer.step} steps whose loss or "
                  "gradient was not finite")  # fmt: skip
     samples = trainer.batch_shardings and _batch_rows(trainer)

@@ -24,6 +24,7 @@ from shardplug.core import compose, declared, fallbacks, hookspecs
 from shardplug.core.strategy import Strategy as Strategy  # re-exported: the run's manager
 from shardplug.errors import (
     CompositionError,
+    ConfigError,
     MeshError,
     PluginError,
     ShardplugError,
@@ -266,6 +267,30 @@ def get_strategy(
                 )
             return Strategy(info, _instantiate(info, plugin, options), extra)
     return _composition(name, names, options, dict(axis_names or {}), extra)
+
+
+def strategy_options(name: str) -> tuple[StrategyOption, ...]:
+    """The options ``name`` takes (a strategy, a parallelism, or a composition's ``KEY`` and
+    ``PART.KEY``), read from the plugins' signatures without making the strategy."""
+    names = compose.parse(name)
+    if len(names) == 1:
+        info, _ = _lookup(GROUP, name, "strategy")
+        if info.kind != "composition":
+            return info.options
+    return _composed_options(_expand(names))
+
+
+def resolve_strategy(strategy: str | Strategy, axis_names: Mapping[str, str] | None) -> Strategy:
+    """A strategy given by name (with ``axis_names``) or already made (by :func:`get_strategy`,
+    which takes the axis names itself)."""
+    if isinstance(strategy, str):
+        return get_strategy(strategy, axis_names=axis_names)
+    if axis_names:
+        raise ConfigError(
+            "axis_names goes with a strategy name; for a Strategy object pass it to "
+            "get_strategy(name, axis_names=...)"
+        )
+    return strategy
 
 
 def _expand(names: Sequence[str]) -> list[tuple[StrategyInfo, Any]]:

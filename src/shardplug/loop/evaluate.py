@@ -54,9 +54,16 @@ def evaluate(
     batches: Iterable[Any],
     steps: int | None,
 ) -> dict[str, float]:
-    """See :meth:`shardplug.Trainer.evaluate`. ``program_for(batch)`` is the evaluation step
-    (compiled once, on the first batch); it reads the state and gives it back unchanged (the
-    step donates it, so ``state.leaves`` is replaced by what it returns)."""
+    """The mean loss and metrics over ``batches``, the model in evaluation mode
+    (:meth:`shardplug.Trainer.evaluate`).
+
+    Nothing is updated: no optimizer step, and batch statistics are read, not written
+    (dropout off, BatchNorm on its running averages). ``steps`` bounds how many batches are
+    read; without it a source with no length is read to at most :data:`EVAL_CAP` batches,
+    and the result's ``batches`` says so when the cap stopped it. ``program_for(batch)`` is
+    the evaluation step (compiled once, on the first batch); it reads the state and gives it
+    back unchanged (the step donates it, so ``state.leaves`` is replaced by what it
+    returns)."""
     if steps is not None and (not isinstance(steps, int) or steps < 1):
         raise ConfigError(f"steps must be a positive integer or None, got {steps!r}")
     totals: dict[str, jax.Array] | None = None

@@ -44,16 +44,26 @@ class RunState:
     step: int = 0  # steps taken, counting a restored checkpoint's: the data position
     saved_step: int | None = None  # the step of the newest checkpoint saved or restored
     facts: tuple[Any, Any] | None = None  # (program, its StepFacts), read once per program
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)  # every row
+    skipped: int = 0  # steps skipped for a non-finite loss or gradient
 
     @classmethod
     def of(cls, state: Any, like: RunState | None = None) -> RunState:
-        """``state`` (a TrainState) as flat leaves; the step and checkpoint of ``like``."""
+        """``state`` (a TrainState) as flat leaves; where ``like`` stands (its step, last
+        checkpoint, history and skipped steps)."""
         leaves, treedef = jax.tree.flatten(state)
         impls = [key_impl(x) for x in leaves]
         run = cls(unwrap_keys(leaves, impls), treedef, impls)
         if like is not None:
             run.step, run.saved_step = like.step, like.saved_step
+            run.history, run.skipped = like.history, like.skipped
         return run
+
+    def resumed(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Stand where a restored checkpoint's JSON ``meta`` says the run stood; ``meta``."""
+        self.step, self.saved_step = int(meta["data_position"]), int(meta["step"])
+        self.skipped = int(meta.get("skipped_steps", 0))
+        return meta
 
     def state(self) -> Any:
         """The TrainState, rebuilt from the leaves."""
@@ -64,9 +74,13 @@ def tracing(mesh: Any, strategy: Any) -> contextlib.ExitStack:
     """Where every program of a run is traced: under its mesh (so PartitionSpecs in a
     model's forward pass resolve) and the strategy's contexts (activation rules, pipelines)."""
     stack = contextlib.ExitStack()
-    stack.enter_context(jax.set_mesh(mesh))
-    for context in strategy.contexts_while_tracing(mesh):
-        stack.enter_context(context)
+    try:
+        stack.enter_context(jax.set_mesh(mesh))
+        for context in strategy.contexts_while_tracing(mesh):
+            stack.enter_context(context)
+    except BaseException:  # a context that refuses leaves none of those before it entered
+        stack.close()
+        raise
     return stack
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import signal
 import time
@@ -18,6 +19,7 @@ from shardplug.loop import feed
 from shardplug.loop.metrics import StepFacts, device_rows, peak_tflops
 from shardplug.loop.profile import Trace
 from shardplug.loop.program import Program, RunState, place
+from shardplug.loop.saving import RunCheckpoints
 from shardplug.loop.signals import StopSignals
 from shardplug.loop.waits import DataWait, Interrupted
 
@@ -33,20 +35,37 @@ class _Failed(NamedTuple):
     error: Exception
 
 
+def compiled_on_first(
+    iterator: Iterator[Any], compile: Callable[[Any], None], steps: int
+) -> Iterator[Any] | None:
+    """``compile(first batch)``, and the iterator with that batch back in front; None (said
+    in a warning) when there is no batch."""
+    first = next(iterator, None)
+    if first is None:
+        warnings.warn(f"batches ran out after 0 of {steps} steps", ShardplugWarning, 3)
+        return None
+    compile(first)
+    return itertools.chain([first], iterator)
+
+
 def run(
-    trainer: Any,
-    state: RunState,
+    settings: Any,
     program: Program,
+    state: RunState,
     iterator: Iterator[Any],
     steps: int,
-    callback: Callable[[list[dict[str, float]]], None] | None,
+    *,
+    mesh: Any,
+    checkpoints: RunCheckpoints | None = None,
+    callback: Callable[[list[dict[str, float]]], None] | None = None,
     evaluate: tuple[int, Callable[[], dict[str, float]]] | None = None,
 ) -> list[dict[str, float]]:
     """Run ``steps`` steps of ``program`` on ``iterator`` from ``state``; the new rows.
 
-    ``state`` is updated in place (its leaves, step and facts); ``trainer`` is read for its
-    public settings (``log_every``, checkpoints, ``on_nonfinite``, ...) and its ``history``,
-    ``skipped_steps`` and ``save()``.
+    ``settings`` (a :class:`shardplug.settings.Settings`) says how: ``log_every``,
+    ``checkpoint_every``, ``on_nonfinite``, the profile window, ``data_timeout`` and what
+    the rows' FLOP/s are counted against. ``state`` is updated in place (its leaves, step,
+    history and skipped steps); ``checkpoints`` saves it.
 
     The loop waits on the devices only to read metrics (every ``log_every`` steps), keeps at
     most :data:`MAX_IN_FLIGHT` steps dispatched, checkpoints on schedule, and turns SIGINT
@@ -61,7 +80,7 @@ def run(
 
     def flush(evaluating: bool = False) -> None:
         nonlocal started
-        new = _rows(trainer, state, program, pending, state.step - len(pending), started)
+        new = _rows(settings, mesh, state, program, pending, state.step - len(pending), started)
         pending.clear()
         if evaluating:
             new[-1].update({f"eval_{k}": v for k, v in evaluate[1]().items()})
@@ -69,22 +88,26 @@ def run(
             row.pop(NONFINITE) > 0 if NONFINITE in row else not math.isfinite(row["loss"])
             for row in new
         ]
-        if trainer.on_nonfinite == "skip":
+        if settings.on_nonfinite == "skip":
             for row, fault in zip(new, faults, strict=True):
                 row["skipped"] = float(fault)
-            trainer.skipped_steps += sum(faults)
+            state.skipped += sum(faults)
         elif True in faults:
             new = new[: faults.index(True) + 1]  # nothing after the fault
         rows.extend(new)
-        trainer.history.extend(new)
+        state.history.extend(new)
         if callback is not None:
             callback(new)
-        if trainer.on_nonfinite == "stop" and True in faults:
-            raise NonFiniteError.at(int(new[-1]["step"]), trainer.last_checkpoint)
+        if settings.on_nonfinite == "stop" and True in faults:
+            raise NonFiniteError.at(int(new[-1]["step"]), last())
         started = time.perf_counter()
 
     first_step = state.step
-    trace = Trace(trainer.profile_dir, trainer.profile_steps)
+    trace = Trace(settings.profile_dir, settings.profile_steps)
+
+    def last() -> str | None:
+        return None if checkpoints is None else checkpoints.last(state)
+
     in_flight: collections.deque = collections.deque()
 
     def fetch(i: int) -> Any:
@@ -104,8 +127,8 @@ def run(
             wait.end()
 
     with (
-        StopSignals(enabled=trainer.checkpoints is not None) as stop,
-        DataWait(trainer.data_timeout) as wait,
+        StopSignals(enabled=checkpoints is not None) as stop,
+        DataWait(settings.data_timeout) as wait,
     ):
         stop.wait = wait
         try:
@@ -138,28 +161,28 @@ def run(
                 pending.append(metrics)
                 in_flight.append(metrics["loss"])
                 ahead = fetch(i + 1)
-                due = trainer.checkpoint_every is not None and (
-                    state.step % trainer.checkpoint_every == 0
+                due = settings.checkpoint_every is not None and (
+                    state.step % settings.checkpoint_every == 0
                 )
                 evaluating = evaluate is not None and state.step % evaluate[0] == 0
-                if len(pending) == trainer.log_every or due or evaluating:
+                if len(pending) == settings.log_every or due or evaluating:
                     flush(evaluating)
                     stop.agree()  # at the same step in every process
                 if due:
-                    trainer.save()
+                    checkpoints.save(state)
                     started = time.perf_counter()  # saving is not a step
             if pending:
                 flush()
             stop.agree()
-            if trainer.checkpoints is not None and state.saved_step != state.step:
-                trainer.save()
+            if checkpoints is not None and state.saved_step != state.step:
+                checkpoints.save(state)
         finally:
             trace.close(state.leaves)
-            if trainer.checkpoints is not None:
-                trainer.checkpoints.wait()
+            if checkpoints is not None:
+                checkpoints.wait()
     if stop.requested:
         name = signal.Signals(stop.requested).name
-        path = trainer.last_checkpoint
+        path = last()
         raise TrainingInterrupted(
             f"stopped by {name} after step {state.step}; saved {path}: continue with "
             f"restore() (--resume)",
@@ -171,7 +194,8 @@ def run(
 
 
 def _rows(
-    trainer: Any,
+    settings: Any,
+    mesh: Any,
     state: RunState,
     program: Program,
     pending: list[dict[str, jax.Array]],
@@ -183,11 +207,11 @@ def _rows(
     samples = feed.batch_rows(program.signature) * jax.process_count()
     rate = samples / step_time if step_time > 0 else math.inf
     if state.facts is None or state.facts[0] is not program:
-        state.facts = (program, StepFacts.of(program, int(trainer.mesh.size)))
+        state.facts = (program, StepFacts.of(program, int(mesh.size)))
     hardware = device_rows(
-        state.facts[1], step_time, rate, devices=list(trainer.mesh.devices.flat),
-        flops_per_sample=trainer.flops_per_sample,
-        peak=trainer.peak_tflops or peak_tflops(trainer.mesh.devices.flat[0]),
+        state.facts[1], step_time, rate, devices=list(mesh.devices.flat),
+        flops_per_sample=settings.flops_per_sample,
+        peak=settings.peak_tflops or peak_tflops(mesh.devices.flat[0]),
     )  # fmt: skip
     rows = []
     for k, metrics in enumerate(values):

@@ -75,6 +75,20 @@ class Adapter(abc.ABC):
         return apply_rules(params, own, self.rules)
 
 
+def check_parts(adapter: Any, loss_fn: Any, optimizer: Any, error: type, who: str) -> None:
+    """Refuse, in one line (an ``error``), a model that is not adapted, a loss that is not a
+    function, or an optimizer that is not optax's; ``who`` names the one refusing."""
+    if not isinstance(adapter, Adapter):
+        raise error(
+            f"{who}: adapter must be a shardplug adapter (shardplug.from_nnx(model) and its "
+            f"kin), got {type(adapter).__name__}"
+        )
+    if not callable(loss_fn):
+        raise error(f"{who}: loss_fn must be a function loss_fn(model, batch)")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise error(f"{who}: optimizer must be an optax transformation")
+
+
 def apply_rules(params: Any, annotations: Any | None, rules: Rules) -> Any:
     """Annotate every parameter whose path a rule matches (``re.fullmatch``).
 

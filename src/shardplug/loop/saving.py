@@ -1,0 +1,98 @@
+"""A run's checkpoints: its state saved with what resuming needs, and restored onto any layout.
+
+:class:`RunCheckpoints` wraps the checkpoint store (``shardplug.checkpoint.Checkpoints``, or
+anything with its ``save``, ``restore``, ``path`` and ``wait``) for one run: the loop saves
+through it, and the trainer restores through it. Parameters that are not finite are never
+saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from shardplug.core.step import _finite
+from shardplug.errors import CheckpointError, NonFiniteError
+from shardplug.loop import feed
+from shardplug.loop.program import RunState
+
+
+def run_meta(
+    strategy: Any, mesh: Any, config: Any, program: Any, data: Any, run: RunState
+) -> dict[str, Any]:
+    """What a checkpoint stores beside the arrays: enough to resume onto any layout (the
+    strategy and mesh that wrote it, the run's config, the batches' shapes, and where the
+    data's next batch starts)."""
+    from shardplug import __version__
+
+    meta = {
+        "skipped_steps": run.skipped, "strategy": strategy.name,
+        "addons": list(strategy.addons), "devices": int(mesh.size),
+        "mesh": {str(k): int(v) for k, v in mesh.shape.items()},
+        "shardplug": __version__, "config": config,
+        "batch_shapes": feed.global_shapes(program.signature) if program else None,
+    }  # fmt: skip
+    if data is not None:  # where the next batch starts
+        meta["data_state"] = data.state_at(run.step)
+    return meta
+
+
+class RunCheckpoints:
+    """The checkpoints of one run (see the module).
+
+    :param store: the checkpoint store of the run's directory.
+    :param meta: what to store beside the arrays (the strategy, mesh, config, the data's
+        state...), asked at each save for the run as it stands.
+    """
+
+    def __init__(self, store: Any, meta: Callable[[RunState], dict[str, Any]]):
+        self.store = store
+        self.meta = meta
+
+    @classmethod
+    def at(cls, settings: Any, meta: Callable[[RunState], dict[str, Any]]) -> RunCheckpoints | None:
+        """The checkpoints of a run with these :class:`~shardplug.settings.Settings` (in its
+        ``checkpoint_dir``, keeping ``keep``), or None without a directory."""
+        if settings.checkpoint_dir is None:
+            return None
+        from shardplug.checkpoint import Checkpoints
+
+        return cls(Checkpoints(settings.checkpoint_dir, keep=settings.keep), meta)
+
+    @property
+    def directory(self) -> Any:
+        return self.store.directory
+
+    def save(self, run: RunState) -> str:
+        """Checkpoint ``run``'s state now, in the background; its path."""
+        state = run.state()
+        if not bool(_finite(state.params)):  # never save a broken model
+            raise NonFiniteError.at(run.step - 1, self.last(run), "the parameters are")
+        path = self.store.save(run.step, state, {"data_position": run.step, **self.meta(run)})
+        run.saved_step = run.step
+        return str(path)
+
+    def last(self, run: RunState) -> str | None:
+        """The path of the newest checkpoint ``run`` saved or restored, if any."""
+        return None if run.saved_step is None else str(self.store.path(run.saved_step))
+
+    def restore(
+        self, like: Any, shardings: Any, step: int | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """The newest good checkpoint's (or ``step``'s) state read into ``shardings``, and its
+        JSON (a damaged one moved aside, the one before it used)."""
+        self.store.wait()
+        return self.store.restore(like, shardings, step=step, quarantine=True)
+
+    def wait(self) -> None:
+        self.store.wait()
+
+    def refuse_existing(self) -> None:
+        """Refuse to start a run over another's checkpoints (restore() continues that run)."""
+        existing = self.store.steps()
+        if existing:
+            raise CheckpointError(
+                f"{self.store.directory} already holds checkpoints (newest: step "
+                f"{existing[-1]}): call restore() to continue that run, or choose an empty "
+                f"directory"
+            )
