@@ -50,8 +50,11 @@ def softmax_meet(
     f32 = jnp.float32
     rows, length, heads, _ = query.shape
     shared = key.shape[2]  # key/value heads
-    grouped = query.reshape(rows, length, shared, heads // shared, query.shape[-1])
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, key, preferred_element_type=f32)
+    if shared == heads:  # every query head its own: no group dimension in the program
+        scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=f32)
+    else:
+        grouped = query.reshape(rows, length, shared, heads // shared, query.shape[-1])
+        scores = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, key, preferred_element_type=f32)
     scores = scores.reshape(rows, heads, length, key.shape[1]) * scale
     if seen is not None:
         scores = jnp.where(seen, scores, -jnp.inf)
@@ -62,10 +65,12 @@ def softmax_meet(
         weights = jnp.where(seen, weights, 0.0)
     fade = jnp.where(jnp.isfinite(top), jnp.exp(top - safe), 0.0)
     total = total * fade + weights.sum(-1)
-    weights = weights.reshape(rows, shared, heads // shared, length, key.shape[1])
-    update = jnp.einsum(
-        "bhgqk,bkhd->bqhgd", weights.astype(value.dtype), value, preferred_element_type=f32
-    )
+    weights = weights.astype(value.dtype)
+    if shared == heads:
+        update = jnp.einsum("bhqk,bkhd->bqhd", weights, value, preferred_element_type=f32)
+    else:
+        weights = weights.reshape(rows, shared, heads // shared, length, key.shape[1])
+        update = jnp.einsum("bhgqk,bkhd->bqhgd", weights, value, preferred_element_type=f32)
     out = out * fade.transpose(0, 2, 1)[..., None] + update.reshape(out.shape)
     return new_top, total, out
 
