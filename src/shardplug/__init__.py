@@ -41,6 +41,7 @@ _EXPORTS = {
         "MeshError",
         "NonFiniteError",
         "PluginError",
+        "PretrainedError",
         "RuleError",
         "ShardplugError",
         "ShardplugWarning",

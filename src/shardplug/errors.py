@@ -71,6 +71,12 @@ class CheckpointError(ShardplugError):
     """No usable checkpoint: none there, all damaged, or one of another model (named)."""
 
 
+class PretrainedError(ShardplugError, ValueError):
+    """A pretrained checkpoint that cannot be loaded as asked: no config, an architecture
+    shardplug does not know, a tensor of the wrong shape, a missing shard, a tokenizer of
+    another vocabulary, a dtype it cannot be cast to."""
+
+
 class NonFiniteError(ShardplugError, FloatingPointError):
     """The loss or a gradient became NaN or infinite; names the step and the last good
     checkpoint. ``step`` and ``checkpoint`` hold them."""

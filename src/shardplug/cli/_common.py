@@ -112,6 +112,16 @@ def task_arguments(parser: Any) -> None:
     parser.add_argument(
         "--adapter", default=None, help="the reference model's framework: nnx, linen or equinox"
     )
+    parser.add_argument(
+        "--init-from", default=None, metavar="DIR",
+        help="start from a pretrained checkpoint in Hugging Face's format (config.json and "
+        "safetensors: Llama, Mistral, Qwen2/3, Mixtral), read straight into the strategy's "
+        "layout, instead of a reference --model",
+    )  # fmt: skip
+    parser.add_argument(
+        "--param-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+        help="with --init-from: the parameters' dtype (default: as the checkpoint stores them)",
+    )  # fmt: skip
 
 
 MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", "experts", "top_k", "capacity_factor",
@@ -119,8 +129,27 @@ MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", "experts", "top_k", "
 SIZES = ("sequence", "batch_size")  # the reference model's, or a task function's that takes them
 
 
+PRETRAINED_TAKES = ("adapter", "remat", "lr")  # a pretrained model's options from the CLI
+
+
 def check_task_flags(args: argparse.Namespace) -> None:
-    """A task brings its own model, data and optimizer: refuse the reference model's flags."""
+    """A task brings its own model, data and optimizer: refuse the reference model's flags;
+    a pretrained checkpoint its own shape: refuse those that would change it."""
+    init_from = getattr(args, "init_from", None)
+    if init_from is not None:
+        if getattr(args, "task", None) is not None:
+            raise ConfigError("--init-from and --task both say what to train: give one")
+        shape = [f"--{k.replace('_', '-')}" for k in MODEL_ONLY
+                 if k not in PRETRAINED_TAKES and getattr(args, k, None) is not None]  # fmt: skip
+        if shape:
+            raise ConfigError(
+                f"{', '.join(shape)} shape the reference model; --init-from {init_from} "
+                f"takes its shape from the checkpoint's config.json: drop "
+                f"{'them' if len(shape) > 1 else 'it'}"
+            )
+        return
+    if getattr(args, "param_dtype", None) is not None:
+        raise ConfigError("--param-dtype casts a checkpoint's parameters: give --init-from DIR")
     if getattr(args, "task", None) is None:
         return
     given = [f"--{k.replace('_', '-')}" for k in MODEL_ONLY if getattr(args, k, None) is not None]
@@ -139,6 +168,14 @@ def cli_task(args: argparse.Namespace) -> Any:
             from shardplug.task import load_task
 
             args._task = load_task(args.task, **task_sizes(args))
+        elif getattr(args, "init_from", None) is not None:
+            from shardplug import pretrained
+
+            args._task = pretrained.load(args.init_from, dtype=args.param_dtype).task(
+                args.adapter or "nnx", batch_size=args.batch_size, seed=args.seed,
+                sequence=args.sequence, learning_rate=getattr(args, "lr", None),
+                remat=getattr(args, "remat", None) or "none",
+            )  # fmt: skip
         else:
             from shardplug.models import get_model
 

@@ -64,6 +64,14 @@ def create_state(
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
         )
+    if adapter.weights is not None and adapter.variables is None:  # read into place
+        params = adapter.weights(shardings.params)
+        model_state = jax.jit(lambda r: adapter.init(r)[1], out_shardings=shardings.model_state)(
+            rng
+        )
+        opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
+        step, rng = jax.device_put((jnp.zeros((), jnp.int32), rng), (shardings.step, shardings.rng))
+        return TrainState(step, params, opt_state, model_state, rng)
     if adapter.variables is None:
         return jax.jit(create, out_shardings=shardings)(rng)
     # A jit's outputs are new buffers; device_put alone, even with may_alias=False, hands

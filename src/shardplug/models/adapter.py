@@ -37,6 +37,11 @@ class Adapter(abc.ABC):
     #: the adapter builds them itself in :meth:`init`.
     variables: tuple[Any, Any] | None = None
 
+    #: ``weights(shardings) -> params``: the parameters read from elsewhere (a pretrained
+    #: checkpoint) straight into the strategy's shardings, instead of :meth:`init`'s; None
+    #: for a model that starts from :meth:`init` (or from :attr:`variables`).
+    weights: Any = None
+
     #: partition rules by regular expression over parameter paths; they override the model's
     #: own annotations.
     rules: Rules | None = None

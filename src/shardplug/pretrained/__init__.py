@@ -1,0 +1,348 @@
+"""Pretrained checkpoints in Hugging Face's format: loaded straight into any layout, and
+written back.
+
+A checkpoint is a directory: ``config.json`` and safetensors (one file, or shards with
+their ``model.safetensors.index.json``), as ``save_pretrained`` writes it. Llama (2, 3,
+3.1/3.2), Mistral, Qwen2, Qwen3 and Mixtral load into the decoder of
+:mod:`shardplug.pretrained.decoder`, in Flax NNX, Flax Linen or Equinox::
+
+    model = shardplug.pretrained.load("checkpoints/Llama-3.2-1B")
+    trainer = shardplug.Trainer(model.adapter("nnx"), loss_fn=model.loss_fn,
+                                optimizer=optax.adamw(1e-5), strategy="fsdp")
+
+Nothing is read until the trainer creates its state; then every device's block of every
+parameter is read from the files (mapped, so only its bytes) and placed where the strategy
+puts it: no host holds the whole model before it is sharded, and across processes each reads
+only what its devices hold. :func:`export` writes the parameters back in the family's names
+and shapes, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from shardplug import moe
+from shardplug.core.sharding import leaf_paths
+from shardplug.errors import ConfigError, PretrainedError
+from shardplug.models import check_adapter
+from shardplug.models.adapter import Adapter
+from shardplug.pretrained import decoder
+from shardplug.pretrained.config import FAMILIES, DecoderConfig, read_config
+from shardplug.pretrained.safetensors import INDEX, Tensors, write
+
+__all__ = ["FAMILIES", "DecoderConfig", "Pretrained", "export", "load", "read_config"]
+
+CASTS = ("float32", "bfloat16", "float16")
+
+
+def hf_names(c: DecoderConfig) -> dict[str, tuple[str, bool]]:
+    """Each parameter's tensor name in the family's checkpoints (``{i}`` the layer, ``{e}``
+    the expert) and whether it is stored transposed (a torch ``Linear`` is (out, in))."""
+    a, layer = "model.layers.{i}.self_attn.", "model.layers.{i}."
+    names = {
+        "embed": ("model.embed_tokens.weight", False),
+        "norm": ("model.norm.weight", False),
+        "head": ("lm_head.weight", True),
+        "layers/attention_norm": (layer + "input_layernorm.weight", False),
+        "layers/mlp_norm": (layer + "post_attention_layernorm.weight", False),
+    }
+    for n in "qkvo":
+        names[f"layers/{n}"] = (f"{a}{n}_proj.weight", True)
+    for n in "qkv":
+        names[f"layers/{n}_bias"] = (f"{a}{n}_proj.bias", False)
+    for n in "qk":
+        names[f"layers/{n}_norm"] = (f"{a}{n}_norm.weight", False)
+    if c.experts:  # Mixtral: w1 the gate, w3 the up projection, w2 the down
+        moe_ = layer + "block_sparse_moe."
+        names["layers/router"] = (moe_ + "gate.weight", True)
+        for n, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            names[f"layers/{n}"] = (f"{moe_}experts.{{e}}.{w}.weight", True)
+    else:
+        for n in ("gate", "up", "down"):
+            names[f"layers/{n}"] = (f"{layer}mlp.{n}_proj.weight", True)
+    return names
+
+
+def parameters(c: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+    """Every parameter by its name (``layers/q``), with its full shape and logical axes."""
+    outer, layer = decoder.table(c)
+    out = dict(outer)
+    out.update({f"layers/{n}": ((c.layers, *s), ("layers", *a)) for n, (s, a) in layer.items()})
+    return out
+
+
+def _pieces(c: DecoderConfig, name: str) -> list[tuple[tuple[int, ...], str]]:
+    """``(position, tensor name)`` of every stored tensor that makes up parameter ``name``:
+    the position indexes its leading (layer, expert) dimensions."""
+    template = hf_names(c)[name][0]
+    if not name.startswith("layers/"):
+        return [((), template)]
+    if "{e}" in template:
+        return [((i, e), template.format(i=i, e=e))
+                for i in range(c.layers) for e in range(c.experts)]  # fmt: skip
+    return [((i,), template.format(i=i)) for i in range(c.layers)]
+
+
+def _canonical(path: str) -> str:
+    """A framework's parameter path (``outer/embed``, ``params/layers_q``, ``arrays/layers/q``)
+    as the decoder's name (``embed``, ``layers/q``)."""
+    path = re.sub(r"^(params/|arrays/|outer/)", "", path)
+    return re.sub(r"^layers_", "layers/", path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+    """A checkpoint on disk, checked and ready to load: its :class:`DecoderConfig`, the
+    dtype its parameters will have, and the modules, adapters and loss to train it with."""
+
+    directory: pathlib.Path
+    config: DecoderConfig
+    dtype: np.dtype
+    #: the files' tensors; None for a directory with a config alone (planning only)
+    tensors: Tensors | None = dataclasses.field(repr=False, compare=False)
+
+    def module(self, framework: str = "nnx", *, remat: str = "none", seed: int = 0) -> Any:
+        """A fresh module of this shape (random weights): NNX, Linen (unbound) or Equinox."""
+        check_adapter(framework)
+        dtype = jnp.dtype(self.dtype)
+        if framework == "nnx":
+            from flax import nnx
+
+            return decoder.NnxDecoder(self.config, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))
+        if framework == "linen":
+            return decoder.LinenDecoder(self.config, dtype=dtype, remat=remat)
+        return decoder.EqxDecoder(self.config, jax.random.key(seed), dtype=dtype, remat=remat)
+
+    def adapter(self, framework: str = "nnx", *, remat: str = "none") -> Adapter:
+        """The model in ``framework``, adapted, its parameters to be read from the checkpoint
+        straight into the strategy's shardings when the trainer creates its state."""
+        from shardplug.models import from_equinox, from_linen, from_nnx
+
+        check_adapter(framework)
+        c, dtype = self.config, jnp.dtype(self.dtype)
+        if framework == "nnx":
+            from flax import nnx
+
+            made = from_nnx(lambda rngs: decoder.NnxDecoder(c, dtype=dtype, remat=remat,
+                                                            rngs=rngs))  # fmt: skip
+            del nnx
+        elif framework == "linen":
+            made = from_linen(self.module("linen", remat=remat), jnp.zeros((1, 2), jnp.int32))
+        else:
+            made = from_equinox(
+                lambda key: decoder.EqxDecoder(c, key, dtype=dtype, remat=remat),
+                rules=decoder.eqx_rules(c),
+            )
+        made.weights = self.place
+        return made
+
+    def place(self, shardings: Any) -> Any:
+        """The parameters, read from the files into ``shardings`` (a tree of
+        ``NamedSharding`` shaped like a framework's parameters): each device's block is
+        read once (devices holding the same block share the read) and nothing else."""
+        if self.tensors is None:
+            raise PretrainedError(
+                f"{self.directory}: no *.safetensors there: a config alone plans (explain, "
+                "recommend) but has no weights to train from"
+            )
+        paths = leaf_paths(shardings)
+        leaves = jax.tree.leaves(shardings)
+        made = [self._leaf(_canonical(p), s) for p, s in zip(paths, leaves, strict=True)]
+        return jax.tree.unflatten(jax.tree.structure(shardings), made)
+
+    def _leaf(self, name: str, sharding: Any) -> jax.Array:
+        shape = parameters(self.config)[name][0]
+        pieces = dict(_pieces(self.config, name))
+        transposed = hf_names(self.config)[name][1]
+        lead = len(next(iter(pieces)))
+        dtype = self.dtype
+        read: dict[str, np.ndarray] = {}
+
+        def block(index: tuple[slice, ...]) -> np.ndarray:
+            key = repr(index)
+            if key not in read:
+                index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+                positions = [range(n)[i] for n, i in zip(shape[:lead], index[:lead], strict=True)]
+                rest = index[lead:][::-1] if transposed else index[lead:]
+
+                def one(position):
+                    part = self.tensors.read(pieces[position], rest)
+                    return (part.T if transposed else part).astype(dtype, copy=False)
+
+                if lead == 0:
+                    read[key] = one(())
+                elif lead == 1:
+                    read[key] = np.stack([one((i,)) for i in positions[0]])
+                else:
+                    read[key] = np.stack([np.stack([one((i, e)) for e in positions[1]])
+                                          for i in positions[0]])  # fmt: skip
+            return read[key]
+
+        return jax.make_array_from_callback(shape, sharding, block)
+
+    def task(self, framework: str = "nnx", *, batch_size: int | None = None,
+             sequence: int | None = None, seed: int = 0, learning_rate: float | None = None,
+             remat: str = "none") -> Any:  # fmt: skip
+        """Fine-tuning as a :class:`shardplug.Task` (AdamW at 1e-4 unless given): on the
+        reference transformer's synthetic token chain (64 tokens of the vocabulary; its
+        loss can fall to 0.90 nats) until text is given."""
+        from shardplug.data import Batches
+        from shardplug.flops import TransformerShape
+        from shardplug.models import synthetic
+        from shardplug.task import Task
+
+        if self.config.vocab < synthetic.VOCAB:
+            raise PretrainedError(
+                f"{self.directory}: a vocabulary of {self.config.vocab} is smaller than the "
+                f"synthetic data's {synthetic.VOCAB} tokens"
+            )
+        size, length = batch_size or 8, sequence or synthetic.SEQ_LEN
+        c = self.config
+        shape = TransformerShape(layers=c.layers, width=c.width, sequence=length, vocab=c.vocab,
+                                 mlp=c.mlp, mlp_matrices=3, experts=c.experts,
+                                 top_k=c.top_k or 1)  # fmt: skip
+        return Task(
+            adapter=self.adapter(framework, remat=remat),
+            loss_fn=self.loss_fn,
+            optimizer=optax.adamw(learning_rate or 1e-4),
+            data=Batches(
+                synthetic.records("markov", size, seed, sequence=length),
+                size,
+                shuffle=False,
+                name=f"markov-{seed}-{length}",
+            ),
+            name=f"{c.family}:{self.directory.name}",
+            flops_per_sample=shape.flops_per_token()["total"] * length,
+        )
+
+    def loss_fn(self, model: Any, batch: dict[str, Any]):
+        """Next-token cross-entropy: the model reads ``tokens[:, :-1]`` and is scored on
+        ``tokens[:, 1:]`` (or reads ``tokens`` and is scored on ``targets`` when the batch
+        has them); positions where ``batch["loss_mask"]`` is 0 do not count; a
+        mixture of experts adds its balancing loss at the config's ``router_aux_loss_coef``."""
+        tokens, targets = batch["tokens"], batch.get("targets")
+        if targets is None:  # next-token: the model reads all but the last
+            tokens, targets = tokens[:, :-1], tokens[:, 1:]
+        out = model(tokens)
+        logits, tallies = out if isinstance(out, tuple) else (out, None)
+        losses = optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), targets
+        )
+        mask = batch.get("loss_mask")
+        if mask is None:
+            loss = losses.mean()
+        else:
+            mask = mask[:, -targets.shape[1] :].astype(jnp.float32)
+            loss = (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        metrics = {"lm_loss": loss}
+        if tallies is not None:
+            summary = moe.summary(tallies)
+            metrics.update(summary)
+            loss = loss + self.config.router_aux_loss * summary["moe_balance_loss"]
+        return loss, metrics
+
+
+def _cast_to(dtype: Any, stored: np.dtype, where: pathlib.Path) -> np.dtype:
+    if dtype is None:
+        return stored
+    name = str(jnp.dtype(dtype)) if not isinstance(dtype, str) else dtype
+    if name not in CASTS:
+        raise PretrainedError(
+            f"{where}: cannot cast the parameters to {name}; ask for one of {', '.join(CASTS)}"
+        )
+    return np.dtype(jnp.dtype(name))
+
+
+def load(directory: str | pathlib.Path, *, dtype: Any = None) -> Pretrained:
+    """Check a checkpoint directory and ready it to load: its config read, every tensor the
+    config implies present with the shape it implies. ``dtype`` (``float32``, ``bfloat16``,
+    ``float16``) casts the parameters; by default they keep the dtype they are stored in."""
+    where = pathlib.Path(directory)
+    config = read_config(where)
+    if not any(where.glob("*.safetensors")) and not (where / INDEX).is_file():
+        stored_as = np.dtype(jnp.dtype(config.dtype)) if config.dtype in CASTS else np.float32
+        return Pretrained(where, config, _cast_to(dtype, np.dtype(stored_as), where), None)
+    tensors = Tensors(where)
+    stored: set[np.dtype] = set()
+    for name, (shape, _) in parameters(config).items():
+        transposed = hf_names(config)[name][1]
+        for position, tensor in _pieces(config, name):
+            if tensor not in tensors:
+                raise PretrainedError(
+                    f"{where}: no tensor {tensor} in the checkpoint, which a {config.family} "
+                    f"of this config has; is the directory complete?"
+                )
+            want = shape[len(position) :][::-1] if transposed else shape[len(position) :]
+            if tensors.shape(tensor) != tuple(want):
+                raise PretrainedError(
+                    f"{where}: tensor {tensor} has shape {tensors.shape(tensor)}, but "
+                    f"config.json implies {tuple(want)}"
+                )
+            stored.add(tensors.dtype(tensor))
+    floats = [d for d in stored if jnp.issubdtype(d, jnp.floating)]
+    if len(floats) != len(stored):
+        raise PretrainedError(f"{where}: tensors stored as {sorted(map(str, stored))}: "
+                              "only floating-point checkpoints load")  # fmt: skip
+    kept = max(floats, key=lambda d: d.itemsize) if floats else np.dtype("float32")
+    return Pretrained(where, config, _cast_to(dtype, kept, where), tensors)
+
+
+def export(params: Any, pretrained: Pretrained | DecoderConfig, directory: str | pathlib.Path,
+           *, dtype: Any = None) -> pathlib.Path:  # fmt: skip
+    """Write ``params`` (a framework's parameter tree, e.g. ``trainer.state.params``) as a
+    checkpoint of the family: ``config.json`` and ``model.safetensors`` with its tensor
+    names and shapes, loadable by the reference implementation. Each tensor is gathered
+    alone (one whole tensor on the host at a time); in a multi-process run every process
+    takes part and process 0 writes."""
+    config = pretrained.config if isinstance(pretrained, Pretrained) else pretrained
+    out = pathlib.Path(directory)
+    by_name = dict(zip(map(_canonical, leaf_paths(params)), jax.tree.leaves(params), strict=True))
+    unknown = sorted(set(by_name) - set(parameters(config)))
+    if unknown:
+        raise ConfigError(
+            f"export: {unknown[0]} is not a parameter of the {config.family} decoder: export "
+            "the parameters of a model pretrained.load made"
+        )
+    entries: list[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]] = []
+    for name, (shape, _) in parameters(config).items():
+        leaf, transposed = by_name[name], hf_names(config)[name][1]
+        kind = np.dtype(jnp.dtype(dtype or leaf.dtype))
+        for position, tensor in _pieces(config, name):
+            part = shape[len(position) :]
+            entries.append((tensor, part[::-1] if transposed else part, kind,
+                            _gatherer(leaf, position, transposed)))  # fmt: skip
+    writing = jax.process_index() == 0
+    if writing:
+        out.mkdir(parents=True, exist_ok=True)
+    write(out / "model.safetensors", entries) if writing else [e[3]() for e in entries]
+    if writing:
+        raw = dict(config.raw)
+        raw["dtype"] = str(entries[0][2]) if entries else config.dtype
+        raw.pop("torch_dtype", None)
+        (out / "config.json").write_text(json.dumps(raw, indent=2))
+        (out / INDEX).unlink(missing_ok=True)
+    return out
+
+
+def _gatherer(leaf: jax.Array, position: tuple[int, ...], transposed: bool) -> Callable:
+    def gather() -> np.ndarray:
+        part = leaf[position] if position else leaf
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            whole = np.asarray(multihost_utils.process_allgather(part, tiled=True))
+        else:
+            whole = np.asarray(jax.device_get(part))
+        return whole.T if transposed else whole
+
+    return gather

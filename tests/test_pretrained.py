@@ -1,0 +1,182 @@
+"""Pretrained checkpoints (``shardplug.pretrained``): tiny random models of each family,
+written by the reference implementation (``scripts/hf_fixtures.py``: Hugging Face
+``transformers``), load into each framework and every layout and give the reference's
+logits; they train, export back to the same tensors, and bad checkpoints are one line."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import shardplug
+from shardplug import pretrained
+from shardplug.errors import PretrainedError
+from shardplug.pretrained.safetensors import Tensors
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+
+
+def reference(family: str, rows: int = 1) -> dict[str, np.ndarray]:
+    """The reference's batch, logits and loss; the batch tiled to ``rows`` x 2 rows."""
+    ref = np.load(FIXTURES / family / "reference.npz")
+    return {"tokens": np.tile(ref["tokens"], (rows, 1)),
+            "ref": np.tile(ref["logits"], (rows, 1, 1)), "loss": float(ref["loss"])}  # fmt: skip
+
+
+def logits_error(model, batch):
+    """The logits' largest difference from the reference's, relative to its largest."""
+    out = model(batch["tokens"])
+    out = out[0] if isinstance(out, tuple) else out
+    error = jnp.max(jnp.abs(out - batch["ref"])) / jnp.max(jnp.abs(batch["ref"]))
+    return error, {}
+
+
+def error_under(family, framework, strategy="dp", mesh=None, devices=None) -> float:
+    """The logits' error, computed by the strategy's own compiled evaluation step."""
+    model = pretrained.load(FIXTURES / family)
+    trainer = shardplug.Trainer(model.adapter(framework), loss_fn=logits_error,
+                                optimizer=optax.sgd(0.0), strategy=strategy, mesh=mesh,
+                                devices=devices)  # fmt: skip
+    batch = reference(family, rows=4)
+    return trainer.evaluate([{"tokens": batch["tokens"], "ref": batch["ref"]}])["loss"]
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen", "equinox"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_device_gives_the_references_logits(family, framework):
+    assert error_under(family, framework, devices=1) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("family", "framework", "strategy", "mesh"),
+    [
+        ("llama", "nnx", "dp", None),
+        ("mistral", "linen", "fsdp", None),
+        ("qwen2", "equinox", "tp", "model=8"),
+        ("qwen3", "nnx", "fsdp+tp", "fsdp=4,model=2"),
+        ("llama", "equinox", "fsdp+cp", "fsdp=2,context=4"),  # grouped-query heads, a ring
+        ("qwen3", "linen", "pp+fsdp", "stage=2,fsdp=4"),
+        ("mixtral", "nnx", "dp+ep", "data=2,expert=4"),
+        ("mixtral", "linen", "pp+fsdp", "stage=2,fsdp=4"),
+    ],
+)
+def test_every_layout_gives_the_references_logits(family, framework, strategy, mesh):
+    assert error_under(family, framework, strategy, mesh) < 1e-5
+
+
+def test_each_device_reads_its_block_once_and_parameters_land_in_the_strategys_layout():
+    model = pretrained.load(FIXTURES / "mistral")
+    trainer = shardplug.Trainer(model.adapter("nnx"), loss_fn=model.loss_fn,
+                                optimizer=optax.sgd(0.0), strategy="fsdp")  # fmt: skip
+    stored = sum(model.tensors.array(n).nbytes for n in model.tensors.names())
+    assert model.tensors.bytes_read == stored  # every byte once: a shared block is read once
+    params = trainer.state.params
+    placed = jax.tree.leaves(trainer.param_shardings)
+    assert [a.sharding for a in jax.tree.leaves(params)] == placed
+    assert params["layers"]["q"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+    files = Tensors(FIXTURES / "mistral")
+    q0 = files.read("model.layers.0.self_attn.q_proj.weight")
+    np.testing.assert_array_equal(np.asarray(params["layers"]["q"][0]), q0.T)
+
+
+def test_first_step_loss_is_the_references_and_fine_tuning_lowers_it():
+    model = pretrained.load(FIXTURES / "mixtral")
+    trainer = shardplug.Trainer(model.adapter("equinox"), loss_fn=model.loss_fn,
+                                optimizer=optax.adamw(3e-3), strategy="dp+ep",
+                                mesh="data=2,expert=4")  # fmt: skip
+    batch = {"tokens": reference("mixtral", rows=4)["tokens"]}
+    history = trainer.fit(iter([batch] * 6), steps=6)
+    first = history[0]["lm_loss"]
+    assert abs(first - reference("mixtral")["loss"]) < 1e-5 * reference("mixtral")["loss"]
+    assert history[-1]["lm_loss"] < first - 0.5
+
+
+def test_export_writes_the_familys_tensors_back_byte_for_byte(tmp_path):
+    model = pretrained.load(FIXTURES / "llama")
+    trainer = shardplug.Trainer(model.adapter("linen"), loss_fn=model.loss_fn,
+                                optimizer=optax.sgd(0.0), strategy="fsdp+tp",
+                                mesh="fsdp=4,model=2")  # fmt: skip
+    out = pretrained.export(trainer.state.params, model, tmp_path / "out")
+    original, written = Tensors(FIXTURES / "llama"), Tensors(out)
+    assert written.names() == original.names()
+    for name in original.names():
+        assert written.array(name).tobytes() == original.array(name).tobytes(), name
+    again = pretrained.load(out)
+    assert again.config == model.config  # the config round-trips (tensors in one file now)
+
+
+def test_configs_as_transformers_4_and_5_write_them_read_the_same(tmp_path):
+    raw = json.loads((FIXTURES / "llama" / "config.json").read_text())  # 4.x: rope_scaling
+    five = {k: v for k, v in raw.items() if k not in ("rope_theta", "rope_scaling")}
+    five["rope_parameters"] = {**raw["rope_scaling"], "rope_theta": raw["rope_theta"]}
+    (tmp_path / "config.json").write_text(json.dumps(five))
+    old, new = pretrained.read_config(FIXTURES / "llama"), pretrained.read_config(tmp_path)
+    assert old == new and old.rope["rope_type"] == "llama3" and old.rope_theta == 500000.0
+    scaled = old.inverse_frequencies()
+    plain = [1 / 500000.0 ** (i / 8) for i in range(0, 8, 2)]
+    assert scaled[-1] == pytest.approx(plain[-1] / 8)  # a long wavelength: divided by factor
+    assert plain[0] / 8 < scaled[0] < plain[0]  # 2 pi against 16 positions: the smooth band
+
+
+def _copy(tmp_path, family="qwen2") -> pathlib.Path:
+    return pathlib.Path(shutil.copytree(FIXTURES / family, tmp_path / family))
+
+
+def _config(where: pathlib.Path, **changes) -> None:
+    raw = json.loads((where / "config.json").read_text())
+    raw.update(changes)
+    (where / "config.json").write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: (d / "config.json").unlink(), "no config.json there"),
+        (
+            lambda d: _config(d, model_type="gpt2"),
+            "architecture 'gpt2' is not supported; supported: llama",
+        ),
+        (
+            lambda d: _config(d, intermediate_size=48),
+            "tensor model.layers.0.mlp.gate_proj.weight "
+            "has shape (64, 32), but config.json implies (48, 32)",
+        ),
+        (
+            lambda d: (d / "model-00002-of-00003.safetensors").unlink(),
+            "a shard model.safetensors.index.json names is missing",
+        ),
+        (
+            lambda d: _config(d, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+            "rotary scaling 'yarn' is not supported",
+        ),
+    ],
+)
+def test_a_bad_checkpoint_is_one_line(tmp_path, damage, message):
+    where = _copy(tmp_path, "llama" if "shard" in message else "qwen2")
+    damage(where)
+    with pytest.raises(PretrainedError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        pretrained.load(where)
+
+
+def test_a_dtype_it_cannot_cast_to_is_refused_and_bfloat16_is_kept_as_asked():
+    with pytest.raises(PretrainedError, match="cannot cast the parameters to int8"):
+        pretrained.load(FIXTURES / "qwen2", dtype="int8")
+    assert pretrained.load(FIXTURES / "qwen2", dtype="bfloat16").dtype == jnp.bfloat16
+
+
+def test_the_command_line_fine_tunes_a_checkpoint_and_refuses_shape_flags(capsys):
+    from shardplug.cli import main
+
+    assert main(["train", "--init-from", str(FIXTURES / "qwen3"), "--strategy", "fsdp",
+                 "--steps", "3", "--batch-size", "8"]) == 0  # fmt: skip
+    assert "trained qwen3:qwen3 (nnx) with fsdp" in capsys.readouterr().out
+    assert main(["train", "--init-from", str(FIXTURES / "qwen3"), "--layers", "4"]) == 2
+    assert "--layers shape the reference model; --init-from" in capsys.readouterr().err
