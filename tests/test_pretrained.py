@@ -172,11 +172,21 @@ def test_a_dtype_it_cannot_cast_to_is_refused_and_bfloat16_is_kept_as_asked():
     assert pretrained.load(FIXTURES / "qwen2", dtype="bfloat16").dtype == jnp.bfloat16
 
 
-def test_the_command_line_fine_tunes_a_checkpoint_and_refuses_shape_flags(capsys):
+def test_the_command_line_fine_tunes_exports_and_refuses_shape_flags(capsys, tmp_path):
     from shardplug.cli import main
 
+    runs, out = tmp_path / "runs", tmp_path / "hf"
     assert main(["train", "--init-from", str(FIXTURES / "qwen3"), "--strategy", "fsdp",
-                 "--steps", "3", "--batch-size", "8"]) == 0  # fmt: skip
+                 "--steps", "3", "--batch-size", "8", "--checkpoint-dir", str(runs),
+                 "--checkpoint-every", "3"]) == 0  # fmt: skip
     assert "trained qwen3:qwen3 (nnx) with fsdp" in capsys.readouterr().out
+    assert main(["export", "--checkpoint-dir", str(runs), "--out", str(out), "--format", "hf"]) == 0
+    assert "as a qwen3 checkpoint" in capsys.readouterr().out
+    trained, original = Tensors(out), Tensors(FIXTURES / "qwen3")
+    assert trained.names() == original.names()
+    moved = [n for n in original.names() if not np.array_equal(trained.read(n), original.read(n))]
+    assert moved  # three steps of AdamW changed the weights, and they were written
+    assert main(["export", "--checkpoint-dir", str(runs), "--out", str(out), "--format", "hf"]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
     assert main(["train", "--init-from", str(FIXTURES / "qwen3"), "--layers", "4"]) == 2
     assert "--layers shape the reference model; --init-from" in capsys.readouterr().err

@@ -280,7 +280,18 @@ def build_parser() -> argparse.ArgumentParser:
         ".npz file (load it with shardplug.load_model).",
     )
     export.add_argument("--checkpoint-dir", type=Path, required=True)
-    export.add_argument("--out", type=Path, required=True, help="the .npz file to write")
+    export.add_argument("--out", type=Path, required=True,
+                        help="the .npz file to write (with --format hf: a directory)")  # fmt: skip
+    export.add_argument(
+        "--format", choices=("npz", "hf"), default="npz",
+        help="npz, or hf: config.json and model.safetensors in the pretrained family's names "
+        "and shapes (a run started --init-from; loadable by Hugging Face transformers)",
+    )  # fmt: skip
+    export.add_argument(
+        "--init-from", default=None, metavar="DIR",
+        help="with --format hf: the checkpoint the run started from (default: the one it "
+        "recorded)",
+    )  # fmt: skip
     export.add_argument(
         "--step", type=_positive(int), default=None, help="which checkpoint (default: newest)"
     )

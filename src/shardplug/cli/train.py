@@ -107,6 +107,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--eval-every: task {task.name} has no eval_data to evaluate on")
     if args.task is not None:
         config = {"task": args.task, "seed": args.seed}
+    elif args.init_from is not None:
+        config = {
+            "init_from": str(Path(args.init_from).resolve()), "adapter": args.adapter,
+            "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr,
+            "param_dtype": args.param_dtype, "sequence": args.sequence,
+        }  # fmt: skip
     else:
         config = {
             "model": args.model, "adapter": args.adapter, "seed": args.seed,

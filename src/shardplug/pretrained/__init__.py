@@ -167,9 +167,14 @@ class Pretrained:
         lead = len(next(iter(pieces)))
         dtype = self.dtype
         read: dict[str, np.ndarray] = {}
+        uses: dict[str, int] = {}  # how many of this process's devices hold each block
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            del device
+            uses[repr(index)] = uses.get(repr(index), 0) + 1
 
         def block(index: tuple[slice, ...]) -> np.ndarray:
             key = repr(index)
+            uses[key] -= 1
             if key not in read:
                 index = tuple(index) + (slice(None),) * (len(shape) - len(index))
                 positions = [range(n)[i] for n, i in zip(shape[:lead], index[:lead], strict=True)]
@@ -186,7 +191,7 @@ class Pretrained:
                 else:
                     read[key] = np.stack([np.stack([one((i, e)) for e in positions[1]])
                                           for i in positions[0]])  # fmt: skip
-            return read[key]
+            return read[key] if uses[key] else read.pop(key)  # kept while a device needs it
 
         return jax.make_array_from_callback(shape, sharding, block)
 
@@ -304,45 +309,85 @@ def export(params: Any, pretrained: Pretrained | DecoderConfig, directory: str |
     names and shapes, loadable by the reference implementation. Each tensor is gathered
     alone (one whole tensor on the host at a time); in a multi-process run every process
     takes part and process 0 writes."""
+    leaves = dict(zip(map(_canonical, leaf_paths(params)), jax.tree.leaves(params), strict=True))
+    return _write(leaves, pretrained, directory, dtype, _gathered)
+
+
+def export_checkpoint(checkpoint_dir: str | pathlib.Path, pretrained: Pretrained | DecoderConfig,
+                      directory: str | pathlib.Path, *, step: int | None = None,
+                      dtype: Any = None) -> pathlib.Path:  # fmt: skip
+    """Write a training checkpoint's parameters (``shardplug train --init-from``'s) as a
+    checkpoint of the family (the training checkpoint is read whole on this host)."""
+    from shardplug.checkpoint import Checkpoints
+
+    step, arrays, _ = Checkpoints(checkpoint_dir, read_only=True).read_arrays(step)
+    stored = {_canonical(n.removeprefix("params/")): a for n, a in arrays.items()
+              if n.startswith("params/")}  # fmt: skip
+    return _write(stored, pretrained, directory, dtype, lambda array: array)
+
+
+def _write(
+    leaves: dict[str, Any], pretrained: Pretrained | DecoderConfig,
+    directory: str | pathlib.Path, dtype: Any, source: Callable,
+) -> pathlib.Path:  # fmt: skip
     config = pretrained.config if isinstance(pretrained, Pretrained) else pretrained
     out = pathlib.Path(directory)
-    by_name = dict(zip(map(_canonical, leaf_paths(params)), jax.tree.leaves(params), strict=True))
-    unknown = sorted(set(by_name) - set(parameters(config)))
-    if unknown:
+    expected = parameters(config)
+    unknown = sorted(set(leaves) - set(expected))
+    missing = sorted(set(expected) - set(leaves))
+    if unknown or missing:
         raise ConfigError(
-            f"export: {unknown[0]} is not a parameter of the {config.family} decoder: export "
-            "the parameters of a model pretrained.load made"
+            f"export: {(unknown or missing)[0]} is {'not a parameter' if unknown else 'missing'}"
+            f" of the {config.family} decoder: export the parameters of a model "
+            "pretrained.load made, with that checkpoint's config"
         )
+    if (out / "config.json").exists() or any(out.glob("*.safetensors")):
+        raise ConfigError(f"{out} already holds a checkpoint: choose another directory")
     entries: list[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]] = []
-    for name, (shape, _) in parameters(config).items():
-        leaf, transposed = by_name[name], hf_names(config)[name][1]
-        kind = np.dtype(jnp.dtype(dtype or leaf.dtype))
+    for name, (shape, _) in expected.items():
+        got, transposed = source(leaves[name]), hf_names(config)[name][1]
+        kind = np.dtype(jnp.dtype(dtype or getattr(leaves[name], "dtype", None) or config.dtype))
         for position, tensor in _pieces(config, name):
             part = shape[len(position) :]
             entries.append((tensor, part[::-1] if transposed else part, kind,
-                            _gatherer(leaf, position, transposed)))  # fmt: skip
-    writing = jax.process_index() == 0
-    if writing:
-        out.mkdir(parents=True, exist_ok=True)
-    write(out / "model.safetensors", entries) if writing else [e[3]() for e in entries]
-    if writing:
-        raw = dict(config.raw)
-        raw["dtype"] = str(entries[0][2]) if entries else config.dtype
-        raw.pop("torch_dtype", None)
-        (out / "config.json").write_text(json.dumps(raw, indent=2))
-        (out / INDEX).unlink(missing_ok=True)
+                            _piece(got, position, transposed)))  # fmt: skip
+    if jax.process_index() != 0:  # every process gathers each tensor with the others
+        for entry in entries:
+            entry[3]()
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / "model.safetensors.partial"
+    try:
+        write(partial, entries)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    partial.rename(out / "model.safetensors")
+    raw = dict(config.raw)
+    raw.pop("torch_dtype", None)
+    raw["dtype"] = str(entries[0][2])
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
     return out
 
 
-def _gatherer(leaf: jax.Array, position: tuple[int, ...], transposed: bool) -> Callable:
-    def gather() -> np.ndarray:
-        part = leaf[position] if position else leaf
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
+def _gathered(leaf: jax.Array) -> Any:
+    """Slices of a (possibly sharded, possibly multi-process) array, each gathered whole."""
 
-            whole = np.asarray(multihost_utils.process_allgather(part, tiled=True))
-        else:
-            whole = np.asarray(jax.device_get(part))
+    class Gather:
+        def __getitem__(self, position: tuple[int, ...]) -> np.ndarray:
+            part = leaf[position] if position else leaf
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                return np.asarray(multihost_utils.process_allgather(part, tiled=True))
+            return np.asarray(jax.device_get(part))
+
+    return Gather()
+
+
+def _piece(source: Any, position: tuple[int, ...], transposed: bool) -> Callable[[], np.ndarray]:
+    def piece() -> np.ndarray:
+        whole = source[position]
         return whole.T if transposed else whole
 
-    return gather
+    return piece

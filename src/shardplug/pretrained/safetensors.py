@@ -96,8 +96,13 @@ class Tensors:
         return flat.view(self.dtype(name)).reshape(entry["shape"])
 
     def read(self, name: str, index: Any = ()) -> np.ndarray:
-        """A copy of ``tensor[index]``; only its bytes are read, and counted."""
-        out = np.array(self.array(name)[index])
+        """A copy of ``tensor[index]``; only its bytes are read, and counted. The file is
+        mapped for this read alone, so its pages leave the process once copied."""
+        path, entry, start = self._entries[name]
+        offset = start + entry["data_offsets"][0]
+        mapped = np.memmap(path, self.dtype(name), "r", offset=offset, shape=tuple(entry["shape"]))
+        out = np.array(mapped[index])
+        del mapped
         self.bytes_read += out.nbytes
         return out
 
