@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import shardplug
+import shardplug.errors
 from shardplug.core import attention as attention_module
 from shardplug.core.attention import attention_override, choose
 from shardplug.flops import step_flops
@@ -85,7 +86,7 @@ def test_fused_attention_flops_are_counted(monkeypatch):
 
 def test_a_fallback_is_said_once(monkeypatch):
     monkeypatch.setattr(attention_module, "_platform", lambda: "gpu")
-    monkeypatch.setattr(attention_module, "_SAID", set())
+    monkeypatch.setattr(shardplug.errors, "_SAID", set())  # said afresh
     q, k, v = qkv(jnp.float32)
     with pytest.warns(shardplug.ShardplugWarning, match="float32 inputs take XLA's attention"):
         shardplug.attention(q, k, v, causal=True)
@@ -99,7 +100,7 @@ def test_explicitly_sharded_inputs_cudnn_refuses_fall_back_with_a_line(monkeypat
     from jax.sharding import PartitionSpec as P
 
     monkeypatch.setattr(attention_module, "_platform", lambda: "gpu")
-    monkeypatch.setattr(attention_module, "_SAID", set())
+    monkeypatch.setattr(shardplug.errors, "_SAID", set())  # said afresh
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     q = jax.random.normal(jax.random.key(0), (4, 8, 4, 16), jnp.bfloat16)
     with jax.set_mesh(mesh):

@@ -4,6 +4,7 @@ import jax
 import pytest
 
 import shardplug
+import shardplug.errors
 from shardplug import DeviceError, MeshError, get_strategy, parse_mesh, select_devices
 from shardplug.core.compose import default_sizes
 from shardplug.core.mesh import build_mesh, describe
@@ -99,7 +100,7 @@ def test_a_gpu_that_jax_cannot_see_is_said_once(monkeypatch):
     monkeypatch.setattr(devices, "nvidia_gpu_visible", lambda: False)
     assert select_devices(None, devices=cpu) == cpu  # no GPU, nothing to say
     monkeypatch.setattr(devices, "nvidia_gpu_visible", lambda: True)
-    monkeypatch.setattr(devices, "_SAID", set())
+    monkeypatch.setattr(shardplug.errors, "_SAID", set())  # said afresh
     with pytest.warns(shardplug.ShardplugWarning, match=r"JAX has only its CPU backend.*\[cuda"):
         select_devices(None, devices=cpu)
     select_devices(None, devices=cpu)  # said once: a second warning would fail the suite

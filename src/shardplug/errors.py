@@ -7,6 +7,7 @@ Python callers can catch the base class or a specific one.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 
@@ -108,3 +109,14 @@ class TrainingInterrupted(ShardplugError):
 
 class ShardplugWarning(UserWarning):
     """Something shardplug worked around, e.g. an installed plugin that failed to load."""
+
+
+_SAID: set[str] = set()
+
+
+def warn_once(message: str, stacklevel: int = 2) -> None:
+    """A :class:`ShardplugWarning` said once per process, however often its cause recurs
+    (``stacklevel`` counted from the caller of this function)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        warnings.warn(message, ShardplugWarning, stacklevel=stacklevel + 1)

@@ -90,21 +90,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _export_hf(args: argparse.Namespace) -> int:
     """``export --format hf``: the run's parameters in its pretrained family's format."""
     from shardplug import pretrained
-    from shardplug.checkpoint import Checkpoints
     from shardplug.errors import ConfigError
 
     if args.task is not None:
         raise ConfigError("--format hf writes a pretrained family's checkpoint: drop --task")
-    store = Checkpoints(args.checkpoint_dir, read_only=True)
-    step = store._candidates(args.step)[0]
-    source = args.init_from or store.read_meta(step).get("config", {}).get("init_from")
-    if source is None:
-        raise ConfigError(
-            f"{args.checkpoint_dir}: the run did not start --init-from a pretrained checkpoint;"
-            " give --init-from DIR, the checkpoint whose config it has"
-        )
-    out = pretrained.export_checkpoint(args.checkpoint_dir, pretrained.load(source), args.out,
-                                       step=step)  # fmt: skip
-    print(f"shardplug: exported step {step} of {args.checkpoint_dir} as a "
-          f"{pretrained.read_config(source).family} checkpoint to {out}")  # fmt: skip
+    step, config = pretrained.export_checkpoint(
+        args.checkpoint_dir, args.out, init_from=args.init_from, step=args.step
+    )
+    print(f"shardplug: exported step {step} of {args.checkpoint_dir} as a {config.family} "
+          f"checkpoint to {args.out}")  # fmt: skip
     return 0

@@ -13,7 +13,6 @@ the model's code does not change between strategies.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -21,10 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from shardplug.core import ops
-from shardplug.errors import ShardplugWarning
+from shardplug.errors import warn_once
 
 Implementation = Literal["cudnn", "xla"]
-_SAID: set[str] = set()  # each fallback reason is said once per process
 
 FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -114,9 +112,7 @@ def _platform() -> str:
 
 
 def _say_once(why: str) -> None:
-    if why not in _SAID:
-        _SAID.add(why)
-        warnings.warn(f"shardplug.attention: {why}", ShardplugWarning, stacklevel=3)
+    warn_once(f"shardplug.attention: {why}", stacklevel=3)
 
 
 def attention_override(implementation: Callable[..., jax.Array]) -> Any:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-from shardplug.errors import DeviceError, ShardplugWarning
+from shardplug.errors import DeviceError, warn_once
 
 #: CPU devices the command line simulates when no --devices is given and there is no GPU
 SIMULATED = 8
@@ -46,7 +45,7 @@ def select_devices(count: int | None = None, *, devices: Sequence[Any] | None = 
     devices = list(jax.devices() if devices is None else devices)
     platform = devices[0].platform
     if platform == "cpu" and nvidia_gpu_visible():
-        _warn_once(cpu_only_note())
+        warn_once(cpu_only_note(), stacklevel=2)
     if count is None:
         return devices
     if count < 1:
@@ -81,12 +80,3 @@ def cpu_only_note() -> str:
         "an NVIDIA GPU is visible to the system but JAX has only its CPU backend, so this "
         f"run uses the CPU: install JAX's CUDA plugin with {CUDA_INSTALL}"
     )
-
-
-_SAID: set[str] = set()
-
-
-def _warn_once(note: str) -> None:
-    if note not in _SAID:
-        _SAID.add(note)
-        warnings.warn(note, ShardplugWarning, stacklevel=3)

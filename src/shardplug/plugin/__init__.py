@@ -62,6 +62,7 @@ from shardplug.errors import (
     PluginError,
     ShardplugWarning,
     StrategyOptionError,
+    warn_once,
 )
 from shardplug.moe.kernels import (
     capacity,
@@ -193,4 +194,5 @@ __all__ = [
     "softmax_rows",
     "softmax_start",
     "stack_operation",
+    "warn_once",
 ]

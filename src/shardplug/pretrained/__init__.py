@@ -19,6 +19,7 @@ and shapes, one tensor at a time.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import pathlib
@@ -131,11 +132,8 @@ class Pretrained:
         check_adapter(framework)
         c, dtype = self.config, jnp.dtype(self.dtype)
         if framework == "nnx":
-            from flax import nnx
-
             made = from_nnx(lambda rngs: decoder.NnxDecoder(c, dtype=dtype, remat=remat,
                                                             rngs=rngs))  # fmt: skip
-            del nnx
         elif framework == "linen":
             made = from_linen(self.module("linen", remat=remat), jnp.zeros((1, 2), jnp.int32))
         else:
@@ -167,10 +165,9 @@ class Pretrained:
         lead = len(next(iter(pieces)))
         dtype = self.dtype
         read: dict[str, np.ndarray] = {}
-        uses: dict[str, int] = {}  # how many of this process's devices hold each block
-        for device, index in sharding.addressable_devices_indices_map(shape).items():
-            del device
-            uses[repr(index)] = uses.get(repr(index), 0) + 1
+        # how many of this process's devices hold each block: kept until the last has it
+        indices = sharding.addressable_devices_indices_map(shape).values()
+        uses = collections.Counter(map(repr, indices))
 
         def block(index: tuple[slice, ...]) -> np.ndarray:
             key = repr(index)
@@ -313,17 +310,27 @@ def export(params: Any, pretrained: Pretrained | DecoderConfig, directory: str |
     return _write(leaves, pretrained, directory, dtype, _gathered)
 
 
-def export_checkpoint(checkpoint_dir: str | pathlib.Path, pretrained: Pretrained | DecoderConfig,
-                      directory: str | pathlib.Path, *, step: int | None = None,
-                      dtype: Any = None) -> pathlib.Path:  # fmt: skip
+def export_checkpoint(checkpoint_dir: str | pathlib.Path, directory: str | pathlib.Path, *,
+                      init_from: str | pathlib.Path | None = None, step: int | None = None,
+                      dtype: Any = None) -> tuple[int, DecoderConfig]:  # fmt: skip
     """Write a training checkpoint's parameters (``shardplug train --init-from``'s) as a
-    checkpoint of the family (the training checkpoint is read whole on this host)."""
+    checkpoint of the family its run started from (``init_from``, by default the one the run
+    recorded); the training checkpoint is read whole on this host. Returns the step written
+    and the family's config."""
     from shardplug.checkpoint import Checkpoints
 
-    step, arrays, _ = Checkpoints(checkpoint_dir, read_only=True).read_arrays(step)
+    step, arrays, meta = Checkpoints(checkpoint_dir, read_only=True).read_arrays(step)
+    init_from = init_from or meta.get("config", {}).get("init_from")
+    if init_from is None:
+        raise ConfigError(
+            f"{checkpoint_dir}: the run did not start --init-from a pretrained checkpoint; "
+            "give --init-from DIR, the checkpoint whose config it has"
+        )
+    config = read_config(init_from)
     stored = {_canonical(n.removeprefix("params/")): a for n, a in arrays.items()
               if n.startswith("params/")}  # fmt: skip
-    return _write(stored, pretrained, directory, dtype, lambda array: array)
+    _write(stored, config, directory, dtype, lambda array: array)
+    return step, config
 
 
 def _write(

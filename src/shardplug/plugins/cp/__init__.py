@@ -18,7 +18,6 @@ otherwise is warned of once: it trains right, through the compiler's own gathers
 from __future__ import annotations
 
 import math
-import warnings
 from typing import ClassVar
 
 from shardplug.plugin import (
@@ -28,13 +27,11 @@ from shardplug.plugin import (
     ConfigError,
     Explained,
     Operations,
-    ShardplugWarning,
     StrategyOptionError,
     hookimpl,
+    warn_once,
 )
 from shardplug.plugins.cp.ring import gathered_attention, ring_attention
-
-_SAID: set[str] = set()  # each warning once per process
 
 
 class ContextParallel:
@@ -101,9 +98,7 @@ class ContextParallel:
             f"{axis!r}, through whatever gathers the compiler chooses (explain shows them); "
             f"call shardplug.attention(q, k, v, causal=True) instead"
         )
-        if said not in _SAID:
-            _SAID.add(said)
-            warnings.warn(said, ShardplugWarning, stacklevel=2)
+        warn_once(said)
 
     @hookimpl
     def explain_step(self, axis, mesh, step):

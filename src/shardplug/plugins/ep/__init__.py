@@ -14,7 +14,6 @@ what one device gives.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import ClassVar
 
 from shardplug.plugin import (
@@ -24,12 +23,10 @@ from shardplug.plugin import (
     ConfigError,
     Explained,
     Operations,
-    ShardplugWarning,
     hookimpl,
+    warn_once,
 )
 from shardplug.plugins.ep.exchange import exchange
-
-_SAID: set[str] = set()  # each note once per process
 
 
 class ExpertParallel:
@@ -99,9 +96,7 @@ class ExpertParallel:
             f"shardplug.moe.route and shardplug.moe.routed_experts to send the tokens to their "
             f"experts instead"
         )
-        if self.unrouted_note not in _SAID:
-            _SAID.add(self.unrouted_note)
-            warnings.warn(self.unrouted_note, ShardplugWarning, stacklevel=2)
+        warn_once(self.unrouted_note)
 
     @hookimpl
     def explain_step(self, step):
