@@ -12,9 +12,12 @@ Each directory holds what ``save_pretrained`` writes (``config.json``, safetenso
 ``llama`` split into shards with an index) and ``reference.npz``: ``tokens`` (2, 24) int32
 ``logits`` (2, 24, vocab) float32 and ``loss``, the reference's next-token loss on them.
 Every weight, norms included, is drawn at random, so a weight loaded into the wrong place
-shows in the logits. ``llama``'s config is rewritten the way transformers 4.x wrote it
-(``rope_theta`` and ``rope_scaling`` at the top level); the others keep 5.x's
-``rope_parameters``.
+shows in the logits. ``llama`` also gets the fine-tuning text's fixture: a tokenizer
+(``tokenizer.json``, a small BPE trained by ``tokenizers`` on ``tests/fixtures/hf/text``) and
+``text_reference.npz``: every packed row of that text (``tokens``, ``loss_mask``) and the
+reference's summed loss and counted targets on each. ``llama``'s config is rewritten the way
+transformers 4.x wrote it (``rope_theta`` and ``rope_scaling`` at the top level); the others
+keep 5.x's ``rope_parameters``.
 """
 
 from __future__ import annotations
@@ -107,6 +110,77 @@ def write(name: str) -> None:
     print(name, sorted(p.name for p in out.iterdir()))
 
 
+TEXT = ROOT / "text"
+SEQUENCE = 24
+
+
+def documents() -> list[str]:
+    """The fixture's documents as shardplug reads ``--data text:DIR/*``: files in name order,
+    a ``.jsonl`` file's lines each a document (its ``text``), any other file one document."""
+    out = []
+    for path in sorted(TEXT.iterdir()):
+        if path.suffix == ".jsonl":
+            out += [json.loads(line)["text"] for line in path.read_text().splitlines() if line]
+        else:
+            out.append(path.read_text())
+    return out
+
+
+def write_text() -> None:
+    """The tokenizer and the reference's loss on every packed row of the fixture's text,
+    packed as shardplug packs it: each document's ids (the tokenizer adds ``<s>``) then
+    ``</s>``, all concatenated and cut into rows of SEQUENCE + 1 tokens overlapping by one;
+    a target that starts a new document does not count."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(
+        documents(),
+        trainers.BpeTrainer(
+            vocab_size=SMALL["vocab_size"], special_tokens=["<unk>", "<s>", "</s>"]
+        ),
+    )
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(ROOT / "llama" / "tokenizer.json"))
+    ids, owner = [], []
+    for n, doc in enumerate(documents()):
+        piece = [*tok.encode(doc).ids, 2]
+        ids += piece
+        owner += [n] * len(piece)
+    ids, owner = np.array(ids, np.int32), np.array(owner)
+    rows = (len(ids) - 1) // SEQUENCE
+    tokens = np.stack([ids[r * SEQUENCE : r * SEQUENCE + SEQUENCE + 1] for r in range(rows)])
+    docs = np.stack([owner[r * SEQUENCE : r * SEQUENCE + SEQUENCE + 1] for r in range(rows)])
+    mask = (docs[:, 1:] == docs[:, :-1]).astype(np.int32)
+    model = transformers.LlamaForCausalLM.from_pretrained(ROOT / "llama").eval()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens[:, :-1]).long()).logits.float()
+        losses = (
+            torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]),
+                torch.from_numpy(tokens[:, 1:]).long().reshape(-1),
+                reduction="none",
+            )
+            .reshape(rows, SEQUENCE)
+            .numpy()
+        )
+    np.savez(
+        ROOT / "llama" / "text_reference.npz",
+        tokens=tokens,
+        loss_mask=mask,
+        loss_sum=(losses * mask).sum(1).astype(np.float32),
+        counted=mask.sum(1),
+    )
+    print("text", len(ids), "tokens,", rows, "rows,", tok.get_vocab_size(), "in the vocabulary")
+
+
 if __name__ == "__main__":
-    for family in FAMILIES:
-        write(family)
+    import sys
+
+    if "--text" not in sys.argv:  # --text: the text fixture alone, from the written llama
+        for family in FAMILIES:
+            write(family)
+    write_text()

@@ -190,3 +190,78 @@ def test_the_command_line_fine_tunes_exports_and_refuses_shape_flags(capsys, tmp
     assert "already holds a checkpoint" in capsys.readouterr().err
     assert main(["train", "--init-from", str(FIXTURES / "qwen3"), "--layers", "4"]) == 2
     assert "--layers shape the reference model; --init-from" in capsys.readouterr().err
+
+
+def _text_reference(rows):
+    """The reference's loss on the fixture text's packed rows ``rows`` (each found by its
+    tokens among every row the reference packed)."""
+    ref = np.load(FIXTURES / "llama" / "text_reference.npz")
+    index = [int(np.flatnonzero((ref["tokens"] == r).all(1))[0]) for r in rows["tokens"]]
+    np.testing.assert_array_equal(rows["loss_mask"], ref["loss_mask"][index])
+    return float(ref["loss_sum"][index].sum() / ref["counted"][index].sum())
+
+
+def test_fine_tuning_on_text_starts_at_the_references_loss_on_the_same_tokens():
+    model = pretrained.load(FIXTURES / "llama")
+    task = model.task("nnx", text=str(FIXTURES / "text"), sequence=24, batch_size=4, seed=3)
+    trainer = task.trainer(strategy="fsdp", devices=4)
+    first = next(iter(task.batches()))  # shuffled rows: the reference's are found by their tokens
+    history = trainer.fit(task.batches(), steps=1)
+    want = _text_reference(first)
+    assert abs(history[0]["lm_loss"] - want) < 1e-5 * want
+    ref = np.load(FIXTURES / "llama" / "text_reference.npz")
+    assert ref["loss_mask"].sum() < ref["loss_mask"].size  # boundaries fall inside rows
+
+
+def test_the_command_line_fine_tunes_on_text_and_resumes_at_its_data_position(capsys, tmp_path):
+    from shardplug.cli import main
+
+    def train(runs, steps, *more):
+        metrics = tmp_path / f"{runs}.jsonl"
+        argv = ["train", "--init-from", str(FIXTURES / "llama"), "--data",
+                f"text:{FIXTURES / 'text'}/*", "--sequence", "24", "--batch-size", "4",
+                "--strategy", "fsdp", "--devices", "4", "--steps", str(steps), "--checkpoint-dir",
+                str(tmp_path / runs), "--checkpoint-every", "2", "--metrics-out", str(metrics),
+                "--quiet", *more]  # fmt: skip
+        assert main(argv) == 0, capsys.readouterr().err
+        return [json.loads(line)["lm_loss"] for line in metrics.read_text().splitlines()]
+
+    straight = train("run", 4)
+    shutil.rmtree(tmp_path / "run" / "4")  # as if the run had been stopped after step 2
+    resumed = train("run", 4, "--resume")
+    assert resumed == pytest.approx(straight, rel=1e-6)  # the same rows, in the same order
+    assert len(set(straight)) == 4
+
+
+def test_text_that_cannot_be_used_is_one_line(tmp_path, capsys):
+    import tokenizers
+    from tokenizers import models
+
+    from shardplug.cli import main
+
+    model = pretrained.load(FIXTURES / "llama")
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    vocab = {f"w{i}": i for i in range(200)}  # more tokens than the model's 96
+    tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(wide / "tokenizer.json"))
+    cases = [
+        (dict(tokenizer=wide), "the tokenizer has 200 tokens but the model's vocabulary is 96"),
+        (dict(tokenizer=tmp_path), "no tokenizer there; give --tokenizer DIR"),
+        (dict(text=str(tmp_path / "none*.txt")), "no files there"),
+        (dict(sequence=4096), "fewer than one row of 4097"),
+    ]
+    for given, message in cases:
+        options = {"text": str(FIXTURES / "text"), "sequence": 24, **given}
+        with pytest.raises(PretrainedError, match=message):
+            model.task(batch_size=2, **options)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(PretrainedError, match=r"bad.jsonl:2: each line of a .jsonl file"):
+        model.task(batch_size=2, text=str(bad), sequence=4)
+    for argv, message in [
+        (["--data", "text:x.txt"], "--data text:... fine-tunes a pretrained checkpoint"),
+        (["--init-from", str(FIXTURES / "llama"), "--data", "x.txt"], "give text:FILE_OR_GLOB"),
+        (["--init-from", str(FIXTURES / "llama"), "--tokenizer", "t"], "give the text too"),
+    ]:
+        assert main(["train", *argv]) == 2
+        assert message in capsys.readouterr().err

@@ -122,6 +122,17 @@ def task_arguments(parser: Any) -> None:
         "--param-dtype", default=None, choices=("float32", "bfloat16", "float16"),
         help="with --init-from: the parameters' dtype (default: as the checkpoint stores them)",
     )  # fmt: skip
+    parser.add_argument(
+        "--data", default=None, metavar="text:FILE_OR_GLOB",
+        help="with --init-from: fine-tune on your text (a .jsonl file's lines or any other "
+        "file each one document), tokenized by the checkpoint's tokenizer and packed into "
+        "rows of --sequence tokens",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tokenizer", default=None, metavar="DIR",
+        help="with --data text:...: the directory of the tokenizer.json to use (default: the "
+        "--init-from checkpoint's)",
+    )  # fmt: skip
 
 
 MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", "experts", "top_k", "capacity_factor",
@@ -136,6 +147,16 @@ def check_task_flags(args: argparse.Namespace) -> None:
     """A task brings its own model, data and optimizer: refuse the reference model's flags;
     a pretrained checkpoint its own shape: refuse those that would change it."""
     init_from = getattr(args, "init_from", None)
+    data, tokenizer = getattr(args, "data", None), getattr(args, "tokenizer", None)
+    if data is not None and not data.startswith("text:"):
+        raise ConfigError(f"--data {data}: give text:FILE_OR_GLOB (a file, directory or glob)")
+    if tokenizer is not None and data is None:
+        raise ConfigError("--tokenizer tokenizes --data text:...: give the text too")
+    if data is not None and init_from is None:
+        raise ConfigError(
+            "--data text:... fine-tunes a pretrained checkpoint on your text: give "
+            "--init-from DIR (a --task brings its own data)"
+        )
     if init_from is not None:
         if getattr(args, "task", None) is not None:
             raise ConfigError("--init-from and --task both say what to train: give one")
@@ -175,6 +196,8 @@ def cli_task(args: argparse.Namespace) -> Any:
                 args.adapter or "nnx", batch_size=args.batch_size, seed=args.seed,
                 sequence=args.sequence, learning_rate=getattr(args, "lr", None),
                 remat=getattr(args, "remat", None) or "none",
+                text=args.data.removeprefix("text:") if args.data else None,
+                tokenizer=args.tokenizer,
             )  # fmt: skip
         else:
             from shardplug.models import get_model

@@ -31,6 +31,17 @@ RESUMED = (
     "remat",
     "sequence",
 )  # taken from the checkpoint (a reference model's run; a task's keeps its --task)
+RESUMED_PRETRAINED = (
+    "init_from",
+    "adapter",
+    "seed",
+    "batch_size",
+    "lr",
+    "param_dtype",
+    "sequence",
+    "data",
+    "tokenizer",
+)  # a run --init-from a checkpoint's
 
 
 def _checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,10 +85,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardplug.models import check_adapter, get_model
 
     saved = _checkpoint_settings(args)
+    if saved.get("init_from") and args.task is None and args.model is None:
+        for name in RESUMED_PRETRAINED:  # resuming a fine-tune: its checkpoint, its text
+            if getattr(args, name) is None:
+                setattr(args, name, saved.get(name))
     check_task_flags(args)
     if args.task is None and saved.get("task") and args.model is None:
         args.task = saved["task"]  # resuming a task's run
-    if args.task is None:
+    if args.task is None and args.init_from is None:
         was = saved.get("model") or (saved.get("task") and f"task {saved['task']}")
         if was and args.model is not None and args.model != saved.get("model"):
             raise ConfigError(
@@ -111,7 +126,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = {
             "init_from": str(Path(args.init_from).resolve()), "adapter": args.adapter,
             "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr,
-            "param_dtype": args.param_dtype, "sequence": args.sequence,
+            "param_dtype": args.param_dtype, "sequence": args.sequence, "data": args.data,
+            "tokenizer": str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
         }  # fmt: skip
     else:
         config = {

@@ -194,37 +194,55 @@ class Pretrained:
 
     def task(self, framework: str = "nnx", *, batch_size: int | None = None,
              sequence: int | None = None, seed: int = 0, learning_rate: float | None = None,
-             remat: str = "none") -> Any:  # fmt: skip
-        """Fine-tuning as a :class:`shardplug.Task` (AdamW at 1e-4 unless given): on the
-        reference transformer's synthetic token chain (64 tokens of the vocabulary; its
-        loss can fall to 0.90 nats) until text is given."""
+             remat: str = "none", text: str | None = None,
+             tokenizer: str | pathlib.Path | None = None) -> Any:  # fmt: skip
+        """Fine-tuning as a :class:`shardplug.Task` (AdamW at 1e-4 unless given).
+
+        With ``text`` (a file, directory or glob: see :mod:`shardplug.pretrained.text`), on
+        that text, tokenized by ``tokenizer`` (a directory with ``tokenizer.json``; by default
+        the checkpoint's own) and packed into shuffled rows of ``sequence`` tokens (default
+        1024, at most the model's positions). Without, on the reference transformer's
+        synthetic token chain (64 tokens of the vocabulary; its loss can fall to 0.90 nats).
+        """
         from shardplug.data import Batches
         from shardplug.flops import TransformerShape
         from shardplug.models import synthetic
         from shardplug.task import Task
 
-        if self.config.vocab < synthetic.VOCAB:
-            raise PretrainedError(
-                f"{self.directory}: a vocabulary of {self.config.vocab} is smaller than the "
-                f"synthetic data's {synthetic.VOCAB} tokens"
-            )
-        size, length = batch_size or 8, sequence or synthetic.SEQ_LEN
         c = self.config
-        shape = TransformerShape(layers=c.layers, width=c.width, sequence=length, vocab=c.vocab,
-                                 mlp=c.mlp, mlp_matrices=3, experts=c.experts,
+        size = batch_size or 8
+        if text is not None:
+            from shardplug.pretrained import text as text_
+
+            length = sequence or min(1024, c.max_positions or 1024)
+            tok = text_.read_tokenizer(tokenizer or self.directory, c.vocab)
+            docs = text_.documents(text)
+            eos = c.raw.get("eos_token_id")
+            eos = eos[0] if isinstance(eos, list) else eos
+            packed = text_.pack(docs, tok, length, eos, where=f"text:{text}")
+            name = f"text-{len(docs)}docs-{len(packed.ids)}tokens-{length}"
+            data = Batches(packed.dataset, size, seed=seed, name=name)
+            model_reads = length
+        else:
+            if c.vocab < synthetic.VOCAB:
+                raise PretrainedError(
+                    f"{self.directory}: a vocabulary of {c.vocab} is smaller than the "
+                    f"synthetic data's {synthetic.VOCAB} tokens"
+                )
+            length = sequence or synthetic.SEQ_LEN
+            data = Batches(synthetic.records("markov", size, seed, sequence=length), size,
+                           shuffle=False, name=f"markov-{seed}-{length}")  # fmt: skip
+            model_reads = length  # as the reference transformer counts it
+        shape = TransformerShape(layers=c.layers, width=c.width, sequence=model_reads,
+                                 vocab=c.vocab, mlp=c.mlp, mlp_matrices=3, experts=c.experts,
                                  top_k=c.top_k or 1)  # fmt: skip
         return Task(
             adapter=self.adapter(framework, remat=remat),
             loss_fn=self.loss_fn,
             optimizer=optax.adamw(learning_rate or 1e-4),
-            data=Batches(
-                synthetic.records("markov", size, seed, sequence=length),
-                size,
-                shuffle=False,
-                name=f"markov-{seed}-{length}",
-            ),
+            data=data,
             name=f"{c.family}:{self.directory.name}",
-            flops_per_sample=shape.flops_per_token()["total"] * length,
+            flops_per_sample=shape.flops_per_token()["total"] * model_reads,
         )
 
     def loss_fn(self, model: Any, batch: dict[str, Any]):
