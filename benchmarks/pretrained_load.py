@@ -5,7 +5,9 @@ Makes a Llama-3.2-1B-shaped checkpoint (bf16, random; 2.47 GB in 4 shards with a
 it is not there, then in fresh processes on 8 simulated CPU devices:
 
 - ``read once``: every shard file read into memory, start to end (the floor for any loader);
-- ``fsdp load``: ``shardplug.pretrained`` placing every parameter in fsdp's layout.
+- ``fsdp load``: ``shardplug.pretrained`` placing every parameter in fsdp's layout;
+- ``2 processes``: the same, by two processes of one ``jax.distributed`` job (4 devices
+  each): each reads only the blocks its own devices hold.
 
 Reported: seconds, the host's peak resident memory during the load above what the process
 held before it (``VmHWM`` after resetting it), against the model's bytes and its largest
@@ -69,7 +71,12 @@ def make(directory: pathlib.Path) -> None:
 CHILD = r"""
 import json, sys, time, pathlib
 import jax
-jax.config.update("jax_num_cpu_devices", 8)
+if len(sys.argv) > 3:  # process i of n, port: a multi-process job, 8 devices over all of them
+    import shardplug.distributed
+    i, n, port = map(int, sys.argv[3].split("/"))
+    shardplug.distributed.initialize(f"127.0.0.1:{port}", n, i, local_cpu_devices=8 // n)
+else:
+    jax.config.update("jax_num_cpu_devices", 8)
 
 def hwm():
     for line in open("/proc/self/status"):
@@ -112,6 +119,22 @@ def child(directory: pathlib.Path, what: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def processes(directory: pathlib.Path, count: int = 2) -> list[dict]:
+    """The fsdp load by ``count`` processes of one job at once (8 devices over them)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    running = [subprocess.Popen([sys.executable, "-c", CHILD, str(directory), "load",
+                                 f"{i}/{count}/{port}"], stdout=subprocess.PIPE, text=True)
+               for i in range(count)]  # fmt: skip
+    outs = [p.communicate()[0] for p in running]
+    if any(p.returncode for p in running):
+        raise SystemExit("a process of the multi-process load failed")
+    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", type=pathlib.Path, default=pathlib.Path("/tmp/llama-1b"))
@@ -137,6 +160,12 @@ def main() -> None:
         f"(model + largest tensor = x {(load['model'] + load['largest']) / load['model']:.3f})"
     )
     print(f"ratio     : load / read once = {load['seconds'] / read['seconds']:.2f} x")
+    for i, one in enumerate(processes(args.dir)):
+        print(
+            f"2 processes, process {i}: {one['seconds']:.2f} s, {one['read'] / gb:.3f} GB read "
+            f"= {one['read'] / read['read']:.3f} of the checkpoint, host peak "
+            f"+{one['peak'] / gb:.3f} GB"
+        )
 
 
 if __name__ == "__main__":

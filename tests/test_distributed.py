@@ -70,6 +70,18 @@ def test_a_pipeline_over_two_processes_trains_like_one(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-4)
 
 
+def test_two_processes_each_read_half_of_a_pretrained_checkpoint():
+    """Under fsdp over 2 processes x 4 devices each process reads its own devices' blocks:
+    half of every tensor (the fixture's sizes all split over 8), and trains from them."""
+    fixture = Path(__file__).parent / "fixtures" / "hf" / "mistral"
+    done = launch("--init-from", str(fixture), "--strategy", "fsdp", "--steps", "1")
+    assert done.returncode == 0, done.stdout[-3000:]
+    read = sorted(line.split(" shardplug: ")[0] + " " + line.split("read ")[1].split(" in ")[0]
+                  for line in done.stdout.splitlines() if "shardplug: read " in line)  # fmt: skip
+    assert read == ["[0] 49.8 kB of the 98.9 kB", "[1] 49.8 kB of the 98.9 kB"], read
+    assert "with fsdp on 8 cpu devices in 2 processes" in done.stdout
+
+
 def training_launch(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, list[int]]:
     """A launch of an endless run, once its first metrics are written; and its workers."""
     metrics = tmp_path / "m.jsonl"

@@ -192,7 +192,8 @@ def cli_task(args: argparse.Namespace) -> Any:
         elif getattr(args, "init_from", None) is not None:
             from shardplug import pretrained
 
-            args._task = pretrained.load(args.init_from, dtype=args.param_dtype).task(
+            args._pretrained = pretrained.load(args.init_from, dtype=args.param_dtype)
+            args._task = args._pretrained.task(
                 args.adapter or "nnx", batch_size=args.batch_size, seed=args.seed,
                 sequence=args.sequence, learning_rate=getattr(args, "lr", None),
                 remat=getattr(args, "remat", None) or "none",

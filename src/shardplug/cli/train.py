@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "batch_size": args.batch_size or get_model(args.model).batch_size,
             "lr": args.lr or get_model(args.model).learning_rate, **model_options(args),
         }  # fmt: skip
+    began = time.perf_counter()
     trainer = task.trainer(
         strategy=strategy,
         devices=args.devices,
@@ -153,6 +155,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         axis_types=args.axis_types,
     )
     trainer.peak_tflops = args.peak_tflops
+    loaded = getattr(args, "_pretrained", None)
+    if loaded is not None and loaded.tensors is not None:  # every process: what it read
+        import jax
+
+        from shardplug.views import size
+
+        print(
+            f"shardplug: read {size(loaded.tensors.bytes_read)} of the "
+            f"{size(loaded.tensors.nbytes)} in {args.init_from} into this process's "
+            f"{len(trainer.mesh.local_devices)} devices in {time.perf_counter() - began:.1f} s",
+            flush=True,
+        )
     from shardplug.distributed import is_primary
 
     primary = is_primary()  # process 0 alone writes metrics, progress and the summary

@@ -70,7 +70,7 @@ def create_state(
             rng
         )
         opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
-        step, rng = jax.device_put((jnp.zeros((), jnp.int32), rng), (shardings.step, shardings.rng))
+        step, rng = _step_and_rng(rng, shardings)
         return TrainState(step, params, opt_state, model_state, rng)
     if adapter.variables is None:
         return jax.jit(create, out_shardings=shardings)(rng)
@@ -81,5 +81,12 @@ def create_state(
         jax.device_put(adapter.variables, placed)
     )
     opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
-    step, rng = jax.device_put((jnp.zeros((), jnp.int32), rng), (shardings.step, shardings.rng))
+    step, rng = _step_and_rng(rng, shardings)
     return TrainState(step, params, opt_state, model_state, rng)
+
+
+def _step_and_rng(rng: jax.Array, shardings: TrainState) -> tuple[jax.Array, jax.Array]:
+    """Step 0 and the key in their shardings: made by a jit, which (unlike ``device_put``)
+    places them on devices of other processes too."""
+    return jax.jit(lambda r: (jnp.zeros((), jnp.int32), r),
+                   out_shardings=(shardings.step, shardings.rng))(rng)  # fmt: skip

@@ -71,6 +71,13 @@ class Tensors:
                 self._entries[tensor] = (path, entry, start)
         self._maps: dict[pathlib.Path, np.memmap] = {}
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every tensor in the files."""
+        return sum(
+            e["data_offsets"][1] - e["data_offsets"][0] for _, e, _ in self._entries.values()
+        )
+
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 
