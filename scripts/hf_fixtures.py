@@ -64,6 +64,24 @@ FAMILIES = {
     ),
     # Qwen3: RMSNorm on each head's queries and keys; head_dim not hidden / heads
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=16)),
+    # Gemma 3: a sliding layer (window 8 < the batch's 24 tokens, its own rotary base) then a
+    # full one (linear rotary scaling); query scale and logit cap of its own
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=3.0,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            attn_implementation="eager",
+        ),
+    ),
     "mixtral": (
         transformers.MixtralConfig,
         transformers.MixtralForCausalLM,
@@ -180,7 +198,10 @@ def write_text() -> None:
 if __name__ == "__main__":
     import sys
 
-    if "--text" not in sys.argv:  # --text: the text fixture alone, from the written llama
-        for family in FAMILIES:
+    # --text: the text fixture alone, from the written llama; NAME ...: those families alone
+    names = [a for a in sys.argv[1:] if a in FAMILIES]
+    if "--text" not in sys.argv:
+        for family in names or FAMILIES:
             write(family)
-    write_text()
+    if "--text" in sys.argv or not names:
+        write_text()

@@ -21,7 +21,7 @@ from shardplug.errors import PretrainedError
 from shardplug.pretrained.safetensors import Tensors
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "mixtral")
 
 
 def reference(family: str, rows: int = 1) -> dict[str, np.ndarray]:
@@ -64,6 +64,8 @@ def test_one_device_gives_the_references_logits(family, framework):
         ("qwen3", "nnx", "fsdp+tp", "fsdp=4,model=2"),
         ("llama", "equinox", "fsdp+cp", "fsdp=2,context=4"),  # grouped-query heads, a ring
         ("qwen3", "linen", "pp+fsdp", "stage=2,fsdp=4"),
+        ("gemma3", "linen", "fsdp+cp", "fsdp=2,context=4"),  # a sliding window: keys gathered
+        ("gemma3", "equinox", "pp+fsdp", "stage=2,fsdp=4"),  # each stage its layers' kinds
         ("mixtral", "nnx", "dp+ep", "data=2,expert=4"),
         ("mixtral", "linen", "pp+fsdp", "stage=2,fsdp=4"),
     ],
@@ -124,6 +126,16 @@ def test_configs_as_transformers_4_and_5_write_them_read_the_same(tmp_path):
     plain = [1 / 500000.0 ** (i / 8) for i in range(0, 8, 2)]
     assert scaled[-1] == pytest.approx(plain[-1] / 8)  # a long wavelength: divided by factor
     assert plain[0] / 8 < scaled[0] < plain[0]  # 2 pi against 16 positions: the smooth band
+
+    raw = json.loads((FIXTURES / "gemma3" / "config.json").read_text())  # 5.x: by layer type
+    four = {k: v for k, v in raw.items() if k not in ("rope_parameters", "layer_types")}
+    four.update(rope_theta=1e6, rope_local_base_freq=10000.0, sliding_window_pattern=2,
+                rope_scaling={"rope_type": "linear", "factor": 8.0})  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(four))
+    old, new = pretrained.read_config(tmp_path), pretrained.read_config(FIXTURES / "gemma3")
+    assert old == new and new.layer_types == ("sliding", "full")
+    assert new.inverse_frequencies(local=True)[1] == pytest.approx(1 / 10000.0 ** (2 / 16))
+    assert new.inverse_frequencies()[1] == pytest.approx(1 / 1e6 ** (2 / 16) / 8)
 
 
 def _copy(tmp_path, family="qwen2") -> pathlib.Path:

@@ -115,8 +115,8 @@ def task_arguments(parser: Any) -> None:
     parser.add_argument(
         "--init-from", default=None, metavar="DIR",
         help="start from a pretrained checkpoint in Hugging Face's format (config.json and "
-        "safetensors: Llama, Mistral, Qwen2/3, Mixtral), read straight into the strategy's "
-        "layout, instead of a reference --model",
+        "safetensors: Llama, Mistral, Qwen2/3, Gemma 3, Mixtral), read straight into the "
+        "strategy's layout, instead of a reference --model",
     )  # fmt: skip
     parser.add_argument(
         "--param-dtype", default=None, choices=("float32", "bfloat16", "float16"),

@@ -3,7 +3,7 @@ written back.
 
 A checkpoint is a directory: ``config.json`` and safetensors (one file, or shards with
 their ``model.safetensors.index.json``), as ``save_pretrained`` writes it. Llama (2, 3,
-3.1/3.2), Mistral, Qwen2, Qwen3 and Mixtral load into the decoder of
+3.1/3.2), Mistral, Qwen2, Qwen3, Gemma 3 (text) and Mixtral load into the decoder of
 :mod:`shardplug.pretrained.decoder`, in Flax NNX, Flax Linen or Equinox::
 
     model = shardplug.pretrained.load("checkpoints/Llama-3.2-1B")
@@ -63,6 +63,10 @@ def hf_names(c: DecoderConfig) -> dict[str, tuple[str, bool]]:
         names[f"layers/{n}_bias"] = (f"{a}{n}_proj.bias", False)
     for n in "qk":
         names[f"layers/{n}_norm"] = (f"{a}{n}_norm.weight", False)
+    if c.gemma:  # a norm after each sub-layer too; the MLP's own before it
+        names["layers/post_attention_norm"] = (layer + "post_attention_layernorm.weight", False)
+        names["layers/mlp_norm"] = (layer + "pre_feedforward_layernorm.weight", False)
+        names["layers/post_mlp_norm"] = (layer + "post_feedforward_layernorm.weight", False)
     if c.experts:  # Mixtral: w1 the gate, w3 the up projection, w2 the down
         moe_ = layer + "block_sparse_moe."
         names["layers/router"] = (moe_ + "gate.weight", True)

@@ -5,7 +5,8 @@ The parameters, by the names the three modules give them (each with its logical 
 the strategies read): ``embed`` (vocab, width); ``layers/...`` stacked over a leading layer
 dimension (a :mod:`shardplug.stack` layer stack, so ``pp`` splits it): ``attention_norm``,
 ``q``, ``k``, ``v``, ``o`` (input dimension first), Qwen2's ``q_bias``/``k_bias``/``v_bias``,
-Qwen3's ``q_norm``/``k_norm``, ``mlp_norm``, and ``gate``, ``up``, ``down`` (Mixtral's with an
+Qwen3's and Gemma's ``q_norm``/``k_norm``, ``mlp_norm``, Gemma's ``post_attention_norm`` and
+``post_mlp_norm``, and ``gate``, ``up``, ``down`` (Mixtral's with an
 expert dimension after the layer's, and its ``router``); ``norm``; ``head`` (width, vocab)
 unless the output is tied to the embedding. Attention is :func:`shardplug.attention` (so
 ``cp`` supplies its ring, grouped-query heads and all), Mixtral's experts
@@ -14,6 +15,7 @@ unless the output is tied to the embedding. Attention is :func:`shardplug.attent
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import equinox as eqx
@@ -24,7 +26,6 @@ from flax import nnx
 
 from shardplug import moe, stack
 from shardplug.core.attention import attention
-from shardplug.errors import PretrainedError
 from shardplug.pretrained.config import DecoderConfig
 
 Table = dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]
@@ -46,6 +47,9 @@ def table(c: DecoderConfig) -> tuple[Table, Table]:
         "o": ((q, c.width), ("heads", "embed")),
         "mlp_norm": ((c.width,), (None,)),
     }
+    if c.gemma:
+        layer.update(post_attention_norm=((c.width,), (None,)),
+                     post_mlp_norm=((c.width,), (None,)))  # fmt: skip
     if c.qkv_bias:
         layer.update(q_bias=((q,), ("heads",)), k_bias=((kv,), ("heads",)),
                      v_bias=((kv,), ("heads",)))  # fmt: skip
@@ -66,19 +70,24 @@ def table(c: DecoderConfig) -> tuple[Table, Table]:
     return outer, layer
 
 
-def _init(key: jax.Array, name: str, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """A fresh model's values (for training from scratch or for planning): norms at 1."""
+def _init(key: jax.Array, name: str, shape: tuple[int, ...], dtype: Any,
+          gemma: bool = False) -> jax.Array:  # fmt: skip
+    """A fresh model's values (for training from scratch or for planning): norms scaling by
+    1 (Gemma's weights at 0: they scale by 1 + weight)."""
     if name.endswith("norm"):
-        return jnp.ones(shape, dtype)
+        return (jnp.zeros if gemma else jnp.ones)(shape, dtype)
     if name.endswith("bias"):
         return jnp.zeros(shape, dtype)
     return 0.02 * jax.random.normal(key, shape, dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Llama's RMSNorm: normalised in float32, cast back, then scaled."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, gemma: bool = False) -> jax.Array:
+    """Llama's RMSNorm: normalised in float32, cast back, then scaled; Gemma's: scaled by
+    ``1 + weight`` in float32, then cast back."""
     f = x.astype(jnp.float32)
     f = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + eps)
+    if gemma:
+        return (f * (1.0 + _lastdim(weight, x.ndim).astype(jnp.float32))).astype(x.dtype)
     return _lastdim(weight, x.ndim) * f.astype(x.dtype)
 
 
@@ -95,22 +104,36 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
 
 
+def _angles(c: DecoderConfig, length: int, local: bool) -> tuple[jax.Array, jax.Array]:
+    inv = jnp.asarray(c.inverse_frequencies(local), jnp.float32)
+    angle = jnp.arange(length, dtype=jnp.float32)[:, None] * inv[None, :]
+    return jnp.cos(angle), jnp.sin(angle)
+
+
 def forward(c: DecoderConfig, p: dict[str, Any], tokens: jax.Array, remat: str = "none"):
     """Logits (batch, sequence, vocab) of ``tokens`` (batch, sequence); with experts
-    ``(logits, tallies)``, the tallies each layer's :class:`shardplug.moe.Tally`."""
-    length = tokens.shape[1]
-    if c.sliding_window is not None and length > c.sliding_window:
-        raise PretrainedError(
-            f"sequence {length} is longer than the model's sliding window {c.sliding_window}: "
-            f"windowed attention is not built; train on sequences of at most {c.sliding_window}"
-        )
-    inv = jnp.asarray(c.inverse_frequencies(), jnp.float32)
-    angle = jnp.arange(length, dtype=jnp.float32)[:, None] * inv[None, :]
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    ``(logits, tallies)``, the tallies each layer's :class:`shardplug.moe.Tally`.
 
-    def block(lp: dict[str, jax.Array], x: jax.Array):
+    A sliding layer sees the keys less than ``sliding_window`` positions back: a mask, given
+    only where the sequence is longer than the window (so elsewhere attention keeps its
+    fused kernels and ``cp`` its ring; with the mask ``cp`` gathers the keys instead)."""
+    length = tokens.shape[1]
+    act = jax.nn.silu if c.activation == "silu" else partial(jax.nn.gelu, approximate=True)
+    windowed = c.sliding_window is not None and length > c.sliding_window
+    mixed = c.local_rope is not None and len(set(c.layer_types)) > 1
+    cos, sin = _angles(c, length, local=c.local_rope is not None and "full" not in c.layer_types)
+    per_layer = {}
+    if windowed or mixed:
+        per_layer["sliding"] = jnp.asarray([t == "sliding" for t in c.layer_types])
+    if mixed:
+        local_cos, local_sin = _angles(c, length, local=True)
+
+    def norm(x, weight):
+        return rms_norm(x, weight, c.norm_eps, c.gemma)
+
+    def block(lp: dict[str, jax.Array], x: jax.Array, pl: dict[str, jax.Array] | None = None):
         batch = x.shape[0]  # under pp, a microbatch's
-        h = rms_norm(x, lp["attention_norm"], c.norm_eps)
+        h = norm(x, lp["attention_norm"])
         q, k, v = (h @ lp[n] for n in "qkv")
         if c.qkv_bias:
             biases = (_lastdim(lp[f"{n}_bias"], 3) for n in "qkv")
@@ -119,12 +142,24 @@ def forward(c: DecoderConfig, p: dict[str, Any], tokens: jax.Array, remat: str =
         k = k.reshape(batch, length, c.kv_heads, c.head_dim)
         v = v.reshape(batch, length, c.kv_heads, c.head_dim)
         if c.qk_norm:
-            q, k = rms_norm(q, lp["q_norm"], c.norm_eps), rms_norm(k, lp["k_norm"], c.norm_eps)
-        out = attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, causal=True)
-        x = x + out.reshape(batch, length, c.heads * c.head_dim) @ lp["o"]
-        h = rms_norm(x, lp["mlp_norm"], c.norm_eps)
+            q, k = norm(q, lp["q_norm"]), norm(k, lp["k_norm"])
+        c_, s_ = cos, sin
+        if mixed:
+            c_, s_ = (jnp.where(pl["sliding"], a, b) for a, b in ((local_cos, cos),
+                                                                   (local_sin, sin)))  # fmt: skip
+        mask = None
+        if windowed:
+            position = jnp.arange(length)
+            reach = jnp.where(pl["sliding"], c.sliding_window, length + 1)
+            mask = ((position[:, None] - position[None, :]) < reach)[None, None]
+        out = attention(_rotate(q, c_, s_), _rotate(k, c_, s_), v, causal=True, mask=mask,
+                        scale=c.query_scale)  # fmt: skip
+        out = out.reshape(batch, length, c.heads * c.head_dim) @ lp["o"]
+        x = x + (norm(out, lp["post_attention_norm"]) if c.gemma else out)
+        h = norm(x, lp["mlp_norm"])
         if not c.experts:
-            return x + (jax.nn.silu(h @ lp["gate"]) * (h @ lp["up"])) @ lp["down"]
+            out = (act(h @ lp["gate"]) * (h @ lp["up"])) @ lp["down"]
+            return x + (norm(out, lp["post_mlp_norm"]) if c.gemma else out)
         flat = h.reshape(batch * length, c.width)
         logits = flat @ lp["router"]
         routing = moe.route(logits, c.top_k)
@@ -133,10 +168,14 @@ def forward(c: DecoderConfig, p: dict[str, Any], tokens: jax.Array, remat: str =
         return x + y, moe.tally(logits, routing, stats)
 
     x = jnp.take(p["embed"], tokens, axis=0)
-    out = stack.scan(block, p["layers"], x, remat=remat)
+    if c.gemma:  # the scale rounded to the embedding's dtype first, as the reference does
+        x = x * jnp.asarray(c.width**0.5, jnp.float32).astype(x.dtype)
+    out = stack.scan(block, p["layers"], x, remat=remat, per_layer=per_layer or None)
     x, tallies = out if c.experts else (out, None)
-    x = rms_norm(x, p["norm"], c.norm_eps)
+    x = norm(x, p["norm"])
     logits = x @ (p["embed"].T if c.tied else p["head"])
+    if c.final_softcap:
+        logits = c.final_softcap * jnp.tanh(logits / c.final_softcap)
     return logits if tallies is None else (logits, tallies)
 
 
@@ -146,11 +185,12 @@ def forward(c: DecoderConfig, p: dict[str, Any], tokens: jax.Array, remat: str =
 class NnxParams(nnx.Module):
     """A group of NNX parameters built from a table (``layers`` stacked ``count`` deep)."""
 
-    def __init__(self, entries: Table, dtype: Any, rngs: nnx.Rngs, count: int = 0):
+    def __init__(self, entries: Table, dtype: Any, rngs: nnx.Rngs, count: int = 0,
+                 gemma: bool = False):  # fmt: skip
         for name, (shape, names) in entries.items():
             if count:
                 shape, names = (count, *shape), (stack.LAYERS, *names)
-            value = _init(rngs.params(), name, shape, dtype)
+            value = _init(rngs.params(), name, shape, dtype, gemma)
             setattr(self, name, nnx.Param(value, out_sharding=names))
 
     def arrays(self) -> dict[str, jax.Array]:
@@ -164,8 +204,8 @@ class NnxDecoder(nnx.Module):
                  rngs: nnx.Rngs, remat: str = "none"):  # fmt: skip
         outer, layer = table(config)
         self.config, self.remat = config, remat
-        self.outer = NnxParams(outer, dtype, rngs)
-        self.layers = NnxParams(layer, dtype, rngs, count=config.layers)
+        self.outer = NnxParams(outer, dtype, rngs, gemma=config.gemma)
+        self.layers = NnxParams(layer, dtype, rngs, count=config.layers, gemma=config.gemma)
 
     def __call__(self, tokens: jax.Array):
         arrays = {**self.outer.arrays(), "layers": self.layers.arrays()}
@@ -185,7 +225,8 @@ class LinenDecoder(nn.Module):
 
         def made(name, shape, names):
             init = nn.with_logical_partitioning(
-                lambda key, shape, dtype: _init(key, name, shape, dtype), names
+                lambda key, shape, dtype: _init(key, name, shape, dtype, self.config.gemma),
+                names,
             )
             return self.param(name, init, shape, self.dtype)
 
@@ -208,8 +249,11 @@ class EqxDecoder(eqx.Module):
                  remat: str = "none"):  # fmt: skip
         outer, layer = table(config)
         keys = iter(jax.random.split(key, len(outer) + len(layer)))
-        arrays: dict[str, Any] = {n: _init(next(keys), n, s, dtype) for n, (s, _) in outer.items()}
-        arrays["layers"] = {n: _init(next(keys), n, (config.layers, *s), dtype)
+        g = config.gemma
+        arrays: dict[str, Any] = {
+            n: _init(next(keys), n, s, dtype, g) for n, (s, _) in outer.items()
+        }
+        arrays["layers"] = {n: _init(next(keys), n, (config.layers, *s), dtype, g)
                             for n, (s, _) in layer.items()}  # fmt: skip
         self.arrays, self.config, self.remat = arrays, config, remat
 
