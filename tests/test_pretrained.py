@@ -184,8 +184,18 @@ def test_a_dtype_it_cannot_cast_to_is_refused_and_bfloat16_is_kept_as_asked():
     assert pretrained.load(FIXTURES / "qwen2", dtype="bfloat16").dtype == jnp.bfloat16
 
 
-def test_the_command_line_fine_tunes_exports_and_refuses_shape_flags(capsys, tmp_path):
+def test_the_command_line_fine_tunes_exports_and_refuses_shape_flags(capsys, tmp_path,
+                                                                      monkeypatch):  # fmt: skip
+    from shardplug.checkpoint import Checkpoints
     from shardplug.cli import main
+
+    reads, read = [], Checkpoints.read_arrays
+
+    def counted(self, step=None, names=None):
+        reads.append(names)
+        return read(self, step, names)
+
+    monkeypatch.setattr(Checkpoints, "read_arrays", counted)
 
     runs, out = tmp_path / "runs", tmp_path / "hf"
     assert main(["train", "--init-from", str(FIXTURES / "qwen3"), "--strategy", "fsdp",
@@ -194,6 +204,9 @@ def test_the_command_line_fine_tunes_exports_and_refuses_shape_flags(capsys, tmp
     assert "trained qwen3:qwen3 (nnx) with fsdp" in capsys.readouterr().out
     assert main(["export", "--checkpoint-dir", str(runs), "--out", str(out), "--format", "hf"]) == 0
     assert "as a qwen3 checkpoint" in capsys.readouterr().out
+    # one parameter a read, the optimizer's state never
+    assert all(len(names) == 1 and names[0].startswith("params/") for names in reads), reads
+    assert len(reads) == len(pretrained.parameters(pretrained.read_config(FIXTURES / "qwen3")))
     trained, original = Tensors(out), Tensors(FIXTURES / "qwen3")
     assert trained.names() == original.names()
     moved = [n for n in original.names() if not np.array_equal(trained.read(n), original.read(n))]

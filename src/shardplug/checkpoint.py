@@ -245,29 +245,37 @@ class Checkpoints:
         return [step] if step is not None else available[::-1]
 
     def _read(
-        self, step: int, meta: Mapping[str, Any], names: list[str], shardings: list[Any]
-    ) -> list[jax.Array]:
+        self, step: int, meta: Mapping[str, Any], names: list[str], shardings: list[Any],
+        only: set[str] | None = None,
+    ) -> list[jax.Array]:  # fmt: skip
         """The arrays ``names`` of checkpoint ``step``, each in its sharding, checked against
-        their fingerprints; :class:`_Damaged` if they cannot be read or differ."""
+        their fingerprints; :class:`_Damaged` if they cannot be read or differ. With ``only``,
+        the others are skipped (Orbax's placeholder: not read at all) and left out."""
+        ocp = self._ocp
         abstract = [
             jax.ShapeDtypeStruct(
                 tuple(meta["arrays"][n]["shape"]), jnp.dtype(meta["arrays"][n]["dtype"]),
                 sharding=s,
-            )
+            ) if only is None or n in only else ocp.PLACEHOLDER
             for n, s in zip(names, shardings, strict=True)
         ]  # fmt: skip
-        ocp = self._ocp
         try:
             with _quiet_when_failing(), announced(f"the checkpoint read of {self.path(step)}"):
-                restored = self._manager.restore(
-                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-                )
+                if only is None:
+                    how = ocp.args.StandardRestore(abstract)
+                else:  # placeholders, which only the PyTree handler skips
+                    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+                    how = ocp.args.PyTreeRestore(abstract, restore_args=restore_args)
+                restored = self._manager.restore(step, args=ocp.args.Composite(state=how))
             arrays = list(restored.state)
         except Exception as exc:
             raise _Damaged(
                 f"checkpoint {self.path(step)} is damaged: its arrays cannot be read "
                 f"({_reason(exc)})"
             ) from None
+        if only is not None:
+            kept = [(n, a) for n, a in zip(names, arrays, strict=True) if n in only]
+            names, arrays = [n for n, _ in kept], [a for _, a in kept]
         saved = meta.get("fingerprints", {})
         found = fingerprints(arrays)
         wrong = [n for n, f in zip(names, found, strict=True) if saved.get(n) != f]
@@ -310,27 +318,35 @@ class Checkpoints:
         return target
 
     def read_arrays(
-        self, step: int | None = None
+        self, step: int | None = None, names: Sequence[str] | None = None
     ) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
         """Checkpoint ``step`` (the newest for None) as host NumPy arrays, for export: its
-        step, its arrays by name (PRNG keys left out) and its JSON.
+        step, its arrays by name (PRNG keys left out; with ``names``, only those, the others
+        not read at all) and its JSON.
 
         Read on the first device, whatever saved them; verified against the fingerprints.
         """
         step = self._candidates(step)[0]
         meta = self.read_meta(step)
-        names = list(meta["arrays"])
+        every = list(meta["arrays"])
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        only = None if names is None else set(names)
         try:
-            arrays = self._read(step, meta, names, [device] * len(names))
+            arrays = self._read(step, meta, every, [device] * len(every), only)
         except _Damaged as exc:
             raise CheckpointError(str(exc)) from None
+        read = every if only is None else [n for n in every if n in only]
         found = {
             n: np.asarray(a)
-            for n, a in zip(names, arrays, strict=True)
+            for n, a in zip(read, arrays, strict=True)
             if "key" not in meta["arrays"][n]
         }
         return step, found, meta
+
+    def read_meta_of(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
+        """``(step, its JSON)`` of checkpoint ``step`` (the newest for None)."""
+        step = self._candidates(step)[0]
+        return step, self.read_meta(step)
 
 
 def complete_steps(directory: Path) -> list[int]:

@@ -337,11 +337,13 @@ def export_checkpoint(checkpoint_dir: str | pathlib.Path, directory: str | pathl
                       dtype: Any = None) -> tuple[int, DecoderConfig]:  # fmt: skip
     """Write a training checkpoint's parameters (``shardplug train --init-from``'s) as a
     checkpoint of the family its run started from (``init_from``, by default the one the run
-    recorded); the training checkpoint is read whole on this host. Returns the step written
-    and the family's config."""
+    recorded). The training checkpoint is read one parameter at a time (the optimizer's
+    state not at all), so the host holds at most one parameter, all its layers, whole.
+    Returns the step written and the family's config."""
     from shardplug.checkpoint import Checkpoints
 
-    step, arrays, meta = Checkpoints(checkpoint_dir, read_only=True).read_arrays(step)
+    checkpoints = Checkpoints(checkpoint_dir, read_only=True)
+    step, meta = checkpoints.read_meta_of(step)
     init_from = init_from or meta.get("config", {}).get("init_from")
     if init_from is None:
         raise ConfigError(
@@ -349,10 +351,31 @@ def export_checkpoint(checkpoint_dir: str | pathlib.Path, directory: str | pathl
             "give --init-from DIR, the checkpoint whose config it has"
         )
     config = read_config(init_from)
-    stored = {_canonical(n.removeprefix("params/")): a for n, a in arrays.items()
-              if n.startswith("params/")}  # fmt: skip
+    stored = {_canonical(n.removeprefix("params/")): _Stored(checkpoints, step, n, meta)
+              for n in meta["arrays"] if n.startswith("params/")}  # fmt: skip
+    for name, lazy in stored.items():
+        lazy.uses = len(_pieces(config, name)) if name in hf_names(config) else 0
     _write(stored, config, directory, dtype, lambda array: array)
     return step, config
+
+
+class _Stored:
+    """One parameter of a training checkpoint, read when its first piece is asked for and
+    let go after its last."""
+
+    def __init__(self, checkpoints: Any, step: int, name: str, meta: dict[str, Any]):
+        self.checkpoints, self.step, self.name = checkpoints, step, name
+        self.dtype = np.dtype(jnp.dtype(meta["arrays"][name]["dtype"]))
+        self.uses, self._array = 0, None
+
+    def __getitem__(self, position: tuple[int, ...]) -> np.ndarray:
+        if self._array is None:
+            self._array = self.checkpoints.read_arrays(self.step, [self.name])[1][self.name]
+        out = self._array[position] if position else self._array
+        self.uses -= 1
+        if self.uses <= 0:
+            self._array = None
+        return out
 
 
 def _write(

@@ -119,15 +119,18 @@ def write(
     tensors: Iterable[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]],
 ) -> int:
     """Write a safetensors file, one tensor in memory at a time: ``tensors`` gives each
-    one's name, shape, dtype and a function that returns its array. Returns bytes written."""
-    tensors = sorted(tensors, key=lambda t: t[0])
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    one's name, shape, dtype and a function that returns its array, called in that order
+    (the data lies in that order; the header lists the names sorted). Returns bytes written."""
+    tensors = list(tensors)
+    entries: dict[str, Any] = {}
     offset = 0
     for name, shape, dtype, _ in tensors:
         size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": NAMES[np.dtype(dtype)], "shape": list(shape),
-                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        entries[name] = {"dtype": NAMES[np.dtype(dtype)], "shape": list(shape),
+                         "data_offsets": [offset, offset + size]}  # fmt: skip
         offset += size
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    header.update(sorted(entries.items()))
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     with pathlib.Path(path).open("wb") as f:
