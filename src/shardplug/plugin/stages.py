@@ -163,8 +163,8 @@ def schedule(block, params, x, pl: Pipeline, layers: int):
         # Cast what every stage (or every row) reads to varying here, once: the transpose of
         # the cast is the sum of its gradient, which would otherwise run on every tick.
         if pl.replicas:
-            local = jax.tree.map(lambda w: jax.lax.pcast(w, pl.replicas, to="varying"), local)
-        xs = jax.lax.pcast(xs, (pl.axis,), to="varying")
+            local = jax.tree.map(lambda w: _varying(w, pl.replicas), local)
+        xs = _varying(xs, (pl.axis,))
 
         def group(ws, h):
             return jax.lax.scan(lambda h, w: split_aux(block(w, h)), h, ws)
@@ -199,7 +199,7 @@ def schedule(block, params, x, pl: Pipeline, layers: int):
 
         (_, outs, _), aux = jax.lax.scan(tick, (recv, outs, ring), jnp.arange(pl.ticks))
         # the last stage holds the outputs; every stage needs them for the layers after
-        out = jax.lax.psum(jnp.where(stage == s_ - 1, outs, jnp.zeros_like(outs)), pl.axis)
+        out = _from_last(jnp.where(stage == s_ - 1, outs, jnp.zeros_like(outs)), pl.axis)
         if aux is None:
             return out, None
         aux = jax.tree.map(lambda a: a.sum(0).reshape(r_ * g_, *a.shape[3:]), aux)
@@ -253,3 +253,29 @@ def _microbatch_shardings(x: jax.Array) -> tuple[P | None, P | None]:
         return None, None
     spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
     return P(spec[0], None, *spec[1 : x.ndim]), P(*spec[: x.ndim])
+
+
+def _wide(dtype: Any) -> bool:
+    """Whether a sum of ``dtype`` inside ``shard_map`` must go in float32: on CPU a 16-bit
+    float's all-reduce there aborts the process (XLA's CPU promotion pass cannot clone the
+    reduction JAX writes for it)."""
+    return (
+        jax.default_backend() == "cpu"
+        and jnp.issubdtype(dtype, jnp.floating)
+        and jnp.finfo(dtype).bits < 32
+    )
+
+
+def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``x`` cast to varying over ``axes`` (whose transpose sums the gradient over them)."""
+    if _wide(x.dtype):
+        return jax.lax.pcast(x.astype(jnp.float32), axes, to="varying").astype(x.dtype)
+    return jax.lax.pcast(x, axes, to="varying")
+
+
+def _from_last(x: jax.Array, axis: str) -> jax.Array:
+    """The sum over ``axis`` of ``x``, which one stage alone holds (the rest zeros): exact
+    in float32 too, since one term is not zero."""
+    if _wide(x.dtype):
+        return jax.lax.psum(x.astype(jnp.float32), axis).astype(x.dtype)
+    return jax.lax.psum(x, axis)
