@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import optax
 import pytest
 
@@ -138,11 +139,49 @@ def test_on_one_device_recommend_takes_the_plainest_step(make_trainer):
     def compile_trainer(name):
         return make_trainer("transformer", name, devices=1, allocate=False)[1], batch
 
-    result = recommend(compile_trainer, 80 * 10**9, strategies=["pp", "dp", "fsdp"])
+    result = recommend(compile_trainer, 80 * 10**9, strategies=["cp", "pp", "dp", "fsdp"])
     rows = {r["strategy"]: r for r in result["strategies"]}
+    assert rows["cp"]["fits"]  # fits as well, first in the list; but it brings a ring for nothing
     assert rows["pp"]["pipelined"] and rows["pp"]["peak_bytes"] < rows["dp"]["peak_bytes"]
     assert result["recommended"] == "dp"
     assert result["reason"].startswith("one device: no strategy splits or sends anything")
+
+
+def test_recommend_never_picks_a_strategy_that_divides_nothing_and_breaks_ties_plainly(capsys):
+    """A model of Flax's stock layers has no axis names: tensor parallelism finds nothing to
+    split and would run the whole step on every device; pmap sends what dp sends."""
+    from flax import nnx
+
+    from shardplug.recommend import recommend
+
+    class Plain(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(nnx.relu(self.a(x)))
+
+    def loss_fn(model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+    batch = {"x": np.ones((8, 16), np.float32), "y": np.zeros((8, 4), np.float32)}
+
+    def compile_trainer(name):
+        trainer = shardplug.Trainer(shardplug.from_nnx(Plain), loss_fn=loss_fn,
+                                    optimizer=optax.sgd(0.1), strategy=name,
+                                    allocate=False)  # fmt: skip
+        return trainer, batch
+
+    seen = []
+    result = recommend(compile_trainer, 10**9, strategies=["tp", "pmap", "dp"],
+                       progress=lambda i, n, name: seen.append((i, n, name)))  # fmt: skip
+    rows = {r["strategy"]: r for r in result["strategies"]}
+    assert rows["tp"]["error"].startswith("divides nothing here: the batch and every parameter")
+    assert rows["pmap"]["sent_bytes"] == rows["dp"]["sent_bytes"]
+    assert result["recommended"] == "dp" and result["reason"].endswith(
+        "the plainest step of those sending as little (pmap)"
+    )
+    assert seen == [(0, 3, "tp"), (1, 3, "pmap"), (2, 3, "dp"), (3, 3, "")]
 
 
 def test_recommend_follows_the_memory(capsys):
@@ -169,7 +208,11 @@ def test_recommend_follows_the_memory(capsys):
     tight = json.loads(capsys.readouterr().out)
     assert tight["recommended"] == "fsdp" and "dp, pmap" in tight["reason"]
     assert main(["recommend", "--model", "mlp", "--device-memory", "1kB"]) == 0
-    assert "recommended: none" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "recommended: none" in out
+    lines = err.splitlines()  # in a pipe: a line per candidate, then the time it took
+    assert lines[0] == f"shardplug: compiling 1 of {len(roomy['strategies'])}: 2d"
+    assert lines[-1].startswith("shardplug: compiled the candidates in ")
 
 
 def test_bench_compares_with_hand_written_jax(tmp_path, capsys):

@@ -1,13 +1,19 @@
 """Which strategy to use: every installed strategy and composition compiled, then ranked.
 
-The policy, written once: of the strategies whose peak memory per device fits, prefer those
-whose traffic is all parameters and gradients (the textbook collectives, which overlap with
-compute and do not grow with the batch) over those that also move activations (tensor
-parallelism's all-reduces, on the critical path of every layer); then the fewest bytes sent
-per device per step; then the lower peak. A strategy is never preferred by its name: data
-parallelism wins where it fits because its one gradient all-reduce is the least such
-traffic, and loses where it does not fit. On one device nothing is sent: the plainest step
-that fits wins (no pipeline schedule, fewest mesh axes, then a peak within 5% of the lowest).
+The policy, written once. On more than one device a strategy that divides nothing (the
+batch and every parameter whole on every device: each device doing all the work) is not a
+candidate. Of those whose peak memory per device fits, prefer those whose traffic is all
+parameters and gradients (the textbook collectives, which overlap with compute and do not
+grow with the batch) over those that also move activations (tensor parallelism's
+all-reduces, on the critical path of every layer); then the fewest bytes sent per device per
+step, bytes within 5% of the least counting as equal; of equals, the plainest step; then the
+lower peak. The plainest step: no pipeline schedule, no parallelism that computes one of the
+model's operations its own way (a ring attention, routed experts: they are there for what
+they make fit, not for a tie), the single-program (``jit``) strategies before one that runs
+its own program (``pmap``), the fewest parallelisms. A strategy is never preferred by its
+name: data parallelism wins where it fits because its one gradient all-reduce is the least
+such traffic, and loses where it does not fit. On one device nothing is sent: the plainest
+step that fits wins, of peaks within 5% of the lowest.
 """
 
 from __future__ import annotations
@@ -37,25 +43,66 @@ def candidates() -> list[str]:
     return names
 
 
+def _plainness(name: str) -> tuple[int, int, int]:
+    """``(parallelisms computing a model operation their own way, runs its own program,
+    parallelisms)`` of a strategy, read from the registry: lower is plainer."""
+    infos = {i.name: i for i in list_strategies()}
+    info = infos.get(name)
+    parts = (info.parts if info is not None and info.parts else name).split("+")
+    found = [infos[p] for p in parts if p in infos]
+    replacing = sum("operations" in i.hooks for i in found)
+    own_program = sum(i.kind == "strategy" for i in found)
+    return replacing, own_program, len(parts)
+
+
+def _divides(trainer: Any, batch: Any) -> bool:
+    """Whether the strategy splits anything over the mesh: a parameter or the batch."""
+    import jax
+
+    def split(sharding: Any) -> bool:
+        spec = getattr(sharding, "spec", None)
+        if spec is None:  # not a NamedSharding (a per-device program's): its own devices
+            return len(getattr(sharding, "device_set", ())) > 1 and not sharding.is_fully_replicated
+        axes = [a for entry in spec if entry is not None
+                for a in (entry if isinstance(entry, tuple) else (entry,))]  # fmt: skip
+        return any(trainer.mesh.shape[a] > 1 for a in axes)
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    placed = jax.tree.leaves(trainer.strategy.shard_batch(abstract, trainer.mesh))
+    return any(map(split, placed)) or any(map(split, jax.tree.leaves(trainer.param_shardings)))
+
+
 def recommend(
     compile_trainer: Callable[[str], tuple[Any, Any]],
     device_memory: int,
     strategies: list[str] | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> dict[str, Any]:
     """Rank ``strategies`` (default :func:`candidates`) for one model and device memory.
 
     :param compile_trainer: ``name -> (trainer, batch)`` for the user's model; a strategy
         whose trainer cannot be built here (a mesh that does not fit the devices, say) is
         listed with its error.
+    :param progress: called ``(i, count, name)`` before candidate ``i`` (from 0) compiles,
+        and ``(count, count, "")`` when all have.
     :return: ``{"strategies": [row per strategy], "recommended": name or None, "reason"}``.
     """
     rows = []
-    for name in strategies or candidates():
+    names = strategies or candidates()
+    for i, name in enumerate(names):
+        if progress is not None:
+            progress(i, len(names), name)
         try:
             trainer, batch = compile_trainer(name)
             report = explain(trainer, batch, device_memory=device_memory)
         except ShardplugError as exc:  # a strategy that cannot run this model here
             rows.append({"strategy": name, "fits": False, "error": str(exc)})
+            continue
+        devices = math.prod(trainer.mesh.shape.values())
+        if devices > 1 and not _divides(trainer, batch):
+            rows.append({"strategy": name, "fits": False, "error": (
+                f"divides nothing here: the batch and every parameter are whole on each of "
+                f"the {devices} devices, which would all do the same work")})  # fmt: skip
             continue
         peak = report.per_device["peak_bytes"]
         rows.append({
@@ -71,23 +118,31 @@ def recommend(
             "pipelined": report.pipeline is not None,
         })  # fmt: skip
 
+    if progress is not None:
+        progress(len(names), len(names), "")
+
     def rank(row: dict[str, Any]) -> tuple:
         moves_activations = row["activation_bytes"] > 0.05 * row["sent_bytes"]
         return (moves_activations, row["sent_bytes"], row["peak_bytes"])
+
+    def plain(row: dict[str, Any]) -> tuple:
+        return (row["pipelined"], *_plainness(row["strategy"]))
 
     fitting = sorted((r for r in rows if r["fits"]), key=rank)
     if not fitting:
         reason = "no installed strategy fits: add devices, or shrink the batch or model"
         return {"strategies": rows, "recommended": None, "reason": reason}
-    best = fitting[0]
+    least = fitting[0]
+    equals = [r for r in fitting if rank(r)[0] == rank(least)[0]
+              and r["sent_bytes"] <= 1.05 * least["sent_bytes"]]  # fmt: skip
+    best = min(equals, key=lambda r: (plain(r), r["peak_bytes"]))
     others = [r["strategy"] for r in rows if "error" not in r and not r["fits"]]
     if math.prod(best["mesh"].values()) == 1:
         # One device: nothing is split or sent, so the plain step is best; a pipeline
         # schedule on one stage only cuts the batch into microbatches (slower, less memory).
         low = min(r["peak_bytes"] for r in fitting)  # peaks within 5% are equal
-        in_order = [r for r in rows if r["fits"]]  # of equals, the first candidate
-        best = min(in_order, key=lambda r: (r["pipelined"], len(r["mesh"]),
-                                           r["peak_bytes"] > 1.05 * low))  # fmt: skip
+        best = min(fitting, key=lambda r: (plain(r), r["peak_bytes"] > 1.05 * low,
+                                           r["peak_bytes"]))  # fmt: skip
         reason = (
             f"one device: no strategy splits or sends anything, and of the {len(fitting)} that "
             f"fit it is the plainest step (peak {size(best['peak_bytes'])} of "
@@ -104,6 +159,9 @@ def recommend(
             f"per step in {best['collectives']} collective(s), at a peak of "
             f"{size(best['peak_bytes'])} of {size(device_memory)}"
         )
+        tied = [r["strategy"] for r in equals if r is not best]
+        if tied:
+            reason += f"; the plainest step of those sending as little ({', '.join(tied)})"
     if others:
         reason += f"; {', '.join(others)} do not fit"
     return {"strategies": rows, "recommended": best["strategy"], "reason": reason}

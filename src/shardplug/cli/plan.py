@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from shardplug.cli._common import (
@@ -78,16 +80,54 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         else:
             render_longest(result, _console(), title)
         return 0
-    result = recommend(
-        lambda name: _planning_trainer(args, name, allocate=False),
-        args.device_memory,
-        strategies,
-    )
+    with _candidates_progress() as progress:
+        result = recommend(
+            lambda name: _planning_trainer(args, name, allocate=False),
+            args.device_memory,
+            strategies,
+            progress=progress,
+        )
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
     render_recommend(result, _console(), title)
     return 0
+
+
+@contextlib.contextmanager
+def _candidates_progress() -> Iterator[Callable[[int, int, str], None]]:
+    """Progress while candidates compile, on standard error: a bar in a terminal, a line
+    per candidate in a pipe or log; then the time it took."""
+    import sys
+    import time
+
+    began = time.perf_counter()
+    bar: list[Any] = []
+
+    def progress(i: int, count: int, name: str) -> None:
+        if not sys.stderr.isatty():
+            if name:
+                print(f"shardplug: compiling {i + 1} of {count}: {name}", file=sys.stderr,
+                      flush=True)  # fmt: skip
+            return
+        if not bar:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            bar.append(Progress(TextColumn("compiling {task.description}"), BarColumn(),
+                                MofNCompleteColumn(), console=Console(stderr=True),
+                                transient=True))  # fmt: skip
+            bar[0].start()
+            bar.append(bar[0].add_task("", total=count))
+        bar[0].update(bar[1], completed=i, description=name)
+
+    try:
+        yield progress
+    finally:
+        if bar:
+            bar[0].stop()
+    print(f"shardplug: compiled the candidates in {time.perf_counter() - began:.0f} s",
+          file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _sequence_of(batch: Any) -> int:
