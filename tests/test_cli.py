@@ -166,3 +166,24 @@ def test_every_adapter_trains_from_the_command_line(adapter, tmp_path, capsys):
     assert len(rows) == 20 and rows[-1]["loss"] < rows[0]["loss"]
     assert {"accuracy", "step_time"} <= rows[0].keys()
     assert f"trained cnn ({adapter}) with pmap" in capsys.readouterr().out
+
+
+def test_a_step_that_cannot_fit_is_refused_before_anything_is_allocated(
+    tmp_path, capsys, monkeypatch
+):
+    """On simulated CPU devices every device's peak comes out of the host's memory: a step
+    needing more than the host has is one line, not a run the kernel kills."""
+    from shardplug.cli import train
+    from shardplug.trainer import Trainer
+
+    made = []
+    allocate = Trainer.allocate
+    monkeypatch.setattr(Trainer, "allocate", lambda self: made.append(1) or allocate(self))
+    monkeypatch.setattr(train, "host_available", lambda: 10**5)  # a host with 100 kB free
+    argv = ["train", "--model", "mlp", "--steps", "1", "--quiet"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shardplug: error: the step needs ") and len(err.splitlines()) == 1
+    assert "of the host's 100.0 kB available (8 simulated CPU devices x " in err
+    assert made == []  # refused before the state was made
+    assert main([*argv, "--skip-memory-check"]) == 0 and made == [1]

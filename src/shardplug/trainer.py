@@ -111,6 +111,17 @@ class Trainer:
         )
         self._train = self._eval = None  # the training and evaluation Programs, once built
 
+    def allocate(self) -> None:
+        """Create the state a planning trainer (``allocate=False``) only described, in the
+        same shardings, keeping any step it compiled: plan, check the plan, then train."""
+        if self.allocated:
+            return
+        rng = jax.random.key(self.settings.seed)
+        state = self._on_layout(lambda: create_state(
+            self.adapter, self.optimizer, self.state_shardings, rng, allocate=True))  # fmt: skip
+        self.allocated = True
+        self.state = state
+
     def _on_layout(self, fn: Callable[[], Any], *, build: bool = False) -> Any:
         """``fn()`` on the run's layout; when the model's code turns out to need explicit mesh
         axes, the layout moves onto them and the state with it (:meth:`Layout.attempt`)."""

@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=_positive(float), default=None, help="Adam learning rate")
     train.add_argument("--log-every", type=_positive(int), default=10)
     train.add_argument(
+        "--skip-memory-check", action="store_true",
+        help="start even when the compiled step's peak is more than the devices (or, for "
+        "simulated CPU devices, the host) have",
+    )  # fmt: skip
+    train.add_argument(
         "--data-timeout", type=_positive(float), default=None, metavar="SECONDS",
         help="give up when the data produces no batch for this long (default: wait, saying "
         "so after 30 s)",

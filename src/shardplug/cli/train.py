@@ -136,7 +136,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             "batch_size": args.batch_size or get_model(args.model).batch_size,
             "lr": args.lr or get_model(args.model).learning_rate, **model_options(args),
         }  # fmt: skip
-    began = time.perf_counter()
     trainer = task.trainer(
         strategy=strategy,
         devices=args.devices,
@@ -153,12 +152,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         profile_dir=args.profile,
         profile_steps=args.profile_steps,
         axis_types=args.axis_types,
+        allocate=False,  # compiled and checked against the memory there first
     )
     trainer.peak_tflops = args.peak_tflops
+    trainer.data_timeout = args.data_timeout
+    first = first_batch(task, args.data_timeout)
+    if first is not None:  # a batch that does not split fails here, before any output
+        trainer.compile(first if _reads_own_rows(task.batches()) else _own_rows(first))
+        if not args.skip_memory_check:
+            check_memory(trainer)
+    began = time.perf_counter()
+    trainer.allocate()
     loaded = getattr(args, "_pretrained", None)
     if loaded is not None and loaded.tensors is not None:  # every process: what it read
-        import jax
-
         from shardplug.views import size
 
         print(
@@ -175,10 +181,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         if primary:
             print(f"shardplug: the checkpoint is at step {start}, already at --steps {args.steps}")
         return 0
-    trainer.data_timeout = args.data_timeout
-    first = first_batch(task, args.data_timeout)
-    if first is not None:  # a batch that does not split fails here, before any output
-        trainer.compile(first if _reads_own_rows(task.batches()) else _own_rows(first))
     batches = _process_share(task.batches(start))
     out = (
         _open_metrics(args.metrics_out, resume_from=start if args.resume else None)
@@ -334,6 +336,49 @@ def _join_or_simulate(args: argparse.Namespace, simulate: Any) -> None:
         )
     local = None if args.num_processes is None else count // args.num_processes
     initialize(args.coordinator, args.num_processes, args.process_id, local_cpu_devices=local)
+
+
+def host_available() -> int | None:
+    """The bytes the kernel says it can still give processes (``MemAvailable``), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(trainer: Any) -> None:
+    """Refuse, in one line, a step whose compiled peak does not fit: on simulated CPU
+    devices (which share the host's memory) all this process's devices against what the
+    host has available; on an accelerator each device's peak against its memory."""
+    from shardplug.explain import backend_memory, peak_bytes
+    from shardplug.views import size
+
+    analysis = trainer.compiled.memory_analysis() if trainer.compiled is not None else None
+    peak = peak_bytes(analysis) if analysis is not None else None
+    if not peak:
+        return
+    devices = trainer.mesh.local_devices
+    advice = ("use fewer devices (--devices), a smaller --batch-size or --sequence, or "
+              "--remat; --skip-memory-check runs it anyway")  # fmt: skip
+    if devices[0].platform == "cpu":
+        need, have = peak * len(devices), host_available()
+        if have is not None and need > have:
+            raise ConfigError(
+                f"the step needs {size(need)} of the host's {size(have)} available "
+                f"({len(devices)} simulated CPU devices x {size(peak)}, sharing its memory): "
+                + advice
+            )
+        return
+    limit = backend_memory(devices[0])
+    if limit and peak > limit:
+        raise ConfigError(
+            f"the step needs {size(peak)} a device, more than the {size(limit)} each "
+            f"{devices[0].platform.upper()} lets this process allocate: " + advice
+        )
 
 
 def _open_metrics(path: Path | None, resume_from: int | None = None) -> Any:
