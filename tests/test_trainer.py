@@ -268,3 +268,13 @@ def test_the_users_model_and_arrays_are_valid_and_unchanged_after_training(frame
         assert rows[-1]["loss"] < rows[0]["loss"]  # it trained ...
     for x, was in zip(leaves, before, strict=True):  # ... and the user's arrays are intact
         np.testing.assert_array_equal(np.asarray(x), was)
+
+
+def test_a_runs_first_line_says_how_many_devices_it_uses_and_why(capsys):
+    model = shardplug.get_model("mlp")
+    trainer = shardplug.Trainer(model.adapter("nnx"), loss_fn=model.loss_fn,
+                                optimizer=optax.sgd(0.1), strategy="fsdp", devices=2)  # fmt: skip
+    trainer.fit(model.batches(8, 0), steps=1)
+    trainer.fit(model.batches(8, 0), steps=1)  # said once
+    err = capsys.readouterr().err
+    assert err == "shardplug: fsdp on 2 cpu devices (fsdp=2): 2 of the 8 JAX has, as asked\n"

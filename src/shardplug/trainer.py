@@ -6,6 +6,7 @@ to the loop (:func:`shardplug.loop.run.run`)."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -270,12 +271,34 @@ class Trainer:
         if eval_every is not None:
             fresh = eval_data if callable(eval_data) else lambda: eval_data
             evaluating = (eval_every, lambda: self.evaluate(fresh(), steps=eval_steps))
+        self._say_devices()
         if self._train is None:  # compile on the first batch, in this thread
             iterator = compiled_on_first(iterator, self.compile, steps)
             if iterator is None:
                 return []
         return run(self.settings, self._train, self._run, iterator, steps, mesh=self.mesh,
                    checkpoints=self._saver, callback=callback, evaluate=evaluating)  # fmt: skip
+
+    def _say_devices(self) -> None:
+        """The run's first line (standard error, process 0, once): how many devices it uses
+        and why, so that one CPU device is never a surprise."""
+        if getattr(self, "_said", False) or jax.process_index() != 0:
+            return
+        self._said = True
+        mesh, count = self.mesh, self.mesh.size
+        platform, there = mesh.devices.flat[0].platform, len(jax.devices())
+        processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+        where = ",".join(f"{k}={v}" for k, v in mesh.shape.items())
+        if count < there:
+            why = f"{count} of the {there} JAX has, as asked"
+        elif count == 1 and platform == "cpu":
+            why = ("the one device JAX has; shardplug.simulate_cpu_devices(8), called before "
+                   "JAX makes an array, gives 8 simulated CPU devices")  # fmt: skip
+        else:
+            why = "every device JAX has"
+        plural = "s" if count != 1 else ""
+        print(f"shardplug: {self.strategy.name} on {count} {platform} device{plural}{processes} "
+              f"({where}): {why}", file=sys.stderr, flush=True)  # fmt: skip
 
     def save(self) -> str:
         """Checkpoint the current state now (in the background); returns its path."""
