@@ -199,3 +199,19 @@ def test_a_hook_inside_a_hook_leaves_with_sharding_constraint_laying_out():
         assert jax.lax.with_sharding_constraint is outer
         assert outer is not original
     assert jax.lax.with_sharding_constraint is original
+
+
+@pytest.mark.parametrize(
+    ("model", "adapter", "strategy"),
+    [("mlp", "nnx", "tp"), ("transformer", "linen", "dp"), ("cnn", "equinox", "2d")],
+)
+def test_explicit_axes_on_a_model_that_does_not_name_them_are_one_line(
+    model, adapter, strategy, capsys
+):
+    from shardplug.cli import main
+
+    argv = ["train", "--model", model, "--adapter", adapter, "--strategy", strategy,
+            "--axis-types", "explicit", "--steps", "1", "--quiet"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "JAX refuses on explicit axes" in err[0], err[:3]

@@ -170,6 +170,14 @@ def model_axes_error(exc: BaseException, mesh: Any, batch_axes: tuple[str, ...])
                 f"model places rows it must name those axes (P({rows}, ...)) and use them for "
                 f"nothing else; or leave out the parallelisms whose axes it does not name"
             )
+        if type(exc).__name__ == "ShardingTypeError" and is_explicit(mesh):
+            first = text.splitlines()[0] if text else type(exc).__name__
+            return ConfigError(
+                f"the model's code computes something JAX refuses on explicit axes "
+                f"({first.rstrip('.')}): give that operation its output's sharding in the "
+                f"model (out_sharding=...), or run on auto axes (leave axis_types / "
+                f"--axis-types out)"
+            )
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return None
 
