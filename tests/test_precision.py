@@ -180,3 +180,33 @@ def test_embeddings_follow_their_parameters_into_bfloat16():
     assert shardplug.compute_dtype() is None  # outside a step
     plain = adapter.bind(params, state, rng=jax.random.key(0), train=True)
     assert plain.embed.dtype == jnp.float32  # binding outside a bf16 step changes nothing
+
+
+def test_precision_defaults_to_bfloat16_where_the_devices_have_the_units_for_it(capsys):
+    from types import SimpleNamespace
+
+    from shardplug.core.step import auto_precision
+
+    def device(platform, capability=None, kind="NVIDIA H100 80GB HBM3"):
+        return SimpleNamespace(platform=platform, compute_capability=capability, device_kind=kind)
+
+    assert auto_precision(device("gpu", "9.0")) == ("bf16", "the NVIDIA H100 80GB HBM3's "
+                                                    "bfloat16 tensor cores")  # fmt: skip
+    assert auto_precision(device("gpu", "8.0", "A100"))[0] == "bf16"
+    assert auto_precision(device("gpu", "7.0", "Tesla V100")) == (
+        "float32",
+        "the Tesla V100 has no bfloat16 tensor cores",
+    )
+    assert auto_precision(device("tpu"))[0] == "bf16"
+    assert auto_precision(device("cpu")) == ("float32", "a CPU has no bfloat16 matrix units")
+    model = shardplug.get_model("mlp")
+    trainer = shardplug.Trainer(model.adapter("nnx"), loss_fn=model.loss_fn,
+                                optimizer=optax.sgd(0.1), devices=2)  # fmt: skip
+    assert trainer.precision == "float32"
+    trainer.fit(model.batches(8, 0), steps=1)
+    assert (
+        capsys.readouterr().err.strip().endswith("; float32 (a CPU has no bfloat16 matrix units)")
+    )
+    picked = shardplug.Trainer(model.adapter("nnx"), loss_fn=model.loss_fn,
+                               optimizer=optax.sgd(0.1), devices=2, precision="bf16")  # fmt: skip
+    assert picked.precision == "bf16" and picked.precision_reason == "as asked"

@@ -317,6 +317,7 @@ def bench(
             devices=count,
             seed=seed,
             log_every=steps,
+            precision="float32",  # the hand-written step it is compared with computes in it
         )
 
     contenders: list[_Contender] = []

@@ -9,14 +9,22 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import optax
 
 from shardplug.core.registry import Strategy, resolve_strategy
 from shardplug.core.state import create_state
-from shardplug.core.step import LossFn, Precision, TrainState, make_eval_step, make_step, step_key
+from shardplug.core.step import (
+    LossFn,
+    Precision,
+    TrainState,
+    auto_precision,
+    make_eval_step,
+    make_step,
+    step_key,
+)
 from shardplug.errors import ConfigError
 from shardplug.flops import warn_if_float32
 from shardplug.layout import Layout
@@ -55,10 +63,14 @@ class Trainer:
         (``jax.ShapeDtypeStruct``), so the step can be compiled and explained
         (:func:`shardplug.explain.explain`) for a model larger than this machine's memory,
         but not run.
+    :param precision: ``"auto"`` (the default): ``"bf16"`` where the devices have bfloat16
+        matrix units (a TPU, an NVIDIA GPU from the A100 on), ``"float32"`` elsewhere (a
+        CPU); or either, as :class:`~shardplug.settings.Settings` documents.
+        ``trainer.precision`` and ``trainer.precision_reason`` say which and why.
 
     The other keyword arguments (``seed``, ``log_every``, ``checkpoint_dir``,
     ``checkpoint_every``, ``keep``, ``config``, ``on_nonfinite``, ``grad_accum``,
-    ``precision``, ``profile_dir``, ``profile_steps``, ``axis_types``) say how the run goes:
+    ``profile_dir``, ``profile_steps``, ``axis_types``) say how the run goes:
     they are its :class:`~shardplug.settings.Settings`, validated once and documented there.
     """
 
@@ -80,13 +92,18 @@ class Trainer:
         config: Mapping[str, Any] | None = None,
         on_nonfinite: OnNonFinite = "stop",
         grad_accum: int = 1,
-        precision: Precision = "float32",
+        precision: Precision | Literal["auto"] = "auto",
         profile_dir: str | os.PathLike | None = None,
         profile_steps: range = range(3, 6),
         allocate: bool = True,
         axis_types: AxisTypes | None = None,
     ):
         check_parts(adapter, loss_fn, optimizer, ConfigError, "Trainer")
+        if precision == "auto":  # bfloat16 compute where the devices have the units for it
+            chosen = jax.devices()[0] if not isinstance(devices, Sequence) else devices[0]
+            precision, self.precision_reason = auto_precision(chosen)
+        else:
+            self.precision_reason = "as asked"
         self.settings = Settings(
             seed=seed, log_every=log_every, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, keep=keep, config=config or {},
@@ -297,8 +314,11 @@ class Trainer:
         else:
             why = "every device JAX has"
         plural = "s" if count != 1 else ""
+        precision = ("bf16 compute, float32 parameters and optimizer state"
+                     if self.precision in ("bf16", "bfloat16") else "float32")  # fmt: skip
         print(f"shardplug: {self.strategy.name} on {count} {platform} device{plural}{processes} "
-              f"({where}): {why}", file=sys.stderr, flush=True)  # fmt: skip
+              f"({where}): {why}; {precision} ({self.precision_reason})", file=sys.stderr,
+              flush=True)  # fmt: skip
 
     def save(self) -> str:
         """Checkpoint the current state now (in the background); returns its path."""

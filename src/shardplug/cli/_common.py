@@ -95,7 +95,9 @@ def _model_arguments(parser: argparse.ArgumentParser, trainer_options: bool = Tr
         parser.add_argument("--axis-types", choices=AXIS_TYPES, default=None,
                             help=AXIS_TYPES_HELP)  # fmt: skip
         parser.add_argument("--grad-accum", type=_positive(int), default=1, metavar="K")
-        parser.add_argument("--precision", choices=("float32", "bf16"), default="float32")
+        parser.add_argument("--precision", choices=("auto", "float32", "bf16"), default="auto",
+                            help="default auto: bf16 where the devices have bfloat16 matrix "
+                            "units, float32 elsewhere")  # fmt: skip
 
 
 def task_arguments(parser: Any) -> None:

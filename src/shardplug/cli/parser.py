@@ -128,9 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     speed.add_argument(
         "--precision",
-        choices=("float32", "bf16"),
-        default="float32",
-        help="bf16: bfloat16 forward and backward, float32 parameters and optimizer state",
+        choices=("auto", "float32", "bf16"),
+        default="auto",
+        help="bf16: bfloat16 forward and backward, float32 parameters and optimizer state; "
+        "auto (the default): bf16 where the devices have bfloat16 matrix units (TPU, "
+        "NVIDIA A100 and later), float32 elsewhere (CPU)",
     )
     speed.add_argument(
         "--profile",

@@ -233,7 +233,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     extras = f" in {args.grad_accum} microbatches" if args.grad_accum > 1 else ""
-    extras += ", bf16" if args.precision == "bf16" else ""
+    extras += ", bf16" if trainer.precision in ("bf16", "bfloat16") else ""
     flops = sum(r.get("model_tflops", 0.0) for r in timed) / len(timed)
     rate = f", {flops * 1e3:.2f} model GFLOP/s" if flops else ""
     mfu = [r["mfu"] for r in timed if "mfu" in r]

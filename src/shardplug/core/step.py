@@ -116,6 +116,27 @@ NONFINITE = "_nonfinite"
 PRECISIONS = {"float32": None, "fp32": None, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
 
+def auto_precision(device: Any) -> tuple[str, str]:
+    """``(precision, why)`` for ``device`` when none was asked for: ``"bf16"`` (bfloat16
+    compute, float32 parameters and optimizer state) where it has bfloat16 matrix units (a
+    TPU; an NVIDIA GPU of compute capability 8.0 or more: A100, H100 and later), else
+    ``"float32"``."""
+    platform = getattr(device, "platform", "cpu")
+    if platform == "tpu":
+        return "bf16", "a TPU's bfloat16 matrix units"
+    if platform == "gpu":
+        capability = str(getattr(device, "compute_capability", "") or "")
+        try:
+            major = int(capability.split(".")[0])
+        except ValueError:
+            major = 0
+        kind = getattr(device, "device_kind", "GPU")
+        if major >= 8:
+            return "bf16", f"the {kind}'s bfloat16 tensor cores"
+        return "float32", f"the {kind} has no bfloat16 tensor cores"
+    return "float32", f"a {platform.upper()} has no bfloat16 matrix units"
+
+
 def make_step(
     adapter: ModelAdapter,
     loss_fn: LossFn,
