@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -249,10 +250,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     if trainer.settings.on_nonfinite == "skip" and trainer.skipped_steps:
         rate += (f"; skipped {trainer.skipped_steps} of {trainer.step} steps whose loss or "
                  "gradient was not finite")  # fmt: skip
+    if args.profile is not None:
+        window, end = trainer.settings.profile_steps, trainer.step
+        if start <= window.start < end:
+            where = args.profile / "process_<i>" if jax.process_count() > 1 else args.profile
+            saved_to += f"; profile of steps {window.start}-{min(window.stop, end) - 1} in {where}"
+        else:
+            saved_to += (f"; no profile: its steps {window.start}-{window.stop - 1} were not "
+                         f"run (this run ran {start}-{end - 1}; --profile-steps)")  # fmt: skip
+    addons = f" + {', '.join(args.addon)}" if getattr(args, "addon", None) else ""
     samples = trainer.batch_shardings and _batch_rows(trainer)
     print(
-        f"shardplug: trained {task.name} ({task.adapter.framework}) with {args.strategy} on "
-        f"{trainer.mesh.size} {device} devices{processes} ({describe(trainer.mesh)}), "
+        f"shardplug: trained {task.name} ({task.adapter.framework}) with {args.strategy}"
+        f"{addons} on {trainer.mesh.size} {device} devices{processes} "
+        f"({describe(trainer.mesh)}, {trainer.axis_types} axes), "
         f"batch {samples}{extras}: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} "
         f"in {len(history)} steps{resumed}; compile {trainer.compile_seconds:.1f} s, "
         f"{step_ms:.1f} ms/step, {samples / step_ms * 1000:.0f} samples/s{rate}{saved_to}"
@@ -454,13 +465,25 @@ class _Progress:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
+        console = Console(stderr=True)
+        if not console.is_terminal:  # a pipe or a log: whole lines, never cut to a width
+            self.bar = None
+            done = [self.done]
+
+            def line(rows):
+                done[0] += len(rows)
+                print(f"training {done[0]}/{self.total} loss {_status(rows[-1])}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+
+            line.evaluating = lambda batches: batches
+            return line
         self.bar = Progress(
             "[progress.description]{task.description}",
             BarColumn(),
             MofNCompleteColumn(),
             "loss {task.fields[loss]}",
             TimeRemainingColumn(),
-            console=Console(stderr=True),
+            console=console,
         )
         self.bar.start()
         task = self.bar.add_task("training", total=self.total, completed=self.done, loss="-")
@@ -475,5 +498,5 @@ class _Progress:
         return advance
 
     def __exit__(self, *exc):
-        if not self.quiet:
+        if not self.quiet and self.bar is not None:
             self.bar.stop()
