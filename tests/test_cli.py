@@ -187,3 +187,21 @@ def test_a_step_that_cannot_fit_is_refused_before_anything_is_allocated(
     assert "of the host's 100.0 kB available (8 simulated CPU devices x " in err
     assert made == []  # refused before the state was made
     assert main([*argv, "--skip-memory-check"]) == 0 and made == [1]
+
+
+def test_the_losses_are_drawn_from_a_run_and_from_its_metrics(tmp_path, capsys):
+    metrics, png, again = tmp_path / "m.jsonl", tmp_path / "loss.png", tmp_path / "m.png"
+    assert main(["train", "--model", "mlp", "--steps", "4", "--quiet", "--metrics-out",
+                 str(metrics), "--plot", str(png)]) == 0  # fmt: skip
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"drew the losses in {png}" in capsys.readouterr().out
+    assert main(["plot", str(metrics)]) == 0 and again.read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "bad.jsonl").write_text('{"step": 0, "loss": 1.0}\nnot json\n')
+    for argv, message in [
+        (["plot", str(tmp_path / "none.jsonl")], "no such file; give the JSON lines"),
+        (["plot", str(tmp_path / "bad.jsonl")], "bad.jsonl:2: not a JSON line"),
+        (["train", "--model", "mlp", "--plot", str(tmp_path)], "name a .png file"),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err

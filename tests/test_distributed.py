@@ -53,6 +53,7 @@ def test_two_processes_train_like_one(strategy, tmp_path):
     assert [r["step"] for r in written] == list(range(STEPS))
     summary = [line for line in done.stdout.splitlines() if "shardplug: trained" in line]
     assert len(summary) == 1 and summary[0].startswith("[0] ")
+    assert "[Gloo]" not in done.stdout  # gloo's line per connection is not passed on
     assert f"with {strategy} on 8 cpu devices in 2 processes" in summary[0]
     _, want = one_process_losses(strategy, "mlp", STEPS)
     np.testing.assert_allclose([r["loss"] for r in written], want, rtol=1e-4)

@@ -277,5 +277,7 @@ def test_a_runs_first_line_says_how_many_devices_it_uses_and_why(capsys):
     trainer.fit(model.batches(8, 0), steps=1)
     trainer.fit(model.batches(8, 0), steps=1)  # said once
     err = capsys.readouterr().err
-    assert err == ("shardplug: fsdp on 2 cpu devices (fsdp=2): 2 of the 8 JAX has, as asked; "
-                   "float32 (a CPU has no bfloat16 matrix units)\n")
+    assert err == (
+        "shardplug: fsdp on 2 cpu devices (fsdp=2): 2 of the 8 JAX has, as asked; "
+        "float32 (a CPU has no bfloat16 matrix units)\n"
+    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -44,8 +45,14 @@ def _die_with_parent() -> None:  # runs in the child before exec (Linux)
         pass
 
 
+#: what gloo says of every connection it makes (one line per device): not the user's business
+_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+
+
 def _stream(rank: int, pipe: IO[str], out: IO[str], lock: threading.Lock) -> None:
     for line in pipe:
+        if _GLOO_CONNECTED.match(line):
+            continue
         with lock:
             out.write(f"[{rank}] {line}" if line.endswith("\n") else f"[{rank}] {line}\n")
             out.flush()

@@ -20,7 +20,7 @@ from pathlib import Path
 from shardplug.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, parse_options
 from shardplug.cli.parser import build_parser
 from shardplug.cli.plan import cmd_bench, cmd_explain, cmd_recommend
-from shardplug.cli.tools import cmd_export, cmd_launch, cmd_strategies
+from shardplug.cli.tools import cmd_export, cmd_launch, cmd_plot, cmd_strategies
 from shardplug.cli.train import cmd_train
 from shardplug.errors import (
     NonFiniteError,
@@ -39,6 +39,7 @@ COMMANDS = {
     "recommend": cmd_recommend,
     "bench": cmd_bench,
     "export": cmd_export,
+    "plot": cmd_plot,
 }
 
 

@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
         "so after 30 s)",
     )  # fmt: skip
     train.add_argument(
+        "--plot", type=Path, default=None, metavar="FILE.png",
+        help="at the end, a PNG of the loss (and held-out loss) against step",
+    )  # fmt: skip
+    train.add_argument(
         "--metrics-out",
         type=Path,
         default=None,
@@ -306,4 +310,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--task", default=None, metavar="FILE.py:NAME",
         help="the task the checkpoint trained: load the exported weights back into its model",
     )  # fmt: skip
+
+    plot = sub.add_parser(
+        "plot",
+        help="draw a run's loss (and held-out loss) against step, from train --metrics-out",
+        description="A PNG of the loss, and the held-out loss where the run evaluated, "
+        "against the step, from the JSON lines train --metrics-out wrote.",
+    )
+    plot.add_argument("metrics", type=Path, help="the JSON lines file (train --metrics-out)")
+    plot.add_argument("--out", type=Path, default=None,
+                      help="the PNG to write (default: beside the metrics, .png)")  # fmt: skip
     return parser

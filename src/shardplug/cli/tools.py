@@ -1,11 +1,13 @@
-"""``strategies``, ``launch`` and ``export``."""
+"""``strategies``, ``launch``, ``export`` and ``plot``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from shardplug.cli._common import _quiet_orbax
+from shardplug.errors import ConfigError
 
 
 def cmd_strategies(args: argparse.Namespace) -> int:
@@ -100,3 +102,48 @@ def _export_hf(args: argparse.Namespace) -> int:
     print(f"shardplug: exported step {step} of {args.checkpoint_dir} as a {config.family} "
           f"checkpoint to {args.out}")  # fmt: skip
     return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """A PNG of a run's loss (and held-out loss) against step, from its metrics file."""
+    path = args.metrics
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file; give the JSON lines train --metrics-out wrote")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            raise ConfigError(
+                f"{path}:{number}: not a JSON line (is it train's --metrics-out?)"
+            ) from None
+    out = args.out or path.with_suffix(".png")
+    print(f"shardplug: wrote {plot_losses(rows, out, title=path.name)}")
+    return 0
+
+
+def plot_losses(rows: list[dict], out: Path, title: str = "") -> Path:
+    """Draw ``rows`` (history rows: ``step``, ``loss``, maybe ``eval_loss``) into ``out``."""
+    losses = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None and "step" in r]
+    if not losses:
+        raise ConfigError(f"{title or out}: no rows with a step and a loss to draw")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*losses, strict=True), label="loss", linewidth=1)
+    held = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    if held:
+        ax.plot(*zip(*held, strict=True), "o-", label="held-out loss", markersize=3)
+    ax.set(xlabel="step", ylabel="loss", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

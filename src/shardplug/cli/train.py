@@ -112,6 +112,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     mesh = parse_mesh(args.mesh) if args.mesh else None
     if args.metrics_out is not None and args.metrics_out.is_dir():
         raise ConfigError(f"--metrics-out {args.metrics_out} is a directory: name a file")
+    if args.plot is not None and (args.plot.is_dir() or args.plot.suffix.lower() != ".png"):
+        raise ConfigError(f"--plot {args.plot}: name a .png file to draw the losses into")
     if args.tensorboard is not None and args.tensorboard.is_file():
         raise ConfigError(f"--tensorboard {args.tensorboard} is a file: name a directory")
     _join_or_simulate(args, simulate_cpu_devices)
@@ -268,6 +270,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"in {len(history)} steps{resumed}; compile {trainer.compile_seconds:.1f} s, "
         f"{step_ms:.1f} ms/step, {samples / step_ms * 1000:.0f} samples/s{rate}{saved_to}"
     )
+    if args.plot is not None:  # the whole run's rows: the metrics file holds a resumed run's
+        from shardplug.cli.tools import plot_losses
+
+        rows = history
+        if args.metrics_out is not None and args.metrics_out.is_file():
+            rows = [json.loads(line) for line in args.metrics_out.read_text().splitlines()]
+        print(f"shardplug: drew the losses in {plot_losses(rows, args.plot, task.name)}")
     return 0
 
 
