@@ -106,6 +106,11 @@ BAD = [
     (["--model", "resnet"], "unknown model 'resnet'; available: classifier, cnn, mlp, transformer"),
     (["--adapter", "keras"], "unknown adapter 'keras'; available: nnx, linen, equinox"),
     (["--devices", "0"], "argument --devices: must be positive, got 0"),
+    (["--devices", "100000"], "100000 devices: shardplug simulates at most 4096 CPU devices"),
+    (
+        ["--steps", "5", "--profile", "prof", "--profile-steps", "100:200"],
+        "--profile-steps 100:200: this run trains steps 0 to 4, so no trace would be written",
+    ),
     (["--addon", "grad-fp8"], "unknown add-on 'grad-fp8'; available:"),
 ]
 
@@ -200,7 +205,7 @@ def test_the_losses_are_drawn_from_a_run_and_from_its_metrics(tmp_path, capsys):
     for argv, message in [
         (["plot", str(tmp_path / "none.jsonl")], "no such file; give the JSON lines"),
         (["plot", str(tmp_path / "bad.jsonl")], "bad.jsonl:2: not a JSON line"),
-        (["train", "--model", "mlp", "--plot", str(tmp_path)], "name a .png file"),
+        (["train", "--model", "mlp", "--plot", str(tmp_path)], "is a folder: name the .png"),
     ]:
         assert main(argv) == 2
         err = capsys.readouterr().err

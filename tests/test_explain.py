@@ -348,3 +348,16 @@ def test_the_longest_sequence_search_brackets_the_limit(monkeypatch):
     assert len(rows["fsdp"]["tried"]) <= 8  # 4k, 8k, 16k, 32k, then three halvings
     (high,) = rec.longest_sequences(compile_at, memory, ["fsdp"], 65536)["strategies"]
     assert high["longest"] <= limit < high["first_over"] and high["tried"][0][0] < 65536
+
+
+def test_plot_paths_are_made_or_refused_before_the_work(tmp_path, capsys):
+    target = tmp_path / "no" / "such" / "layout"
+    assert main(["explain", "--model", "mlp", "--plot", str(target)]) == 0
+    assert f"shardplug: wrote {target}.png" in capsys.readouterr().out  # the path written
+    assert (tmp_path / "no" / "such" / "layout.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["bench", "--strategies", "dp", "--model", "mlp", "--plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"shardplug: error: --plot {tmp_path} is a folder: name the .png file to write in it\n"
+    )

@@ -6,6 +6,7 @@ import argparse
 import math
 import shutil
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from shardplug.errors import ConfigError, MeshError, StrategyOptionError
@@ -413,3 +414,18 @@ def _quiet_orbax() -> None:
     import absl.logging
 
     absl.logging.set_verbosity(absl.logging.ERROR)
+
+
+def plot_path(path: Path | None) -> Path | None:
+    """Where ``--plot`` draws: refused at once when it names a folder; ``.png`` added when
+    it has no suffix (as matplotlib would); its missing folders made."""
+    if path is None:
+        return None
+    if path.is_dir():
+        raise ConfigError(f"--plot {path} is a folder: name the .png file to write in it")
+    path = path if path.suffix else path.with_suffix(".png")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--plot {path}: cannot make its folder ({e.strerror})") from None
+    return path

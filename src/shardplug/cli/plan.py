@@ -15,6 +15,7 @@ from shardplug.cli._common import (
     _prepare,
     cli_strategy,
     cli_task,
+    plot_path,
     task_at,
 )
 from shardplug.errors import ConfigError
@@ -22,6 +23,7 @@ from shardplug.errors import ConfigError
 
 def cmd_explain(args: argparse.Namespace) -> int:
     cli_strategy(args)  # an unknown name or option is one line, before anything else
+    args.plot = plot_path(args.plot)
     _prepare(args)
     from shardplug.explain import explain
     from shardplug.views import plot, render
@@ -148,6 +150,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from shardplug.core.registry import get_strategy
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    args.plot = plot_path(args.plot)
     if not strategies:
         raise ConfigError("--strategies names no strategy: give e.g. dp,fsdp")
     for name in strategies:

@@ -17,6 +17,7 @@ from shardplug.cli._common import (
     cli_task,
     first_batch,
     model_options,
+    plot_path,
 )
 from shardplug.errors import CheckpointError, ConfigError
 
@@ -112,8 +113,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     mesh = parse_mesh(args.mesh) if args.mesh else None
     if args.metrics_out is not None and args.metrics_out.is_dir():
         raise ConfigError(f"--metrics-out {args.metrics_out} is a directory: name a file")
-    if args.plot is not None and (args.plot.is_dir() or args.plot.suffix.lower() != ".png"):
-        raise ConfigError(f"--plot {args.plot}: name a .png file to draw the losses into")
+    args.plot = plot_path(args.plot)
     if args.tensorboard is not None and args.tensorboard.is_file():
         raise ConfigError(f"--tensorboard {args.tensorboard} is a file: name a directory")
     _join_or_simulate(args, simulate_cpu_devices)
@@ -184,6 +184,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         if primary:
             print(f"shardplug: the checkpoint is at step {start}, already at --steps {args.steps}")
         return 0
+    window = trainer.settings.profile_steps
+    if args.profile is not None and not start <= window.start < args.steps:
+        raise ConfigError(
+            f"--profile-steps {window.start}:{window.stop}: this run trains steps {start} to "
+            f"{args.steps - 1}, so no trace would be written; choose steps among them"
+        )
     batches = _process_share(task.batches(start))
     out = (
         _open_metrics(args.metrics_out, resume_from=start if args.resume else None)

@@ -20,6 +20,9 @@ from shardplug.errors import DeviceError, warn_once
 
 #: CPU devices the command line simulates when no --devices is given and there is no GPU
 SIMULATED = 8
+#: the most CPU devices shardplug simulates: each is a thread pool; 8,192 took 13 s to make
+#: on a 2-core machine, and at 32,768 JAX's runtime aborted after 85 s, out of threads
+MAX_SIMULATED = 4096
 
 CUDA_INSTALL = "pip install -U 'jax[cuda12]' (in a checkout of shardplug: pip install -e '.[cuda]')"
 
@@ -32,6 +35,12 @@ def simulate_cpu_devices(count: int | None = None) -> None:
     does nothing, and :func:`select_devices` reports if too few devices exist. It only affects
     the CPU backend: on a GPU machine the GPUs are still the default devices.
     """
+    if count is not None and count > MAX_SIMULATED:
+        raise DeviceError(
+            f"{count} devices: shardplug simulates at most {MAX_SIMULATED} CPU devices (each "
+            "is a thread pool; tens of thousands take minutes, then JAX runs out of threads); "
+            "ask for fewer"
+        )
     # Once backends exist this raises; select_devices then checks what we got.
     with contextlib.suppress(RuntimeError):
         jax.config.update("jax_num_cpu_devices", count or SIMULATED)
