@@ -422,3 +422,23 @@ def test_resuming_with_other_batch_shapes_is_refused(tmp_path):
     with pytest.raises(shardplug.BatchError, match=rf"batches of shapes \[\[{model.batch_size},"):
         trainer.fit(model.batches(half, 0, start=2), 2)
     assert trainer.fit(model.batches(model.batch_size, 0, start=2), 2)  # the same shapes: on
+
+
+def test_a_resume_keeps_the_experts_and_routing_the_checkpoint_was_trained_with(tmp_path, capsys):
+    from shardplug.cli import main
+
+    ck = str(tmp_path / "ck")
+    base = ["train", "--checkpoint-dir", ck, "--quiet", "--layers", "1", "--batch-size", "8"]
+    assert main([*base, "--experts", "4", "--steps", "1"]) == 0
+    capsys.readouterr()
+    for flag, message in [
+        (["--top-k", "1"], "--top-k 1: the run in "),
+        (["--experts", "2"], "--experts 2: the run in "),
+    ]:
+        assert main([*base, "--resume", "--steps", "2", *flag]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "was trained with" in err and len(err.splitlines()) == 1
+    # the experts come back with the checkpoint: a strategy placing them resumes it
+    assert main([*base, "--resume", "--steps", "2", "--strategy", "dp+ep",
+                 "--mesh", "data=2,expert=4"]) == 0, capsys.readouterr().err  # fmt: skip
+    assert "from step 1" in capsys.readouterr().out

@@ -33,7 +33,14 @@ RESUMED = (
     "layers",
     "remat",
     "sequence",
+    "experts",
+    "top_k",
+    "capacity_factor",
+    "capacity_groups",
+    "bias_rate",
 )  # taken from the checkpoint (a reference model's run; a task's keeps its --task)
+#: what shapes the model or its routing: on --resume a flag that disagrees is refused
+SHAPING = ("layers", "experts", "top_k", "capacity_factor", "capacity_groups", "bias_rate")
 RESUMED_PRETRAINED = (
     "init_from",
     "adapter",
@@ -103,8 +110,19 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"--model {args.model}: drop --model to resume it, or choose an empty directory"
             )
         for name in RESUMED:
-            if getattr(args, name) is None:
-                setattr(args, name, saved.get(name, DEFAULTS.get(name)))
+            given, was = getattr(args, name), saved.get(name, DEFAULTS.get(name))
+            if name == "top_k" and was is None and saved.get("experts"):
+                was = 2  # the default, which checkpoints before top_k was recorded ran
+            if saved and name in SHAPING and given is not None and given != was:
+                flag = "--" + name.replace("_", "-")
+                had = f"{name} {was}" if was is not None else f"no {name.replace('_', ' ')}"
+                raise ConfigError(
+                    f"{flag} {given}: the run in {args.checkpoint_dir} was trained with {had}, "
+                    f"and a resumed run keeps the model it saved: drop {flag}, or train anew "
+                    f"in another --checkpoint-dir"
+                )
+            if given is None:
+                setattr(args, name, was)
         get_model(args.model).check_options(**model_options(args))
         check_adapter(args.adapter)
     elif args.seed is None:
@@ -139,6 +157,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             "batch_size": args.batch_size or get_model(args.model).batch_size,
             "lr": args.lr or get_model(args.model).learning_rate, **model_options(args),
         }  # fmt: skip
+        if config.get("experts"):
+            config.setdefault("top_k", 2)  # recorded, so that a resume can hold to it
     trainer = task.trainer(
         strategy=strategy,
         devices=args.devices,
