@@ -361,3 +361,26 @@ def test_plot_paths_are_made_or_refused_before_the_work(tmp_path, capsys):
         err
         == f"shardplug: error: --plot {tmp_path} is a folder: name the .png file to write in it\n"
     )
+
+
+def test_the_longest_sequence_says_its_cap_and_refuses_what_it_cannot_plan(capsys):
+    from shardplug.recommend import longest_sequences
+
+    model = shardplug.get_model("transformer")
+
+    def compile_at(name, sequence, rows):
+        task = model.task("nnx", sequence=sequence, batch_size=rows or 8)
+        trainer = task.trainer(strategy=name, allocate=False, devices=2)
+        return trainer, next(iter(task.batches()))
+
+    result = longest_sequences(compile_at, 10**12, ["dp"], start=16, limit=32)
+    (row,) = result["strategies"]
+    assert row["longest"] == 32 and row["capped"]  # it still fit at the most tried
+    for argv, message in [
+        (["--model", "mlp", "--strategies", "dp,fsdp"],
+         "--longest-sequence: every strategy was refused this model (2); dp: model 'mlp'"),
+        (["--batch-size", "64"], "--batch-size 64: --longest-sequence plans one sample per"),
+    ]:  # fmt: skip
+        assert main(["recommend", "--longest-sequence", "--device-memory", "80GB", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err

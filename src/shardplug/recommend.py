@@ -183,7 +183,8 @@ def longest_sequences(
     :param compile_at: ``(name, sequence, rows or None) -> (trainer, batch)``, the task at
         that sequence and global batch (None: the task's own).
     :return: ``{"strategies": [row per strategy]}``; a row's ``longest`` is None when not
-        even a quarter of ``start`` fits; ``tried`` lists every ``[sequence, peak bytes]``.
+        even a quarter of ``start`` fits, and ``capped`` when it fit at ``limit``, the most
+        tried (the longest is at least that); ``tried`` lists every ``[sequence, peak bytes]``.
     """
     rows = []
     for name in strategies:
@@ -225,7 +226,9 @@ def _longest(compile_at, name: str, device_memory: int, start: int, limit: int) 
         middle = (low + high) // 2 // granule * granule
         low, high = (middle, high) if fits(middle) else (low, middle)
     longest = low if low >= granule else None
+    capped = longest is not None and longest >= limit and high is None
     return {
+        "capped": capped,  # it still fit at the most tried: the answer is at least that
         "strategy": name,
         "mesh": {str(k): int(v) for k, v in trainer.mesh.shape.items()},
         "rows": per_row,

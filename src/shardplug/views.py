@@ -332,7 +332,8 @@ def render_longest(result: dict[str, Any], console: Any, title: str) -> None:
         over = dict(r["tried"]).get(r["first_over"]) if r["first_over"] else None
         table.add_row(
             r["strategy"], ",".join(f"{k}={v}" for k, v in r["mesh"].items()), str(r["rows"]),
-            f"{r['longest']:,}" if r["longest"] else "none",
+            (f"at least {r['longest']:,} (the most tried)" if r.get("capped") else
+             f"{r['longest']:,}") if r["longest"] else "none",
             size(r["peak_bytes"]) if r["peak_bytes"] else "",
             f"{r['first_over']:,} ({size(over)})" if over else "",
         )  # fmt: skip

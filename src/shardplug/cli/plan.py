@@ -67,6 +67,11 @@ def cmd_recommend(args: argparse.Namespace) -> int:
 
     title = f"{_title(args)} on {len(devices)} devices of {size(args.device_memory)}"
     if args.longest_sequence:
+        if args.batch_size is not None:
+            raise ConfigError(
+                f"--batch-size {args.batch_size}: --longest-sequence plans one sample per "
+                "batch-splitting device (the longest a single sample can be): drop --batch-size"
+            )
         start = _sequence_of(_plan_batch(cli_task(args)))
 
         def compile_at(name: str, sequence: int, rows: int | None):
@@ -77,6 +82,13 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         result = longest_sequences(
             compile_at, args.device_memory, strategies or candidates(), start
         )
+        refused = [r for r in result["strategies"] if "error" in r]
+        if len(refused) == len(result["strategies"]):
+            first = refused[0]
+            raise ConfigError(
+                f"--longest-sequence: every strategy was refused this model ({len(refused)}); "
+                f"{first['strategy']}: {first['error']}"
+            )
         if args.json:
             print(json.dumps(result, indent=1))
         else:
