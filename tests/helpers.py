@@ -18,3 +18,12 @@ def reference_trainer(
         optimizer or optax.adam(model.learning_rate), data=(),
     )  # fmt: skip
     return model, task.trainer(strategy=strategy, **kwargs)
+
+
+def said(err: str) -> list[str]:
+    """What a command said on standard error besides a run's first line (the devices it
+    uses and why, said by every run)."""
+    import re
+
+    first = re.compile(r"^shardplug: \S+ on \d+ \w+ devices?( in \d+ processes)? \(")
+    return [line for line in err.splitlines() if line and not first.match(line)]

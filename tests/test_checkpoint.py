@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import reference_trainer
+from helpers import reference_trainer, said
 
 import shardplug
 from shardplug.checkpoint import Checkpoints
@@ -274,7 +274,7 @@ def test_cli_resume_reports_damage_in_one_line_and_falls_back(tmp_path, capsys):
     capsys.readouterr()
     assert main([*base, "--steps", "6", "--resume"]) == 0
     captured = capsys.readouterr()
-    warning = [line for line in captured.err.splitlines() if line]
+    warning = said(captured.err)
     assert len(warning) == 1 and warning[0].startswith("shardplug: warning: checkpoint ")
     assert f"{ckpt}/4 is damaged" in warning[0] and "trying step 2" in warning[0]
     assert "from step 2" in captured.out

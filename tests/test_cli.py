@@ -85,7 +85,7 @@ def test_strategy_options_reach_the_plugin(tmp_path, capsys):
         "--quiet",
     ]
     assert main(argv) == 0
-    assert "with fsdp on 8 cpu devices (fsdp=8)" in capsys.readouterr().out
+    assert "with fsdp on 8 cpu devices (fsdp=8, auto axes)" in capsys.readouterr().out
 
 
 BAD = [
@@ -178,13 +178,13 @@ def test_a_step_that_cannot_fit_is_refused_before_anything_is_allocated(
 ):
     """On simulated CPU devices every device's peak comes out of the host's memory: a step
     needing more than the host has is one line, not a run the kernel kills."""
-    from shardplug.cli import train
+    from shardplug.cli import watch
     from shardplug.trainer import Trainer
 
     made = []
     allocate = Trainer.allocate
     monkeypatch.setattr(Trainer, "allocate", lambda self: made.append(1) or allocate(self))
-    monkeypatch.setattr(train, "host_available", lambda: 10**5)  # a host with 100 kB free
+    monkeypatch.setattr(watch, "host_available", lambda: 10**5)  # a host with 100 kB free
     argv = ["train", "--model", "mlp", "--steps", "1", "--quiet"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()

@@ -3,6 +3,7 @@ devices that join one ``jax.distributed`` job (gloo collectives over loopback)."
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -269,6 +270,9 @@ def test_a_failed_worker_ends_the_job_within_seconds(name, why, tmp_path, monkey
     assert "[0] shardplug: error: process 1 failed (" in out
     assert "shardplug: error: process 1 exited with code" in done.stderr.splitlines()[-1]
     assert "Traceback" not in out and elapsed < 60, (elapsed, out[-3000:])
+    runtime = re.compile(r"\[\d\] ([IWEF]\d{4} |\*\*\* Check failure|\s+@\s+0x)")
+    native = [line for line in out.splitlines() if runtime.match(line)]
+    assert not native, native[:5]  # the runtime's abort of the survivors is not relayed
 
 
 def test_a_worker_that_exits_early_without_a_word_ends_the_job(tmp_path):

@@ -62,7 +62,7 @@ def test_the_guide_builds_a_working_strategy(tmp_path):
         "shardplug", "train", "--strategy", "megatron", "--model", "mlp", "--steps", "5", "--quiet"
     )
     assert train.returncode == 0, train.stderr
-    assert "with megatron on 8 cpu devices (model=8)" in train.stdout
+    assert "with megatron on 8 cpu devices (model=8, auto axes)" in train.stdout
 
     tests = run(
         "pytest",

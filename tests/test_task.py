@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import said
 
 import shardplug
 from shardplug.cli import main
@@ -126,8 +127,8 @@ task = shardplug.Task(adapter=adapter, loss_fn=loss_fn, optimizer=optax.sgd(0.1)
 """,
     )
     assert main(["train", "--task", f"{spec}:task", "--steps", "3", "--quiet"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "batch 2" in err and "(8, 4)" in err, err
+    err = said(capsys.readouterr().err)
+    assert len(err) == 1 and "batch 2" in err[0] and "(8, 4)" in err[0], err
     task = load_task(f"{spec}:task")
     trainer = shardplug.Trainer(task.adapter, loss_fn=task.loss_fn, optimizer=task.optimizer)
     with pytest.raises(BatchError):

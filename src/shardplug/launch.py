@@ -47,12 +47,27 @@ def _die_with_parent() -> None:  # runs in the child before exec (Linux)
 
 #: what gloo says of every connection it makes (one line per device): not the user's business
 _GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+#: the runtime's native logging (absl/glog lines, stack frames, gRPC's detail): when one
+#: process fails, the runtime aborts the others with dozens of these
+_NATIVE = re.compile(
+    r"^([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+\]|\*\*\* Check failure stack trace|"
+    r"\s+@\s+0x[0-9a-f]+|Additional GRPC error information|:UNKNOWN:|\s*\{grpc_status)"
+)
+#: each worker's native lines, held back: shown for a failed worker that said nothing itself
+_held: dict[int, list[str]] = {}
+_said: set[int] = set()
 
 
 def _stream(rank: int, pipe: IO[str], out: IO[str], lock: threading.Lock) -> None:
+    everything = bool(os.environ.get("SHARDPLUG_TRACEBACK"))
     for line in pipe:
         if _GLOO_CONNECTED.match(line):
             continue
+        if not everything and _NATIVE.match(line):
+            _held.setdefault(rank, []).append(line)
+            continue
+        if line.startswith("shardplug: "):
+            _said.add(rank)
         with lock:
             out.write(f"[{rank}] {line}" if line.endswith("\n") else f"[{rank}] {line}\n")
             out.flush()
@@ -109,6 +124,9 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
     """
     check_train_args(train_args)
     from shardplug.core.devices import nvidia_gpus
+
+    _held.clear()
+    _said.clear()
 
     blocks = gpu_blocks(nprocs, nvidia_gpus())
     port = free_port()
@@ -187,6 +205,11 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
     bad = [(r, c) for r, c in exits if c != 0]
     if failed or bad:
         rank, code = failed or bad[0]
+        if rank not in _said and _held.get(rank):  # it died in the runtime: its own words
+            for line in _held[rank][-20:]:
+                sys.stdout.write(
+                    f"[{rank}] {line}" if line.endswith("\n") else f"[{rank}] {line}\n"
+                )
         stopped = "; stopped the others" if failed else ""
         print(f"shardplug: error: process {rank} {_how(code)}{stopped}", file=sys.stderr)
         return EXIT_WORKER_FAILED
