@@ -442,3 +442,32 @@ def test_a_resume_keeps_the_experts_and_routing_the_checkpoint_was_trained_with(
     assert main([*base, "--resume", "--steps", "2", "--strategy", "dp+ep",
                  "--mesh", "data=2,expert=4"]) == 0, capsys.readouterr().err  # fmt: skip
     assert "from step 1" in capsys.readouterr().out
+
+
+def test_damaged_checkpoints_are_said_in_their_lines_alone(tmp_path):
+    """Every step damaged: a warning per step and the refusal, in words, and nothing else
+    (Orbax's un-retrieved futures and unfinished coroutines, TensorStore's text); Orbax's
+    complaint about a garbage metadata file of a checkpoint that restores is not passed on."""
+    import subprocess
+    import sys
+
+    from shardplug.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    base = ["train", "--model", "mlp", "--quiet", "--checkpoint-dir", str(ckpt)]
+    assert main([*base, "--steps", "4", "--checkpoint-every", "2"]) == 0
+    (ckpt / "4" / "_CHECKPOINT_METADATA").write_text("garbage")
+    resume = [sys.executable, "-m", "shardplug", *base, "--resume"]
+    done = subprocess.run([*resume, "--steps", "5"], capture_output=True, text=True)
+    assert done.returncode == 0 and "absl" not in done.stderr, done.stderr[-2000:]
+    for step in (2, 4, 5):
+        for path in (ckpt / str(step) / "state").rglob("*"):
+            if path.is_file() and "/d/" in str(path):
+                path.write_bytes(b"garbage")
+    done = subprocess.run([*resume, "--steps", "8"], capture_output=True, text=True)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 4, done.stderr[-3000:]
+    assert all(line.startswith("shardplug: warning: checkpoint ") for line in lines[:3])
+    assert "a data file under its state/ folder is damaged or missing" in lines[0]
+    assert lines[3].startswith("shardplug: error: no good checkpoint in ")
+    assert "TensorStore" not in done.stderr and "bound method" not in done.stderr
