@@ -15,17 +15,13 @@ in a checkpoint is unpickled or evaluated: the arrays are tensorstore data, the 
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
-import logging
 import os
 import re
-import sys
 import tempfile
-import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +32,7 @@ import numpy as np
 from shardplug.core.sharding import path_str
 from shardplug.errors import CheckpointError, ConfigError, ShardplugWarning
 from shardplug.loop.waits import announced
+from shardplug.orbax_noise import quiet_when_failing
 
 FORMAT = 1
 
@@ -262,7 +259,7 @@ class Checkpoints:
             for n, s in zip(names, shardings, strict=True)
         ]  # fmt: skip
         try:
-            with _quiet_when_failing(), announced(f"the checkpoint read of {self.path(step)}"):
+            with quiet_when_failing(), announced(f"the checkpoint read of {self.path(step)}"):
                 if only is None:
                     how = ocp.args.StandardRestore(abstract)
                 else:  # placeholders, which only the PyTree handler skips
@@ -400,64 +397,6 @@ def _read_one(path: Path) -> None:
 
 class _Damaged(Exception):
     pass
-
-
-@contextlib.contextmanager
-def _quiet_when_failing() -> Iterator[None]:
-    """When Orbax gives up on unreadable files, its pending reads still complete, after the
-    read has failed and been reported: into Orbax's closed event loop ("Event loop is
-    closed", raised where nobody can catch it), as futures whose exception nobody retrieves
-    (asyncio logs each, with its traceback), and as coroutines collected unfinished. Once a
-    read starts, those (and only those) are dropped for the rest of the process; the one
-    line that matters is the caller's (``SHARDPLUG_TRACEBACK=1`` keeps them)."""
-    _drop_stragglers()
-    try:
-        yield
-    except BaseException:
-        time.sleep(0.2)  # let the stragglers arrive while the read winds down
-        raise
-
-
-_STRAGGLERS = ("exception was never retrieved", "Event loop is closed", "was never awaited")
-
-
-def _straggler(text: str) -> bool:
-    return any(s in text for s in _STRAGGLERS) or "_read_array" in text or "tensorstore" in text
-
-
-def _drop_stragglers() -> None:
-    if os.environ.get("SHARDPLUG_TRACEBACK") or getattr(_drop_stragglers, "done", False):
-        return
-    _drop_stragglers.done = True  # type: ignore[attr-defined]
-    previous = sys.unraisablehook
-
-    def hook(unraisable: Any) -> None:
-        said = f"{unraisable.exc_value!r} {unraisable.object!r} {unraisable.err_msg or ''}"
-        if _straggler(said):
-            return
-        previous(unraisable)
-
-    sys.unraisablehook = hook
-
-    class Stragglers(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            return not _straggler(record.getMessage())
-
-    logging.getLogger("asyncio").addFilter(Stragglers())
-    warnings.filterwarnings("ignore", message=r"coroutine '_read_array\w*' was never awaited",
-                            category=RuntimeWarning)  # fmt: skip
-
-
-class _OrbaxBookkeeping(logging.Filter):
-    """Orbax's complaint about its own metadata file (its timestamps), which does not stop
-    the checkpoint from restoring: not the user's business."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not ("Metadata file" in message and message.startswith("Failed to"))
-
-
-logging.getLogger("absl").addFilter(_OrbaxBookkeeping())
 
 
 def _reason(exc: BaseException) -> str:
