@@ -53,21 +53,21 @@ _NATIVE = re.compile(
     r"^([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+\]|\*\*\* Check failure stack trace|"
     r"\s+@\s+0x[0-9a-f]+|Additional GRPC error information|:UNKNOWN:|\s*\{grpc_status)"
 )
-#: each worker's native lines, held back: shown for a failed worker that said nothing itself
-_held: dict[int, list[str]] = {}
-_said: set[int] = set()
 
 
-def _stream(rank: int, pipe: IO[str], out: IO[str], lock: threading.Lock) -> None:
+def _stream(rank: int, pipe: IO[str], out: IO[str], lock: threading.Lock,
+            held: list[str], said: list[bool]) -> None:  # fmt: skip
+    """Relay a worker's lines, prefixed by its rank; its native lines go to ``held`` (shown
+    for a failed worker that said nothing itself), ``said`` notes a line of its own."""
     everything = bool(os.environ.get("SHARDPLUG_TRACEBACK"))
     for line in pipe:
         if _GLOO_CONNECTED.match(line):
             continue
         if not everything and _NATIVE.match(line):
-            _held.setdefault(rank, []).append(line)
+            held.append(line)
             continue
         if line.startswith("shardplug: "):
-            _said.add(rank)
+            said.append(True)
         with lock:
             out.write(f"[{rank}] {line}" if line.endswith("\n") else f"[{rank}] {line}\n")
             out.flush()
@@ -125,8 +125,8 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
     check_train_args(train_args)
     from shardplug.core.devices import nvidia_gpus
 
-    _held.clear()
-    _said.clear()
+    held: list[list[str]] = [[] for _ in range(nprocs)]  # each worker's native lines
+    said: list[list[bool]] = [[] for _ in range(nprocs)]  # whether it said anything itself
 
     blocks = gpu_blocks(nprocs, nvidia_gpus())
     port = free_port()
@@ -148,7 +148,9 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
         )
         workers.append(proc)
         t = threading.Thread(
-            target=_stream, args=(rank, proc.stdout, sys.stdout, lock), daemon=True
+            target=_stream,
+            args=(rank, proc.stdout, sys.stdout, lock, held[rank], said[rank]),
+            daemon=True,
         )
         t.start()
         threads.append(t)
@@ -205,8 +207,8 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
     bad = [(r, c) for r, c in exits if c != 0]
     if failed or bad:
         rank, code = failed or bad[0]
-        if rank not in _said and _held.get(rank):  # it died in the runtime: its own words
-            for line in _held[rank][-20:]:
+        if not said[rank] and held[rank]:  # it died in the runtime: its own words
+            for line in held[rank][-20:]:
                 sys.stdout.write(
                     f"[{rank}] {line}" if line.endswith("\n") else f"[{rank}] {line}\n"
                 )

@@ -43,10 +43,9 @@ def candidates() -> list[str]:
     return names
 
 
-def _plainness(name: str) -> tuple[int, int, int]:
+def _plainness(name: str, infos: dict[str, Any]) -> tuple[int, int, int]:
     """``(parallelisms computing a model operation their own way, runs its own program,
-    parallelisms)`` of a strategy, read from the registry: lower is plainer."""
-    infos = {i.name: i for i in list_strategies()}
+    parallelisms)`` of a strategy, read from the registry's ``infos``: lower is plainer."""
     info = infos.get(name)
     parts = (info.parts if info is not None and info.parts else name).split("+")
     found = [infos[p] for p in parts if p in infos]
@@ -125,8 +124,10 @@ def recommend(
         moves_activations = row["activation_bytes"] > 0.05 * row["sent_bytes"]
         return (moves_activations, row["sent_bytes"], row["peak_bytes"])
 
+    infos = {i.name: i for i in list_strategies()}
+
     def plain(row: dict[str, Any]) -> tuple:
-        return (row["pipelined"], *_plainness(row["strategy"]))
+        return (row["pipelined"], *_plainness(row["strategy"], infos))
 
     fitting = sorted((r for r in rows if r["fits"]), key=rank)
     if not fitting:

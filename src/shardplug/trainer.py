@@ -128,6 +128,7 @@ class Trainer:
             build=True,
         )
         self._train = self._eval = None  # the training and evaluation Programs, once built
+        self._said = False  # the run's first line, said by the first fit
 
     def allocate(self) -> None:
         """Create the state a planning trainer (``allocate=False``) only described, in the
@@ -299,7 +300,7 @@ class Trainer:
     def _say_devices(self) -> None:
         """The run's first line (standard error, process 0, once): how many devices it uses
         and why, so that one CPU device is never a surprise."""
-        if getattr(self, "_said", False) or jax.process_index() != 0:
+        if self._said or jax.process_index() != 0:
             return
         self._said = True
         mesh, count = self.mesh, self.mesh.size

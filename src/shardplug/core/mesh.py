@@ -160,23 +160,20 @@ def model_axes_error(exc: BaseException, mesh: Any, batch_axes: tuple[str, ...])
                 f"it under that name (--axis-name ROLE={axis}), "
                 f"or give the mesh a {axis!r} axis of size 1 (--mesh {describe(mesh)},{axis}=1)"
             )
-        rows = str(batch_axes if len(batch_axes) > 1 else batch_axes[0]) if batch_axes else None
-        refused = type(exc).__name__ == "ShardingTypeError" and is_explicit(mesh)
-        if refused and rows and any(re.search(rf"\b{re.escape(a)}\b", text) for a in batch_axes):
-            first = text.splitlines()[0] if text else type(exc).__name__
-            return ConfigError(
-                f"the model's code lays out arrays in a way JAX refuses on explicit axes "
-                f"({first.rstrip('.')}): the batch's rows are split over {rows}, so where the "
-                f"model places rows it must name those axes (P({rows}, ...)) and use them for "
-                f"nothing else; or leave out the parallelisms whose axes it does not name"
-            )
         if type(exc).__name__ == "ShardingTypeError" and is_explicit(mesh):
-            first = text.splitlines()[0] if text else type(exc).__name__
+            first = (text.splitlines()[0] if text else type(exc).__name__).rstrip(".")
+            rows = str(batch_axes if len(batch_axes) > 1 else batch_axes[0]) if batch_axes else None
+            if rows and any(re.search(rf"\b{re.escape(a)}\b", text) for a in batch_axes):
+                return ConfigError(
+                    f"the model's code lays out arrays in a way JAX refuses on explicit axes "
+                    f"({first}): the batch's rows are split over {rows}, so where the model "
+                    f"places rows it must name those axes (P({rows}, ...)) and use them for "
+                    f"nothing else; or leave out the parallelisms whose axes it does not name"
+                )
             return ConfigError(
-                f"the model's code computes something JAX refuses on explicit axes "
-                f"({first.rstrip('.')}): give that operation its output's sharding in the "
-                f"model (out_sharding=...), or run on auto axes (leave axis_types / "
-                f"--axis-types out)"
+                f"the model's code computes something JAX refuses on explicit axes ({first}): "
+                f"give that operation its output's sharding in the model (out_sharding=...), "
+                f"or run on auto axes (leave axis_types / --axis-types out)"
             )
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return None
