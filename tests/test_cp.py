@@ -2,7 +2,9 @@
 like one device; its compiled step gathers keys and values and keeps the scores split."""
 
 import functools
+import itertools
 import json
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -110,15 +112,58 @@ def test_the_gather_scheme_gathers_keys_and_values_once_per_layer():
     assert "collective-permute" not in found
 
 
-def test_a_batch_cp_cannot_split_is_one_line():
-    classifier = shardplug.get_model("classifier")
-    task = classifier.task("nnx")
-    with pytest.raises(
-        shardplug.ConfigError, match=r"batch leaf 'label' of shape \(64,\) has none"
-    ):
-        task.trainer(strategy="dp+cp").compile(next(classifier.batches(64, 0)))
+def test_a_batch_without_a_sequence_is_one_line_and_nothing_else():
+    """An MLP's (rows, 16) features and a classifier's labels are no sequence: cp refuses in
+    one line, without the warning the first trace raised (it split the features)."""
+    for name, leaves in (("mlp", r"x \(64, 16\), y \(64, 1\)"), ("classifier", r"label \(64,\)")):
+        model = shardplug.get_model(name)
+        task = model.task("nnx")
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            with pytest.raises(shardplug.ConfigError, match="cp: the model has no sequence to "
+                               f"split: no leaf of its batch \\(.*{leaves}"):  # fmt: skip
+                task.trainer(strategy="fsdp+cp").compile(next(model.batches(64, 0)))
+        assert not [w for w in said if issubclass(w.category, shardplug.ShardplugWarning)]
     with pytest.raises(shardplug.CompositionError, match="'pmap' is a whole strategy"):
         shardplug.get_strategy("pmap+cp")
+
+
+def test_only_the_leaves_attention_reads_are_split_and_a_declared_one_is(monkeypatch):
+    """A float leaf beside the tokens (a per-row (rows, 16) feature) is placed whole over
+    `context` once the trace shows attention reads 32 positions, and the run trains like one
+    device; `-o cp.sequence=x` splits an MLP's features as the user declares."""
+    model = shardplug.get_model("transformer")
+    batches = [
+        {**b, "weight": np.full((16, 16), 0.5 + i, np.float32)}
+        for i, b in enumerate(itertools.islice(model.batches(16, 0), STEPS))
+    ]
+
+    def loss_fn(m, batch):
+        logits = m(batch["tokens"])
+        each = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        return (each.mean(axis=1) * batch["weight"].mean(axis=1)).mean()
+
+    def run(strategy, devices):
+        trainer = shardplug.Trainer(
+            model.adapter("nnx"), loss_fn=loss_fn, optimizer=optax.adam(1e-2),
+            strategy=strategy, devices=devices,
+        )  # fmt: skip
+        return trainer, [r["loss"] for r in trainer.fit(batches, steps=STEPS)]
+
+    trainer, got = run("dp+cp", 8)
+    specs = {k: s.spec for k, s in trainer.batch_shardings.items()}
+    assert specs["weight"] == P("data"), specs
+    assert specs["targets"] == P("data", "context"), specs
+    np.testing.assert_allclose(got, run("dp", 1)[1], rtol=1e-4)
+
+    mlp = shardplug.get_model("mlp")
+    monkeypatch.setattr(shardplug.errors, "_SAID", set())  # said afresh
+    declared = shardplug.get_strategy("fsdp+cp", **{"cp.sequence": "x"})
+    with pytest.warns(shardplug.ShardplugWarning, match="never called shardplug.attention"):
+        trainer = mlp.task("nnx").trainer(strategy=declared)
+        trainer.compile(next(mlp.batches(64, 0)))
+    assert trainer.batch_shardings["x"].spec == P("fsdp", "context")
+    assert trainer.batch_shardings["y"].spec == P("fsdp")
 
 
 class HandWritten(nnx.Module):
@@ -140,7 +185,8 @@ def jax_attention(*args, **kwargs):
     return jax.nn.dot_product_attention(*args, **kwargs)
 
 
-def test_attention_written_by_hand_trains_right_and_is_said():
+def test_attention_written_by_hand_trains_right_and_is_said(monkeypatch):
+    monkeypatch.setattr(shardplug.errors, "_SAID", set())  # said afresh
     model = shardplug.get_model("transformer")
 
     def loss_fn(m, batch):

@@ -43,6 +43,27 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def test_gloo_lines_written_at_once_by_two_threads_are_not_relayed():
+    """Gloo's threads write their connection lines at once: one line may hold two halves and
+    the next the rest (a 2d launch under load passed one on)."""
+    import io
+    import threading
+
+    from shardplug.launch import _stream
+
+    lines = [
+        "[Gloo] Rank 0 is connected to [Gloo] Rank 13 is connected to 3 peer ranks. Expected "
+        "number of connected peer ranks is : 3\n",
+        " peer ranks. Expected number of connected peer ranks is : 3\n",
+        "[Gloo] Rank 2 is connected to 3 peer ranks. Expected number of connected peer ranks "
+        "is : 3\n",
+        "shardplug: trained\n",
+    ]
+    out, held, said = io.StringIO(), [], []
+    _stream(0, io.StringIO("".join(lines)), out, threading.Lock(), held, said)
+    assert out.getvalue() == "[0] shardplug: trained\n" and said == [True]
+
+
 @pytest.mark.parametrize("strategy", ["dp", "fsdp", "2d", "pmap"])
 def test_two_processes_train_like_one(strategy, tmp_path):
     out = tmp_path / "m.jsonl"

@@ -114,6 +114,12 @@ class ShardplugWarning(UserWarning):
 _SAID: set[str] = set()
 
 
+def unsay(messages: Iterable[str]) -> None:
+    """Forget that :func:`warn_once` said ``messages``, whose warnings were dropped (with a
+    refused program): a later program that warns the same says it."""
+    _SAID.difference_update(messages)
+
+
 def warn_once(message: str, stacklevel: int = 2) -> None:
     """A :class:`ShardplugWarning` said once per process, however often its cause recurs
     (``stacklevel`` counted from the caller of this function)."""

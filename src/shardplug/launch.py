@@ -46,7 +46,10 @@ def _die_with_parent() -> None:  # runs in the child before exec (Linux)
 
 
 #: what gloo says of every connection it makes (one line per device): not the user's business
-_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+#: (its threads write at once, so one line may hold two halves, the next the rest)
+_GLOO_CONNECTED = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to|^\s*\d*\s*peer ranks\. Expected number of connected"
+)
 #: the runtime's native logging (absl/glog lines, stack frames, gRPC's detail): when one
 #: process fails, the runtime aborts the others with dozens of these
 _NATIVE = re.compile(
@@ -61,7 +64,7 @@ def _stream(rank: int, pipe: IO[str], out: IO[str], lock: threading.Lock,
     for a failed worker that said nothing itself), ``said`` notes a line of its own."""
     everything = bool(os.environ.get("SHARDPLUG_TRACEBACK"))
     for line in pipe:
-        if _GLOO_CONNECTED.match(line):
+        if _GLOO_CONNECTED.search(line):
             continue
         if not everything and _NATIVE.match(line):
             held.append(line)

@@ -219,11 +219,13 @@ def task_sizes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def read_first(data: Any, limit_s: float | None = None) -> Any:
-    """The first batch of ``data`` (None if it has none), the wait announced and bounded."""
+    """The first batch of ``data`` (None if it has none), the wait announced and bounded;
+    a :class:`shardplug.data.Batches`'s read alone, with no read-ahead beside it."""
+    from shardplug.data import Batches
     from shardplug.loop.waits import DataWait
 
     with DataWait(limit_s) as wait, wait.on("the first batch"):
-        return next(iter(data), None)
+        return data.first() if isinstance(data, Batches) else next(iter(data), None)
 
 
 def first_batch(task: Any, limit_s: float | None = None) -> Any:

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import pluggy
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -39,12 +40,7 @@ from shardplug.core.hookspecs import hookimpl
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh, is_explicit
 from shardplug.core.sharding import constraints_lay_out, lay_out, leaf_paths, mesh_axes
-from shardplug.errors import (
-    CompositionError,
-    MeshError,
-    PluginError,
-    ShardplugError,
-)
+from shardplug.errors import CompositionError, ConfigError, MeshError, PluginError, ShardplugError
 
 #: hooks of the step a parallelism may also implement; one per composition.
 STEP_HOOKS = (
@@ -111,6 +107,18 @@ class Part:
             raise PluginError(
                 f"parallelism {self.name!r}: hook {hook} failed: {type(exc).__name__}: {exc}"
             ) from exc
+
+
+def _is_sequence(leaf: Any, sequences: tuple[int, ...] | None) -> bool | None:
+    """Whether ``leaf``'s second dimension is a sequence, as far as the lengths the model's
+    attention read say (:func:`~shardplug.core.parallel_hooks.split_batch`'s ``sequence``)."""
+    if leaf.ndim < 2:
+        return False
+    if sequences:  # tokens fed as tokens[:, :-1] are one longer than what attention reads
+        return leaf.shape[1] in sequences or leaf.shape[1] - 1 in sequences
+    if jnp.issubdtype(leaf.dtype, jnp.integer):
+        return True  # token ids: a sequence, whatever computes the model's attention
+    return None if sequences is None else False
 
 
 def implemented(plugin: Any) -> set[str]:
@@ -354,16 +362,17 @@ class CompositionPlugin:
         return P(*out)
 
     @hookimpl
-    def shard_batch(self, batch, mesh):
+    def shard_batch(self, batch, mesh, sequences):
         paths, leaves = leaf_paths(batch), jax.tree.leaves(batch)
         entries: list[list[list[str]]] = [[[] for _ in leaf.shape] for leaf in leaves]
+        known = [_is_sequence(leaf, sequences) for leaf in leaves]
         for part in self.parts:  # mesh order: a dimension's axes in it
             axis, size = part.axis.name, mesh.shape[part.axis.name]
             own = "split_batch" in implemented(part.plugin)
-            for path, leaf, dims in zip(paths, leaves, entries, strict=True):
+            for path, leaf, dims, sequence in zip(paths, leaves, entries, known, strict=True):
                 if own:
                     dim = part.call("split_batch", path=path, shape=tuple(leaf.shape),
-                                    axis=axis, size=size)  # fmt: skip
+                                    axis=axis, size=size, sequence=sequence)  # fmt: skip
                 else:
                     dim = 0 if part.axis.batch and leaf.ndim else None
                 if dim is None:
@@ -374,8 +383,27 @@ class CompositionPlugin:
                         f"batch leaf {path!r} (shape {tuple(leaf.shape)}), which it does not have"
                     )
                 dims[dim].append(axis)
+            if sequences is not None and not any(known):
+                self._check_sequence(part, paths, leaves, entries)
         specs = [_trimmed([_entry(axes) for axes in dims]) for dims in entries]
         return jax.tree.unflatten(jax.tree.structure(batch), specs)
+
+    @staticmethod
+    def _check_sequence(part: Part, paths: list[str], leaves: list[Any], entries: Any) -> None:
+        """Refuse a parallelism that splits sequences (it declares ``without-sequence``
+        unsupported) on a traced batch with none, unless it split a leaf of its own accord."""
+        reason = declared.declared(part.plugin, "unsupported").get(
+            declared.Capability.WITHOUT_SEQUENCE
+        )
+        axis = part.axis.name
+        if reason is None or any(axis in axes for dims in entries for axes in dims):
+            return
+        shapes = ", ".join(f"{p} {tuple(x.shape)}" for p, x in zip(paths, leaves, strict=True))
+        raise ConfigError(
+            f"{part.name}: the model has no sequence to split: no leaf of its batch ({shapes}) "
+            f"has a second dimension its shardplug.attention reads, nor holds token ids; "
+            f"{reason}"
+        )
 
     def used_spec(self, spec: P, fixed: Mapping[int, Any] | None = None) -> P:
         """A parameter's layout where the step uses it, given its stored ``spec`` (and the

@@ -111,16 +111,20 @@ def shard_params(params: Any, mesh: Any, annotations: Any | None) -> Any:
 
 
 @hookspec(firstresult=True)
-def shard_batch(batch: Any, mesh: Any) -> Any:
+def shard_batch(batch: Any, mesh: Any, sequences: tuple[int, ...] | None) -> Any:
     """Choose how every leaf of the global batch is split over the mesh.
 
     Called on abstract batches (``jax.ShapeDtypeStruct``) each time a program is built for a
     batch structure: once for training (later batches must look alike), again for
     evaluation batches and by ``explain``, ``bench`` and ``Trainer.lower``. Answer from the
-    shapes alone, the same way every time.
+    shapes (and ``sequences``) alone, the same way every time.
 
     :param batch: the global batch as a pytree of ``jax.ShapeDtypeStruct``.
     :param mesh: the mesh returned by :func:`make_mesh`.
+    :param sequences: the sequence lengths the model's :func:`shardplug.attention` read when
+        the program was traced with the layout answered before (its queries' and keys'
+        second dimension; empty when the model never called it), or None before a trace.
+        Core asks again with them after tracing, and traces anew if the answer changed.
     :return: a pytree of the same structure holding a ``PartitionSpec`` (or ``NamedSharding``)
         for every leaf. Core checks that every split dimension divides its mesh axes and
         raises :class:`shardplug.errors.BatchError` naming the leaf when it does not.

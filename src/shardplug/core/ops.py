@@ -130,6 +130,30 @@ def supplying(records: Sequence[tuple[str, Any]]) -> Iterator[None]:
                     ops.unused(name)
 
 
+_LENGTHS: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar(
+    "shardplug_sequence_lengths", default=None
+)
+
+
+@contextlib.contextmanager
+def reading_lengths() -> Iterator[set[int]]:
+    """Trace the code inside recording the sequence lengths :func:`shardplug.attention`
+    reads (its queries' and keys' second dimension): the set yielded fills as it traces."""
+    seen: set[int] = set()
+    token = _LENGTHS.set(seen)
+    try:
+        yield seen
+    finally:
+        _LENGTHS.reset(token)
+
+
+def read_sequence(*lengths: int) -> None:
+    """Note that the model's attention read sequences of ``lengths`` (where recorded)."""
+    seen = _LENGTHS.get()
+    if seen is not None:
+        seen.update(int(n) for n in lengths)
+
+
 def _counted(fn: Callable[..., Any], name: str, called: dict[str, bool]) -> Callable[..., Any]:
     def counted(*args: Any, **kwargs: Any) -> Any:
         called[name] = True

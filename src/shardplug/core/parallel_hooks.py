@@ -112,7 +112,9 @@ def gather_param(spec: Any, axis: str) -> Any:
 
 
 @hookspec(firstresult=True)
-def split_batch(path: str, shape: tuple[int, ...], axis: str, size: int) -> int | None:
+def split_batch(
+    path: str, shape: tuple[int, ...], axis: str, size: int, sequence: bool | None
+) -> int | None:
     """Which dimension of one batch leaf this parallelism splits over its axis, if any: the
     batch constraint of the part that needs it.
 
@@ -125,17 +127,25 @@ def split_batch(path: str, shape: tuple[int, ...], axis: str, size: int) -> int 
     :param shape: its global shape.
     :param axis: this parallelism's mesh axis, as the run names it.
     :param size: that axis's size.
+    :param sequence: whether the leaf's second dimension is a sequence, as far as core
+        knows: True where the model's :func:`shardplug.attention` read a sequence of that
+        length (or one shorter: tokens fed as ``tokens[:, :-1]``) or the leaf holds integers
+        (token ids); False for a leaf of fewer than two dimensions, and, once the program
+        was traced, for the rest; None for floats before the first trace (core asks again
+        after it, and traces anew if the answer changed).
     :return: a dimension index, or None to keep the leaf whole along this axis. Raise
         :class:`shardplug.errors.ConfigError` for a leaf this parallelism cannot take.
 
     Without it a parallelism splits each leaf's leading dimension (its rows) where its
-    ``Axis`` says ``batch``, and nothing otherwise. Example, the sequence (dimension 1),
-    placed whole where the devices do not divide it::
+    ``Axis`` says ``batch``, and nothing otherwise. A parallelism that splits a sequence
+    and declares ``without-sequence`` unsupported is refused in one line when it splits no
+    leaf of a traced batch. Example, the sequence (dimension 1), placed whole where the
+    devices do not divide it::
 
         @hookimpl
-        def split_batch(self, path, shape, size):
-            if len(shape) < 2:
-                raise ConfigError(f"batch leaf {path!r} has no sequence to split")
+        def split_batch(self, shape, size, sequence):
+            if sequence is False:
+                return None
             return None if shape[1] % size else 1
     """
 

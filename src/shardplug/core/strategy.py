@@ -153,8 +153,8 @@ class Strategy:
         specs = self._call("shard_params", params=params, mesh=mesh, annotations=annotations)
         return to_named(specs, mesh, plugin=self.name, hook="shard_params", like=params)
 
-    def shard_batch(self, batch: Any, mesh: Any) -> Any:
-        specs = self._call("shard_batch", batch=batch, mesh=mesh)
+    def shard_batch(self, batch: Any, mesh: Any, sequences: tuple[int, ...] | None = None) -> Any:
+        specs = self._call("shard_batch", batch=batch, mesh=mesh, sequences=sequences)
         shardings = to_named(specs, mesh, plugin=self.name, hook="shard_batch", like=batch)
         check_batch(batch, shardings)
         return shardings

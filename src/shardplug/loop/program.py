@@ -12,13 +12,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 
+from shardplug.core import ops
 from shardplug.core.step import key_impl, unwrap_keys, wrap_keys
-from shardplug.errors import PluginError
+from shardplug.errors import PluginError, unsay
 from shardplug.loop import feed
 
 
@@ -100,7 +102,44 @@ def lower(
     :return: the ``jax.stages.Lowered`` program, the batch shardings and the traced jaxpr.
     """
     abstract = jax.tree.map(feed.global_struct, batch)
-    batch_shardings = strategy.shard_batch(abstract, mesh)
+    # what tracing warns is said once the layout is settled (a refusal comes alone)
+    with warnings.catch_warnings(record=True) as said:
+        try:
+            traced, batch_shardings = _settle(step_for, abstract, strategy=strategy, mesh=mesh,
+                                              state_shardings=state_shardings, run=run,
+                                              microbatches=microbatches)  # fmt: skip
+        except BaseException:
+            unsay(str(w.message) for w in said)  # to be said by a program that gets built
+            raise
+    for w in said:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    lowered, jaxpr = traced
+    return lowered, batch_shardings, jaxpr
+
+
+def _settle(step_for, abstract, *, strategy, mesh, state_shardings, run, microbatches):
+    """The step traced with the batch laid out as the strategy says, given the sequence
+    lengths the model's attention reads: traced once with the layout guessed from the
+    shapes, and again where knowing them changes it."""
+    sequences = None
+    while True:
+        batch_shardings = strategy.shard_batch(abstract, mesh, sequences)
+        traced, seen = _trace(step_for, abstract, batch_shardings, strategy=strategy,
+                              mesh=mesh, state_shardings=state_shardings, run=run,
+                              microbatches=microbatches)  # fmt: skip
+        if sequences is not None:
+            break
+        sequences = tuple(sorted(seen))
+        again = strategy.shard_batch(abstract, mesh, sequences)
+        if jax.tree.leaves(again) == jax.tree.leaves(batch_shardings):
+            break  # the layout guessed before the trace holds: the usual case
+    return traced, batch_shardings
+
+
+def _trace(step_for, abstract, batch_shardings, *, strategy, mesh, state_shardings, run,
+           microbatches):  # fmt: skip
+    """The flat step traced and lowered for ``batch_shardings`` (and its jaxpr), and the
+    sequence lengths its attention read."""
     if jax.process_count() > 1:
         jax.tree.map(feed.check_process_rows, abstract, batch_shardings)
     if microbatches > 1:
@@ -130,12 +169,12 @@ def lower(
         out_shardings=(flat_shardings, None),
         donate_argnums=0,
     )
-    with tracing(mesh, strategy):
+    with tracing(mesh, strategy), ops.reading_lengths() as seen:
         traced = flat.trace(
             list(map(with_sharding, run.leaves, flat_shardings)),
             jax.tree.map(with_sharding, abstract, batch_shardings),
         )
-        return traced.lower(), batch_shardings, traced.jaxpr
+        return (traced.lower(), traced.jaxpr), seen
 
 
 def build(step_for: Callable[[Any], Callable], batch: Any, **context: Any) -> Program:

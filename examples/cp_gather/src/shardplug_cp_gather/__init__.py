@@ -21,7 +21,6 @@ from shardplug.plugin import (
     RANK,
     Axis,
     Capability,
-    ConfigError,
     Explained,
     Operations,
     P,
@@ -70,12 +69,9 @@ class GatherContext:
         return Axis("seq", rank=RANK["context"], logical=("length",), lends=True)
 
     @hookimpl
-    def split_batch(self, path, shape, axis, size):
-        if len(shape) < 2:
-            raise ConfigError(
-                f"cp-gather splits each batch leaf's sequence (its second dimension) over "
-                f"{axis!r}, and batch leaf {path!r} of shape {tuple(shape)} has none"
-            )
+    def split_batch(self, shape, size, sequence):
+        if sequence is False:  # features, labels: whole on the axis (core refuses a batch
+            return None  # with no sequence at all, this plugin declaring without-sequence)
         return None if shape[1] % size else 1  # placed whole where it does not divide
 
     @hookimpl

@@ -1,7 +1,8 @@
 """Context parallel over the `context` axis: the sequence split across devices.
 
-Every batch leaf's second dimension (the sequence) is split over ``context`` in contiguous
-blocks (a leaf whose length the devices do not divide is placed whole), and so is every
+Every batch leaf that is a sequence (its second dimension read by the model's attention,
+token ids, or a leaf named by ``sequence="tokens,..."``) is split there over ``context`` in
+contiguous blocks (one the devices do not divide is placed whole), and so is every
 activation along it; parameters are replicated over ``context`` (an ``fsdp`` of the same
 composition stores them split over it too, as torchtitan shards over dp_shard x cp).
 Attention sees the whole sequence: cp supplies :func:`shardplug.attention`'s operation
@@ -38,13 +39,14 @@ class ContextParallel:
     """Context parallel: the sequence split over `context`, ring attention over it."""
 
     unsupported: ClassVar[dict[str, str]] = {
-        Capability.WITHOUT_SEQUENCE: "context parallelism splits the batch's sequence; a "
-        "model whose batch has none has nothing to split",
+        Capability.WITHOUT_SEQUENCE: "context parallelism splits the batch's sequence, and a "
+        "model whose batch has none has nothing to split: leave cp out (a sequence the "
+        "model's attention reads otherwise is named with -o cp.sequence=LEAF,...)",
         Capability.UNEVEN_SHAPES: "a model of two plain layers has no sequence",
         Capability.BATCH_SPLIT: "context parallelism alone splits the sequence, not the rows",
     }
 
-    def __init__(self, attention: str = "ring", balance: str = "zigzag"):
+    def __init__(self, attention: str = "ring", balance: str = "zigzag", sequence: str = ""):
         if attention not in ("gather", "ring"):
             raise StrategyOptionError(
                 f"cp option attention must be 'gather' (keys and values all-gathered) or "
@@ -56,6 +58,8 @@ class ContextParallel:
                 f"'none' (every block pair computed, masked), got {balance!r}"
             )
         self.attention, self.balance = attention, balance
+        # batch leaves the run declares sequences, beyond what the model's attention reads
+        self.sequence = {p.strip() for p in str(sequence).split(",") if p.strip()}
         self._ring_ran = False  # whether the last traced program went round the ring
 
     @hookimpl
@@ -63,13 +67,15 @@ class ContextParallel:
         return Axis("context", rank=RANK["context"], logical=("length",), lends=True)
 
     @hookimpl
-    def split_batch(self, path, shape, axis, size):
-        if len(shape) < 2:
-            raise ConfigError(
-                f"cp splits every batch leaf's sequence (its second dimension) over {axis!r}, "
-                f"and batch leaf {path!r} of shape {tuple(shape)} has none: give cp a batch "
-                f"of (rows, sequence, ...) leaves, or leave it out"
-            )
+    def split_batch(self, path, shape, axis, size, sequence):
+        if path in self.sequence:
+            if len(shape) < 2:
+                raise ConfigError(
+                    f"cp option sequence names batch leaf {path!r}, of shape {tuple(shape)}: "
+                    f"a sequence is a leaf's second dimension, and it has none"
+                )
+        elif sequence is False:
+            return None  # no sequence (features, labels): whole over the context axis
         # a sequence the devices do not divide (tokens of L + 1 for a model fed
         # tokens[:, :-1]) is read whole by each of them: placing an array needs even
         # blocks, attention does not (it pads), and splits the activations from there
