@@ -41,3 +41,52 @@ def make_trainer():
     """``make_trainer(model, strategy, adapter=, optimizer=, addons=, **trainer_kwargs)`` ->
     ``(model, trainer)``: the one trainer factory of the suite."""
     return reference_trainer
+
+
+#: What the README's test command leaves to CI, which runs it next (``python -m pytest -m
+#: slow``, in ``.ci/run``): what proves again on Linen and Equinox what the same test proves
+#: on NNX (the composition matrices' other rows), what starts real processes (launches,
+#: signals) beyond one two-process run, and what runs a whole document or benchmark script.
+#: Node-id prefixes; a row's id is matched by the adapter in it.
+SLOW = (
+    "tests/test_distributed.py::test_two_processes_train_like_one[fsdp]",
+    "tests/test_distributed.py::test_two_processes_train_like_one[2d]",
+    "tests/test_distributed.py::test_two_processes_train_like_one[pmap]",
+    "tests/test_distributed.py::test_a_pipeline_over_two_processes",
+    "tests/test_distributed.py::test_two_processes_each_read_half",
+    "tests/test_distributed.py::test_killing_a_worker",
+    "tests/test_distributed.py::test_ctrl_c_reaches_every_worker",
+    "tests/test_distributed.py::test_checkpoints_move_between_process_counts",
+    "tests/test_distributed.py::test_a_worker_that_exits_early",
+    "tests/test_distributed.py::test_a_coordinator_nobody_serves",
+    "tests/test_distributed.py::test_a_second_ctrl_c",
+    "tests/test_data.py::test_two_processes_resume",
+    "tests/test_checkpoint.py::test_sigkill_in_the_middle_of_a_run",
+    "tests/test_checkpoint.py::test_sigterm_finishes_the_step",
+    "tests/test_docs.py::test_code_blocks_run[guide.md]",
+    "tests/test_plugin_guide.py::test_the_guide_builds_a_working_strategy",
+    "tests/test_benchmarks.py::test_gpu_mfu",
+    "tests/test_benchmarks.py::test_the_hand_written_gpipe",
+    "tests/test_task.py::test_explain_recommend_bench_and_export_run_on_a_task_file",
+    "tests/test_step.py::test_bf16_trains_the_transformer_within_2_percent",
+    "tests/test_cp.py::test_a_llama_with_rope_at_1024",
+    "tests/test_explain.py::test_explain_prints_a_300_parameter_model",
+    "tests/test_pipeline.py::test_pp_checkpoints_resume_under_fsdp",
+    "tests/test_conformance_mutants.py::test_a_plugin_of_the_earlier_contract_splitting",
+)
+#: matrices whose Linen and Equinox rows are slow (their NNX rows run in both)
+SLOW_ROWS = (
+    "tests/test_conformance.py::",
+    "tests/test_cp.py::test_compositions_with_cp",
+    "tests/test_ep.py::test_compositions_with_ep",
+    "tests/test_pipeline.py::test_pipeline_trains_like_one_device",
+    "tests/test_users_models.py::test_a_gqa_llama_fed_tokens_minus_one",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        other_adapter = any(f"{a}-" in item.nodeid or f"-{a}" in item.nodeid
+                            for a in ("linen", "equinox"))  # fmt: skip
+        if item.nodeid.startswith(SLOW) or (item.nodeid.startswith(SLOW_ROWS) and other_adapter):
+            item.add_marker(pytest.mark.slow)
