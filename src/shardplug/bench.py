@@ -123,7 +123,8 @@ class _HandWritten(_Contender):
                 f"{model.name!r} has batch statistics"
             )
         abstract = jax.tree.map(global_struct, first)
-        batch_sharding = template.strategy.shard_batch(abstract, mesh)
+        # the compiled step's own layout (settled by what its attention read), else a guess
+        batch_sharding = template.batch_shardings or template.strategy.shard_batch(abstract, mesh)
         strategy = template.strategy.name
         form = hand_written_form(template.strategy)
         composition = template.strategy.composition

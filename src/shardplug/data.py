@@ -73,10 +73,14 @@ class Batches:
         self._process = (process_index, process_count)
         self.fingerprint = _fingerprint(dataset, batch_size, seed, shuffle, name)
 
-    def _dataset(self) -> grain.MapDataset:
+    def _processes(self) -> tuple[int, int]:
+        """This process's index and the process count: as given, else JAX's."""
         index, count = self._process
         index = jax.process_index() if index is None else index
-        count = jax.process_count() if count is None else count
+        return index, jax.process_count() if count is None else count
+
+    def _dataset(self) -> grain.MapDataset:
+        index, count = self._processes()
         if self.batch_size % count:
             raise ConfigError(f"batch_size {self.batch_size} does not split over {count} processes")
         ds = self.records.shuffle(seed=self.seed) if self._shuffle else self.records
@@ -103,7 +107,7 @@ class Batches:
         record = self.records[0]
         if self._transform is not None:
             record = self._transform(record)
-        rows = self.batch_size // max(self._process[1] or jax.process_count(), 1)
+        rows = self.batch_size // self._processes()[1]
         nbytes = rows * sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(record))
         ahead = int(max(1, min(READ_AHEAD, READ_AHEAD_BYTES // max(nbytes, 1))))
         return grain.ReadOptions(num_threads=ahead, prefetch_buffer_size=ahead)

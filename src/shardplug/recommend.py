@@ -54,7 +54,7 @@ def _plainness(name: str, infos: dict[str, Any]) -> tuple[int, int, int]:
     return replacing, own_program, len(parts)
 
 
-def _divides(trainer: Any, batch: Any) -> bool:
+def _divides(trainer: Any) -> bool:
     """Whether the strategy splits anything over the mesh: a parameter or the batch."""
     import jax
 
@@ -66,8 +66,7 @@ def _divides(trainer: Any, batch: Any) -> bool:
                 for a in (entry if isinstance(entry, tuple) else (entry,))]  # fmt: skip
         return any(trainer.mesh.shape[a] > 1 for a in axes)
 
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-    placed = jax.tree.leaves(trainer.strategy.shard_batch(abstract, trainer.mesh))
+    placed = jax.tree.leaves(trainer.batch_shardings)  # as the compiled step laid it out
     return any(map(split, placed)) or any(map(split, jax.tree.leaves(trainer.param_shardings)))
 
 
@@ -98,7 +97,7 @@ def recommend(
             rows.append({"strategy": name, "fits": False, "error": str(exc)})
             continue
         devices = math.prod(trainer.mesh.shape.values())
-        if devices > 1 and not _divides(trainer, batch):
+        if devices > 1 and not _divides(trainer):
             rows.append({"strategy": name, "fits": False, "error": (
                 f"divides nothing here: the batch and every parameter are whole on each of "
                 f"the {devices} devices, which would all do the same work")})  # fmt: skip

@@ -117,22 +117,18 @@ def lower(
     return lowered, batch_shardings, jaxpr
 
 
-def _settle(step_for, abstract, *, strategy, mesh, state_shardings, run, microbatches):
+def _settle(step_for, abstract, *, strategy, mesh, **context):
     """The step traced with the batch laid out as the strategy says, given the sequence
-    lengths the model's attention reads: traced once with the layout guessed from the
-    shapes, and again where knowing them changes it."""
-    sequences = None
-    while True:
-        batch_shardings = strategy.shard_batch(abstract, mesh, sequences)
-        traced, seen = _trace(step_for, abstract, batch_shardings, strategy=strategy,
-                              mesh=mesh, state_shardings=state_shardings, run=run,
-                              microbatches=microbatches)  # fmt: skip
-        if sequences is not None:
-            break
-        sequences = tuple(sorted(seen))
-        again = strategy.shard_batch(abstract, mesh, sequences)
-        if jax.tree.leaves(again) == jax.tree.leaves(batch_shardings):
-            break  # the layout guessed before the trace holds: the usual case
+    lengths the model's attention reads: traced with the layout guessed from the shapes,
+    and again only where knowing them changes it."""
+    batch_shardings = strategy.shard_batch(abstract, mesh, None)
+    traced, seen = _trace(step_for, abstract, batch_shardings, strategy=strategy, mesh=mesh,
+                          **context)  # fmt: skip
+    settled = strategy.shard_batch(abstract, mesh, tuple(sorted(seen)))
+    if jax.tree.leaves(settled) != jax.tree.leaves(batch_shardings):
+        batch_shardings = settled
+        traced, _ = _trace(step_for, abstract, batch_shardings, strategy=strategy, mesh=mesh,
+                           **context)  # fmt: skip
     return traced, batch_shardings
 
 
