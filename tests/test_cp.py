@@ -164,6 +164,10 @@ def test_only_the_leaves_attention_reads_are_split_and_a_declared_one_is(monkeyp
         trainer.compile(next(mlp.batches(64, 0)))
     assert trainer.batch_shardings["x"].spec == P("fsdp", "context")
     assert trainer.batch_shardings["y"].spec == P("fsdp")
+    misspelt = shardplug.get_strategy("fsdp+cp", **{"cp.sequence": "xs"})
+    with pytest.raises(shardplug.ConfigError, match=r"names 'xs', which is no leaf of the batch "
+                       r"\(x, y\)"):  # fmt: skip
+        mlp.task("nnx").trainer(strategy=misspelt).compile(next(mlp.batches(64, 0)))
 
 
 class HandWritten(nnx.Module):

@@ -60,6 +60,7 @@ class ContextParallel:
         self.attention, self.balance = attention, balance
         # batch leaves the run declares sequences, beyond what the model's attention reads
         self.sequence = {p.strip() for p in str(sequence).split(",") if p.strip()}
+        self._leaves: set[str] = set()  # every batch leaf laid out so far, to check those
         self._ring_ran = False  # whether the last traced program went round the ring
 
     @hookimpl
@@ -68,6 +69,7 @@ class ContextParallel:
 
     @hookimpl
     def split_batch(self, path, shape, axis, size, sequence):
+        self._leaves.add(path)
         if path in self.sequence:
             if len(shape) < 2:
                 raise ConfigError(
@@ -83,6 +85,12 @@ class ContextParallel:
 
     @hookimpl
     def operations(self, axis, mesh):
+        unknown = sorted(self.sequence - self._leaves)
+        if unknown and self._leaves:  # traced after the batch was laid out: a misspelling
+            raise ConfigError(
+                f"cp option sequence names {unknown[0]!r}, which is no leaf of the batch "
+                f"({', '.join(sorted(self._leaves))}): name the leaves that hold a sequence"
+            )
         if mesh.shape[axis] == 1:
             return None
         self._ring_ran = False
