@@ -110,21 +110,41 @@ def render(report: Report, console: Any, every_row: bool = False) -> None:
     for note in report.notes:
         console.print(f"note: {note}")
     if report.pipeline:
-        pl = report.pipeline
-        console.print(
-            f"pipeline: {pl['stages']} stages, {pl['microbatches']} microbatches, repeats "
-            f"{pl['repeats']}: bubble {pl['bubble']:.1%}; the layer stack "
-            f"{size(pl['stack_bytes'])}, {size(pl['stack_bytes_per_device'])} per device"
-        )
-        cp = pl["collective_permute"]
-        console.print(
-            f"collective-permutes per step: {size(cp['compiled_bytes_per_step'])} compiled, "
-            f"{size(cp['textbook_bytes_per_step'])} by the schedule ({pl['ticks']} ticks)"
-        )
-        for stage, held in enumerate(pl["stage_layers"]):
-            console.print(f"  stage {stage}: layers {', '.join(map(str, held))}")
+        _pipeline(console, report.pipeline)
     for picture in report.pictures:
         console.print(_grid(picture, report.devices))
+
+
+def _pipeline(console: Any, pl: dict[str, Any]) -> None:
+    """A pipeline's schedule: its bubble against the formula, the microbatches each stage
+    holds, its sends, which layers each stage holds, and (when short) its chart."""
+    console.print(
+        f"pipeline: {pl['schedule']}, {pl['stages']} stages, {pl['microbatches']} "
+        f"microbatches, repeats {pl['repeats']}, {pl['ticks']} ticks: bubble "
+        f"{pl['bubble']:.1%} (formula {pl['formula']:.1%}); the layer stack "
+        f"{size(pl['stack_bytes'])}, {size(pl['stack_bytes_per_device'])} per device"
+    )
+    peaks = ", ".join(f"{p:g}" for p in pl["peak_microbatches"])
+    console.print(f"microbatches' activations held at most, by stage: {peaks}")
+    cp = pl["collective_permute"]
+    if "textbook_bytes_per_step" in cp:
+        console.print(
+            f"collective-permutes per step: {size(cp['compiled_bytes_per_step'])} compiled, "
+            f"{size(cp['textbook_bytes_per_step'])} by the schedule"
+        )
+    else:
+        ticks = cp["sending_ticks"]
+        console.print(
+            f"sends: forward on {ticks['forward']} ticks, back on {ticks['backward']} (one "
+            f"microbatch's stage input or its gradient each)"
+        )
+    for stage, held in enumerate(pl["stage_layers"]):
+        console.print(f"  stage {stage}: layers {', '.join(map(str, held))}")
+    if pl.get("chart") and pl["ticks"] <= 48:
+        console.print("schedule (F forward, B input gradient, W weight gradient, . idle):")
+        for stage, line in enumerate(pl["chart"].splitlines()):
+            console.print(f"  stage {stage}: {line}", markup=False, highlight=False,
+                          soft_wrap=True)  # fmt: skip
 
 
 def _grid(picture: dict[str, Any], devices: int) -> Any:

@@ -302,6 +302,8 @@ def parse_options(strategy: str, pairs: Sequence[str]) -> dict[str, Any]:
         key, sep, text = pair.partition("=")
         if not sep or not key:
             raise StrategyOptionError(f"strategy option {pair!r} is not KEY=VALUE")
+        if key not in known and key.partition(".")[::2] in {(strategy, o) for o in known}:
+            key = key.partition(".")[2]  # -o pp.schedule=zb for pp alone, as in a composition
         if key not in known:
             takes = ", ".join(sorted(known)) or "none"
             raise StrategyOptionError(

@@ -284,6 +284,9 @@ def compute_grads(
     rng: Any,
     mesh: Any,
     microbatches: int,
+    prepare: Callable[..., Any],
+    forward: Callable[..., Any],
+    param_shardings: Any,
 ) -> Any:
     """Own the gradient computation of one step: forward and backward over its microbatches.
 
@@ -304,6 +307,14 @@ def compute_grads(
     :param rng: the step's key; fold in the microbatch index for each microbatch.
     :param mesh: the run's mesh.
     :param microbatches: how many microbatches the user asked for (``grad_accum``).
+    :param prepare: ``prepare(params)``: the parameters as the step uses them (cast to the
+        compute precision, gathered where a parallelism stores them split); under ``jax.jit``.
+    :param forward: ``forward(prepared, model_state, batch, rng)`` returns ``(loss,
+        (metrics, model_state))``: the loss of the parameters ``prepare`` gave, which a
+        plugin that writes the backward pass itself differentiates (pp's 1F1B schedules,
+        :mod:`shardplug.plugin.ticks`); the gradient with respect to the prepared parameters
+        is the stored ones' (cast back).
+    :param param_shardings: the parameters' stored shardings (NamedSharding), or None.
     :return: ``((loss, (metrics, model_state)), grads)`` for the whole batch: the mean loss
         and metrics, the model state after the step and the mean gradient; or None to leave
         the step to core.

@@ -48,8 +48,20 @@ class StrategyOption:
     default: Any
 
     def parse(self, text: str) -> Any:
-        """The option's value from text (``-o KEY=VALUE``), typed by its annotation."""
+        """The option's value from text (``-o KEY=VALUE``), typed by its annotation (of a
+        union, the first of its plain types the text is: ``none``, bool, int, float, str)."""
         kind = self.type
+        if "|" in kind:
+            kinds = [k.strip() for k in kind.split("|")]
+            if "None" in kinds and text.lower() == "none":
+                return None
+            for plain in ("bool", "int", "float", "str"):
+                if plain in kinds:
+                    try:
+                        return dataclasses.replace(self, type=plain).parse(text)
+                    except StrategyOptionError:
+                        continue
+            raise StrategyOptionError(f"option {self.name}={text!r} is not a valid {kind}")
         try:
             if kind == "bool":
                 if text.lower() not in ("true", "false", "1", "0"):

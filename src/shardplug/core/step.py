@@ -176,12 +176,24 @@ def make_step(
 
     # The model state is an argument, not a closure: frameworks that update it in place
     # (NNX's BatchStat) must see it at the level of the gradient's trace.
-    def loss_of(params, model_state, batch, rng):
+    per_layer: dict[int, Any] = {}  # of the prepared stacks gathered a layer at a time
+
+    def prepare(params):
         if compute is not None:  # cast before gathering: all-gathers move half the bytes
-            params, batch = _cast_floats((params, batch), compute)
-        params, per_layer = strategy.gather_for_step(params, mesh)
-        with layer_specs(per_layer), computing_in(compute):
+            params = _cast_floats(params, compute)
+        params, gathered = strategy.gather_for_step(params, mesh)
+        per_layer.clear()  # ids of this trace's arrays alone
+        per_layer.update(gathered)
+        return params
+
+    def forward(params, model_state, batch, rng):  # the parameters as prepare gives them
+        if compute is not None:
+            batch = _cast_floats(batch, compute)
+        with computing_in(compute), layer_specs(per_layer):
             return _forward(adapter, loss_fn, extras, params, model_state, rng, batch, True)
+
+    def loss_of(params, model_state, batch, rng):
+        return forward(prepare(params), model_state, batch, rng)
 
     value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
 
@@ -193,6 +205,7 @@ def make_step(
         owned = strategy.compute_grads(
             loss_and_grad=value_and_grad, params=state.params, model_state=state.model_state,
             batch=batch, rng=rng, mesh=mesh, microbatches=grad_accum,
+            prepare=prepare, forward=forward, param_shardings=param_shardings,
         )  # fmt: skip
         if owned is not None:  # a parallelism schedules the microbatches itself
             (loss, (metrics, model_state)), grads = owned

@@ -62,7 +62,8 @@ def grouped_mlp(
         return jax.shard_map(program, in_specs=P(), out_specs=P(), axis_names=free)(*operands)
     dot, experts = jax.lax.ragged_dot, w_in.shape[0]
     order = jnp.argsort(group, stable=True)
-    sizes = jnp.zeros(experts + 1, jnp.int32).at[group].add(1)[:experts]
+    # group E (the dropped) falls off the end; no slice of a split array (a collective-permute)
+    sizes = jnp.zeros(experts, jnp.int32).at[group].add(1, mode="drop")
     sorted_rows = rows[order]
     hidden = dot(sorted_rows, w_in, sizes)
     if w_gate is not None:

@@ -19,6 +19,9 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
+import jax
+from jax.sharding import PartitionSpec as P
+
 from shardplug.plugin import (
     LAYERS,
     RANK,
@@ -30,9 +33,16 @@ from shardplug.plugin import (
     Pipeline,
     StrategyOptionError,
     hookimpl,
+    mesh_axes,
     stack_operation,
 )
-from shardplug.plugins.pp.report import pipeline_report
+from shardplug.plugin.schedules import Schedule, Table, find_schedule
+from shardplug.plugin.stages import rows_split
+from shardplug.plugin.ticks import scheduled_grads
+from shardplug.plugins.pp.report import pipeline_report, written_report
+
+#: the schedule pp runs where none is asked for (see docs/guide.md for the measurement)
+DEFAULT_SCHEDULE = "gpipe"
 
 
 class PipelineParallel:
@@ -40,10 +50,17 @@ class PipelineParallel:
 
     :param microbatches: microbatches per step (M); 0 chooses 4 x stages, or the largest
         divisor of the batch below that (at least the stage count where the batch allows).
-    :param repeats: groups of layers per stage (R); above 1 the schedule is circular
-        (interleaved), bubble (S-1)/(R*M+S-1), and M must be a multiple of the stages.
-    :param remat: recompute each stage's activations in the backward pass (memory: the
-        stage inputs of every microbatch, not every activation); False keeps them.
+    :param repeats: groups of layers per stage (V); above 1 the schedule is circular
+        (interleaved), bubble (S-1)/(V*M+S-1), and M must be a multiple of the stages.
+    :param remat: recompute each stage's activations in its backward pass, keeping only
+        each layer's input; default: yes for ``gpipe`` (which otherwise keeps every
+        microbatch's), no for the schedules that write the backward pass in (which hold at
+        most about S microbatches' and run uneven ticks when B recomputes).
+    :param schedule: ``gpipe`` (every microbatch's forward pass, then autodiff's backward;
+        circular with ``repeats``), ``1f1b``, ``interleaved-1f1b`` (over ``repeats`` chunks
+        per stage) or ``zb`` (zero-bubble ZB-H1), a schedule registered under the entry-point
+        group ``shardplug.schedules``, or a :class:`shardplug.plugin.Schedule`. All but
+        ``gpipe`` write the backward pass into the schedule (:mod:`shardplug.plugin.ticks`).
     """
 
     unsupported: ClassVar[dict[str, str]] = {
@@ -52,7 +69,8 @@ class PipelineParallel:
         Capability.UNEVEN_SHAPES: "a model of two plain layers has no layer stack",
     }
 
-    def __init__(self, microbatches: int = 0, repeats: int = 1, remat: bool = True):
+    def __init__(self, microbatches: int = 0, repeats: int = 1, remat: bool | None = None,
+                 schedule: str | Schedule = DEFAULT_SCHEDULE):  # fmt: skip
         if not isinstance(microbatches, int) or microbatches < 0:
             raise StrategyOptionError(
                 f"pp option microbatches must be a non-negative integer, got {microbatches!r}"
@@ -61,9 +79,25 @@ class PipelineParallel:
             raise StrategyOptionError(
                 f"pp option repeats must be a positive integer, got {repeats!r}"
             )
+        written = None if schedule == "gpipe" else find_schedule(schedule)
+        if written is not None and repeats > 1 and not written.chunked:
+            raise StrategyOptionError(
+                f"pp option repeats={repeats} interleaves chunks of layers: use -o "
+                f"pp.schedule=interleaved-1f1b (or gpipe's circular schedule), not "
+                f"{written.name}"
+            )
+        if written is not None and written.chunked and repeats == 1:
+            raise StrategyOptionError(
+                f"pp's {written.name} schedule interleaves chunks of layers on each stage: "
+                f"give -o pp.repeats=V with V >= 2 chunks per stage"
+            )
         self.microbatches = microbatches
         self.repeats = repeats
-        self.remat = bool(remat)
+        self.written = written
+        self.schedule = "gpipe" if written is None else written.name
+        self.remat = (written is None) if remat is None else bool(remat)
+        self._plan: Pipeline | None = None
+        self.table: Table | None = None  # the last step's, for explain
 
     @hookimpl
     def parallel_axis(self):
@@ -101,9 +135,48 @@ class PipelineParallel:
             axis, mesh.shape[axis], self.microbatches, self.repeats, self.remat,
             replicas=replicas, replica_size=math.prod(mesh.shape[a] for a in replicas),
         )  # fmt: skip
+        self._plan = plan
         return Operations(layer_stack=stack_operation(plan))
 
     @hookimpl
+    def compute_grads(self, params, model_state, batch, rng, mesh, microbatches, prepare,
+                      forward, param_shardings):  # fmt: skip
+        if self.written is None or self._plan is None:
+            return None  # gpipe: the layer stack operation runs it, autodiff the rest
+        if microbatches > 1:
+            raise ConfigError(
+                f"pp's {self.schedule} schedule accumulates its microbatches itself: instead "
+                f"of --grad-accum {microbatches}, give -o pp.microbatches=M (M times as many)"
+            )
+        if param_shardings is None:
+            raise ConfigError(f"pp's {self.schedule} schedule needs the parameters' shardings")
+        plan = self._plan
+        specs = jax.tree.leaves(param_shardings, is_leaf=lambda s: hasattr(s, "spec"))
+        stacked = [bool(len(s.spec)) and plan.axis in mesh_axes(P(s.spec[0])) for s in specs]
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        plan = plan.split_over(_rows_split(batch)).resolve(rows)
+        layers = next(
+            (x.shape[0] for x, s in zip(jax.tree.leaves(params), stacked, strict=True) if s), 0
+        )
+        plan.check(layers, rows)
+        self.table = self.written.table(plan.stages, plan.microbatches, plan.repeats)
+        return scheduled_grads(
+            self.table, forward, prepare(params), model_state, batch, rng, axis=plan.axis,
+            stacked=stacked, replicas=plan.replicas, replica_size=plan.replica_size,
+            remat=self.remat,
+        )  # fmt: skip
+
+    @hookimpl
     def explain_step(self, axis, mesh, step):
-        report = pipeline_report(axis, mesh, step)
+        if self.written is not None and self.table is not None:
+            t = self.table
+            report = written_report(t, self.written.formula(t.stages, t.microbatches, t.chunks),
+                                    axis, mesh, step)  # fmt: skip
+        else:
+            report = pipeline_report(axis, mesh, step)
         return None if report is None else Explained(name="pipeline", report=report)
+
+
+def _rows_split(batch) -> int:
+    """The devices the batch's rows are laid out over by their type (explicit axes)."""
+    return max((rows_split(x) for x in jax.tree.leaves(batch)), default=1)

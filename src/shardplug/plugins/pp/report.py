@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from shardplug.plugin import Pipeline, circular_order
+from shardplug.plugin.schedules import B, F, Table
 
 
 def pipeline_report(axis: str, mesh: Any, step: Any) -> dict[str, Any] | None:
@@ -38,10 +39,13 @@ def pipeline_report(axis: str, mesh: Any, step: Any) -> dict[str, Any] | None:
     permutes = [c for c in step.collectives if c["kind"] == "collective-permute"]
     compiled = sum(c["bytes"] for c in permutes)
     return {
+        "schedule": "gpipe",
         "stages": s_,
         "microbatches": m_,
         "repeats": r_,
         "bubble": pl.bubble,
+        "formula": pl.bubble,
+        "peak_microbatches": [float(m_)] * s_,  # every microbatch's stage inputs, until B
         "layers": layers,
         "stage_layers": circular_order(layers, s_, r_).reshape(s_, -1).tolist(),
         "stack_bytes": sum(_bytes(leaf) for leaf, _ in stacked),
@@ -52,6 +56,50 @@ def pipeline_report(axis: str, mesh: Any, step: Any) -> dict[str, Any] | None:
             "compiled_bytes_per_step": compiled,
             "schedule_ops": 2 * pl.ticks,
             "textbook_bytes_per_step": 2 * send * pl.ticks,
+        },
+    }
+
+
+def written_report(table: Table, formula: float, axis: str, mesh: Any,
+                   step: Any) -> dict[str, Any] | None:  # fmt: skip
+    """The figures of a schedule written into the step (:mod:`shardplug.plugin.ticks`), from
+    the table it ran: its bubble as the stages' idle ticks against its authors' formula, the
+    microbatches' residuals each stage holds at most, the buffers it keeps, and its
+    collective-permutes: one forward and one back on each tick where some stage sends."""
+    stacked = [
+        (leaf, spec) for leaf, spec in zip(step.params, step.stored, strict=True)
+        if len(spec) and spec[0] == axis
+    ]  # fmt: skip
+    if not stacked:
+        return None
+    s_, v_, m_ = table.stages, table.chunks, table.microbatches
+    layers = stacked[0][0].shape[0]
+    chunk = np.maximum(table.chunk, 0) * s_ + np.arange(s_)[None, :]
+    c_ = s_ * v_
+    forward = int((((table.kind == F) & (chunk < c_ - 1)).any(axis=1)).sum())
+    backward = int((((table.kind == B) & (chunk > 0)).any(axis=1)).sum())
+    permutes = [c for c in step.collectives if c["kind"] == "collective-permute"]
+    return {
+        "schedule": table.name,
+        "stages": s_,
+        "microbatches": m_,
+        "repeats": v_,
+        "bubble": table.bubble,
+        "formula": formula,
+        "idle_ticks": table.idle.tolist(),
+        "peak_microbatches": table.peak,
+        "slots": table.slots,
+        "layers": layers,
+        "stage_layers": circular_order(layers, s_, v_).reshape(s_, -1).tolist(),
+        "stack_bytes": sum(_bytes(leaf) for leaf, _ in stacked),
+        "stack_bytes_per_device": sum(_bytes(leaf, spec, mesh) for leaf, spec in stacked),
+        "ticks": table.ticks,
+        "chart": table.chart(),
+        "collective_permute": {
+            "compiled_ops": sum(c["count"] for c in permutes),
+            "compiled_bytes_per_step": sum(c["bytes"] for c in permutes),
+            "schedule_ops": forward + backward,
+            "sending_ticks": {"forward": forward, "backward": backward},
         },
     }
 

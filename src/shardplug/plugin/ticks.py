@@ -1,0 +1,599 @@
+"""The tick loop: a schedule's :class:`~shardplug.plugin.schedules.Table` run over a stage
+axis, with the backward pass written into it.
+
+:func:`scheduled_grads` owns a training step's gradient (pp's ``compute_grads`` for the
+schedules of :mod:`.schedules`). It cuts the model's own loss at its layer stack, each piece
+the user's forward pass traced with the stack's operation answering differently: *pre* (up
+to the stack: the embeddings), the stack's blocks, and *post* (after it: the head and the
+loss). One ``lax.scan`` runs the table's ticks; at each:
+
+1. *pre*, where the first chunk's F runs (its microbatch's stack input);
+2. the stages, in ``jax.shard_map`` manual over the stage axis (and the replica axes), each
+   running the pass its row of the table names (``lax.switch``: an idle tick computes
+   nothing), after storing what arrived:
+
+   - F: the chunk's layers, each by ``jax.vjp``; the residuals stay in a slot until its W,
+     the output goes on (the last chunk's, to *post*);
+   - B: the input gradient (:mod:`.backward`'s first half of each layer's pullback), sent
+     back (the first chunk's, to *pre*); what W needs of it stays in a stash slot;
+   - W: the weight gradient (the second half), added to the stage's;
+
+   then one ``ppermute`` forward and one back, on the ticks where some stage sends;
+3. *post* and its gradient, where the last chunk's F ran (the microbatch's loss; the gradient
+   of the stack's output reaches the last stage at the next tick);
+4. *pre*'s gradient, where the first chunk's B ran.
+
+*pre* and *post* run outside the manual region, laid out by the compiler as in the rest of
+the step, so every parallelism of the composition splits them as it would without pp (the
+last stage's output and the first stage's input gradient leave the region, one microbatch
+at a time). Each microbatch's loss is its own mean, and the step's loss and gradient their
+mean over the microbatches, as gradient accumulation computes them (with a model whose loss
+is a mean over its rows: the whole batch's).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from shardplug.core import ops
+from shardplug.core.context import in_microbatches
+from shardplug.core.layer_stack import split_aux
+from shardplug.core.mesh import is_explicit
+from shardplug.core.sharding import lay_out, mesh_axes
+from shardplug.errors import ConfigError
+from shardplug.plugin import backward
+from shardplug.plugin.schedules import B, F, Table
+from shardplug.plugin.stages import microbatches
+
+#: the table's per-stage fields the stages read at each tick
+_STAGE_FIELDS = ("kind", "chunk", "micro", "residual", "inbox", "grad", "stash",
+                 "recv_forward", "recv_backward", "recv_loss", "first")  # fmt: skip
+
+
+def scheduled_grads(
+    table: Table,
+    forward: Callable[..., Any],
+    params: Any,
+    model_state: Any,
+    batch: Any,
+    rng: Any,
+    *,
+    axis: str,
+    stacked: list[bool],
+    replicas: tuple[str, ...] = (),
+    replica_size: int = 1,
+    remat: bool = False,
+) -> Any:
+    """``((loss, (metrics, model_state)), grads)`` for the step, by ``table`` (see the
+    module), the gradient with respect to ``params``.
+
+    :param forward: ``forward(params, model_state, batch, rng) -> (loss, (metrics, state))``,
+        the user's loss with the model bound (core's, of the prepared parameters).
+    :param params: the parameters as the forward pass uses them, the layer stack's leaves
+        split over ``axis`` along their first (layer) dimension.
+    :param stacked: which of ``params``' leaves (in ``jax.tree.leaves`` order) belong to the
+        layer stack.
+    :param replicas: batch axes no parameter is split over, manual in the stages (each
+        device its own rows); ``replica_size``: their devices.
+    :param remat: keep only each layer's input from F, its activations recomputed in B.
+    """
+    s_, v_, m_ = table.stages, table.chunks, table.microbatches
+    c_ = s_ * v_
+    leaves, treedef = jax.tree.flatten(params)
+    stack = [x for x, s in zip(leaves, stacked, strict=True) if s]
+    other = [x for x, s in zip(leaves, stacked, strict=True) if not s]
+    if not stack:
+        raise ConfigError("pp's schedules split a layer stack; this model's step has none")
+    layers = stack[0].shape[0]
+    g_ = layers // c_
+    rows = None if not replicas else replicas[0] if len(replicas) == 1 else replicas
+    mbs = jax.tree.map(lambda x: _cut(x, m_), batch)
+
+    def run(op, stack_leaves, other_leaves, data, key):
+        full = jax.tree.unflatten(treedef, _merge(stacked, stack_leaves, other_leaves))
+        with ops.override("layer_stack", op):
+            return forward(full, model_state, data, key)
+
+    # The stack as the model runs it: its block, its parameters (which of ours, by identity),
+    # and what it returns, from one trace of the whole batch (what the block closes over is
+    # the batch's, as under the stack's own operation).
+    seen: dict[str, Any] = {}
+
+    def capture(block, sp, x, *, layers):
+        if seen:
+            raise ConfigError(
+                "pp's schedules run one layer stack per step; this model runs two: use -o "
+                "pp.schedule=gpipe"
+            )
+        first = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), sp)
+        _, aux = jax.eval_shape(lambda w, h: split_aux(block(w, h)), first, x)
+        seen.update(block=block, sp=sp, aux=aux)
+        return _placeholder(x, aux, layers)
+
+    with in_microbatches():
+        _, (_, new_state) = run(capture, stack, other, batch, rng)
+    if not seen:
+        raise ConfigError("pp's schedules split a layer stack, and this model never ran one")
+    _refuse_new_state(model_state, new_state)
+    block, aux_shape = seen["block"], seen["aux"]
+    if remat:
+        block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+    has_aux = aux_shape is not None
+    ids = {id(w): i for i, w in enumerate(stack)}
+    sp_leaves, sp_tree = jax.tree.flatten(seen["sp"])
+    if any(id(w) not in ids for w in sp_leaves):
+        raise ConfigError(
+            "pp's schedules need the layer stack's parameters as the model stores them; this "
+            "model computes them, or passes its stack per-layer state: use -o "
+            "pp.schedule=gpipe"
+        )
+    view = [ids[id(w)] for w in sp_leaves]  # the stack operation's leaves, as our stack's
+    if v_ > 1:  # each stage's share holds its V non-adjacent chunks: c, c + S, ...
+        stack = [_chunked(x, s_, v_, axis) for x in stack]
+
+    def placeholder_run(stack_leaves, other_leaves, m, op):
+        with in_microbatches():
+            return run(op, stack_leaves, other_leaves, _pick(mbs, m), jax.random.fold_in(rng, m))
+
+    def pre(other_leaves, m):
+        got = {}
+
+        def op(block, sp, x, *, layers):
+            got["x"] = x
+            return _placeholder(x, aux_shape, layers)
+
+        placeholder_run(stack, other_leaves, m, op)
+        return got["x"]
+
+    def post(other_leaves, m, msg):
+        def op(block, sp, x, *, layers):
+            return msg
+
+        loss, (metrics, _) = placeholder_run(stack, other_leaves, m, op)
+        return loss, metrics
+
+    x_aval = jax.eval_shape(lambda o: pre(o, 0), other)
+    zero_x = _zeros(x_aval)
+
+    def message(h):  # what passes between the stages: h, and each layer's aux where one is
+        if not has_aux:
+            return h
+        return (h, jax.tree.map(lambda a: jnp.zeros((layers, *a.shape), a.dtype), aux_shape))
+
+    # ---- one stage's chunk: its layers' F, B and W passes ----
+    def chunk_params(local, k):
+        return jax.tree.unflatten(
+            sp_tree, [jax.lax.dynamic_slice_in_dim(local[i], k * g_, g_, 0) for i in view]
+        )
+
+    pulls: dict[str, Any] = {}
+
+    def layer_forward(h, w):
+        y, pull = jax.vjp(block, w, h)
+        res, tree = jax.tree.flatten(pull)
+        mine = {id(x): i for i, x in enumerate(jax.tree.leaves(w))}
+        where = tuple(mine.get(id(r), -1) for r in res)  # -1: stored, else the weight's
+        pulls.update(tree=tree, where=where)
+        y_h, aux = split_aux(y)
+        return y_h, ([r for r, i in zip(res, where, strict=True) if i < 0], aux)
+
+    def kept(res, w):
+        """A layer's pullback leaves: the stored residuals with its weights put back."""
+        given, wl = iter(res), jax.tree.leaves(w)
+        return [next(given) if i < 0 else wl[i] for i in pulls["where"]]
+
+    def pullback(k_leaves, g):
+        g = g if has_aux else g[0]
+        return jax.tree.unflatten(pulls["tree"], k_leaves)(g)
+
+    def cut_layer(k_leaves, g):
+        return backward.cut(pullback, k_leaves, g)[0]
+
+    def f_pass(local, k, msg, stage):
+        h, acc = msg if has_aux else (msg, None)
+        h, (res, aux) = jax.lax.scan(layer_forward, h, chunk_params(local, k))
+        if has_aux:
+            first = (k * s_ + stage) * g_  # the chunk's first layer in the model's order
+            acc = jax.tree.map(
+                lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), first, 0),
+                acc, aux,
+            )  # fmt: skip
+            return (h, acc), res
+        return h, res
+
+    def b_pass(local, k, g_msg, res, stage):
+        g_h, g_acc = g_msg if has_aux else (g_msg, None)
+        g_aux = None
+        if has_aux:
+            first = (k * s_ + stage) * g_
+            g_aux = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, first, g_, 0), g_acc)
+
+        def layer(g, inputs):
+            w, r, ga = inputs
+            k_leaves = kept(r, w)
+            given = (g, ga) if has_aux else (g,)
+            c = cut_layer(k_leaves, given)
+            gx, stash = backward.input_grads(c, k_leaves, jax.tree.leaves(given))
+            return gx[0], stash
+
+        g_h, stash = jax.lax.scan(layer, g_h, (chunk_params(local, k), res, g_aux), reverse=True)
+        return ((g_h, g_acc) if has_aux else g_h), stash
+
+    def w_pass(local, k, res, stash, g_like):
+        def layer(_, inputs):
+            w, r, st = inputs
+            k_leaves = kept(r, w)
+            c = cut_layer(k_leaves, g_like)
+            return None, backward.weight_grads(c, k_leaves, st)
+
+        _, gw = jax.lax.scan(layer, None, (chunk_params(local, k), res, stash))
+        return gw  # per leaf of the stack operation's parameters, (G, ...)
+
+    # ---- the buffers each stage keeps, from an abstract run of one layer's F and B ----
+    msg_local = jax.eval_shape(lambda: message(_local_rows(zero_x, replica_size)))
+    slots = table.slots
+
+    def probe(local, msg):
+        h, res = f_pass(local, 0, msg, 0)
+        _, stash = b_pass(local, 0, h, res, 0)
+        return [r[None, None] for r in res], [x[None, None] for x in stash]
+
+    manual = {axis, *replicas}
+
+    def in_region(fn, in_specs, out_specs):
+        """``fn`` as a program manual over the stage and replica axes, its operands laid out
+        for it."""
+        program = jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=manual,
+                                check_vma=False)  # fmt: skip
+
+        def call(*args):
+            specs = jax.tree.map(
+                lambda spec, a: jax.tree.map(lambda _: spec, a), in_specs, args,
+                is_leaf=lambda x: isinstance(x, P),
+            )  # fmt: skip
+            return program(*_matched(args, specs, manual))
+
+        return call
+
+    res_avals, stash_avals = jax.eval_shape(
+        in_region(probe, ([P(axis)] * len(stack), P(rows)), P(axis, rows)),
+        stack,
+        _zeros(jax.eval_shape(lambda: message(zero_x))),
+    )
+    g_like = _layer_given(msg_local, has_aux, g_)
+
+    def buffer(count, aval):  # (stages, replicas, slots, *one's shape)
+        return jnp.zeros((s_, replica_size, count, *aval.shape), aval.dtype)
+
+    def slot_buffers(count, tree):
+        return jax.tree.map(lambda a: buffer(count, a), tree)
+
+    state = {
+        "inbox": slot_buffers(slots["inbox"], msg_local),
+        "grad": slot_buffers(slots["grad"], msg_local),
+        "res": [_slotted(a, slots["residual"]) for a in res_avals],
+        "stash": [_slotted(a, slots["stash"]) for a in stash_avals],
+        "recv_f": slot_buffers(1, msg_local),
+        "recv_b": slot_buffers(1, msg_local),
+        "acc": [jnp.zeros((replica_size, *x.shape), jnp.float32) for x in stack],
+    }
+    spec = P(axis, rows)
+    state_spec = {k: (P(rows, axis) if k == "acc" else spec) for k in state}
+    msg_spec = jax.tree.map(lambda _: P(rows), msg_local)
+    if has_aux:  # an aux's first dimension is layers, not rows
+        msg_spec = (P(rows), jax.tree.map(lambda _: P(), msg_local[1]))
+
+    def stages(local, st, x_in, gy_in, row):
+        """One tick of every stage, inside the manual region (see the module)."""
+        stage = jax.lax.axis_index(axis)
+        me = {k: row[k][stage] for k in _STAGE_FIELDS}
+        st = {k: jax.tree.map(lambda a: a[0, 0], v) for k, v in st.items() if k != "acc"} | {
+            "acc": [a[0] for a in st["acc"]]
+        }
+        recv_f = jax.tree.map(lambda a: a[0], st.pop("recv_f"))
+        recv_b = jax.tree.map(lambda a: a[0], st.pop("recv_b"))
+        st["inbox"] = _put(st["inbox"], me["recv_forward"], recv_f)
+        st["grad"] = _put(st["grad"], me["recv_backward"], recv_b)
+        st["grad"] = _put(st["grad"], me["recv_loss"], gy_in)
+        none = _zeros(msg_local)
+        st["send_f"], st["send_b"] = none, none
+
+        def idle(st):
+            return st
+
+        def fwd(st):
+            st = dict(st)
+            inbox = _get(st["inbox"], me["inbox"])
+            start = message(x_in) if has_aux else x_in
+            msg = jax.tree.map(lambda a, b: jnp.where(me["first"] > 0, a, b), start, inbox)
+            st["send_f"], res = f_pass(local, me["chunk"], msg, stage)
+            st["res"] = _put_list(st["res"], me["residual"], res)
+            return st
+
+        def bwd(st):
+            st = dict(st)
+            res = [b[me["residual"]] for b in st["res"]]
+            st["send_b"], stash = b_pass(local, me["chunk"], _get(st["grad"], me["grad"]), res,
+                                         stage)  # fmt: skip
+            st["stash"] = _put_list(st["stash"], me["stash"], stash)
+            return st
+
+        def wgt(st):
+            st = dict(st)
+            res = [b[me["residual"]] for b in st["res"]]
+            stash = [b[me["stash"]] for b in st["stash"]]
+            gw = w_pass(local, me["chunk"], res, stash, g_like)
+            acc = list(st["acc"])
+            start = me["chunk"] * g_
+            for i, g in zip(view, gw, strict=True):
+                now = jax.lax.dynamic_slice_in_dim(acc[i], start, g_, 0) + g.astype(jnp.float32)
+                acc[i] = jax.lax.dynamic_update_slice_in_dim(acc[i], now, start, 0)
+            st["acc"] = acc
+            return st
+
+        st = jax.lax.switch(me["kind"], [idle, fwd, bwd, wgt], st)
+        forward_ring = [(i, (i + 1) % s_) for i in range(s_)]
+        backward_ring = [((i + 1) % s_, i) for i in range(s_)]
+        send_f, send_b = st.pop("send_f"), st.pop("send_b")
+        st["recv_f"] = _sent(row["any_forward"], send_f, axis, forward_ring)
+        st["recv_b"] = _sent(row["any_backward"], send_b, axis, backward_ring)
+        # the last stage's output and the first stage's input gradient leave the region
+        y = _leaving(row["post_micro"] >= 0, send_f, stage == s_ - 1, axis,
+                     replicas if has_aux else ())  # fmt: skip
+        gx = _leaving(row["gx_micro"] >= 0, send_b[0] if has_aux else send_b, stage == 0, axis,
+                      ())  # fmt: skip
+        acc = [a[None] for a in st.pop("acc")]
+        st = {k: jax.tree.map(lambda a: a[None, None], v) for k, v in st.items()}
+        st["acc"] = acc
+        return st, y, gx
+
+    row_spec = {k: P() for k in (*_STAGE_FIELDS, "any_forward", "any_backward", "post_micro",
+                                 "gx_micro")}  # fmt: skip
+    x_spec = msg_spec[0] if has_aux else msg_spec
+    region = in_region(
+        stages,
+        ([P(axis)] * len(stack), state_spec, x_spec, msg_spec, row_spec),
+        (state_spec, (x_spec, jax.tree.map(lambda _: P(), msg_local[1]))
+         if has_aux else x_spec, x_spec),
+    )  # fmt: skip
+
+    metric_avals = jax.eval_shape(lambda o: post(o, 0, message(zero_x))[1], other)
+
+    def tick(carry, row):
+        st, gy, top = carry
+        x_in = jax.lax.cond(row["pre_micro"] >= 0, lambda: pre(other, row["pre_micro"]),
+                            lambda: zero_x)  # fmt: skip
+        st, y, gx = region(stack, st, x_in, gy, {k: row[k] for k in row_spec})
+
+        def with_post(top):
+            top = dict(top)
+            m = row["post_micro"]
+            (loss, metrics), pull = jax.vjp(lambda o, y: post(o, m, y), other, y)
+            g_other, g_y = pull((jnp.asarray(1 / m_, loss.dtype), _zeros(metrics)))
+            top["other"] = _add(top["other"], g_other)
+            top["loss"] = top["loss"] + loss.astype(jnp.float32) / m_
+            top["metrics"] = jax.tree.map(lambda a, b: a + b.astype(jnp.float32) / m_,
+                                          top["metrics"], metrics)  # fmt: skip
+            return top, g_y
+
+        top, gy = jax.lax.cond(row["post_micro"] >= 0, with_post,
+                               lambda top: (dict(top), _zeros(gy)), top)  # fmt: skip
+
+        def with_pre(top):
+            top = dict(top)
+            _, pull = jax.vjp(lambda o: pre(o, row["gx_micro"]), other)
+            top["other"] = _add(top["other"], pull(gx)[0])
+            return top
+
+        top = jax.lax.cond(row["gx_micro"] >= 0, with_pre, dict, top)
+        return (st, gy, top), None
+
+    top = {
+        "other": [jnp.zeros(x.shape, jnp.float32) for x in other],
+        "loss": jnp.zeros((), jnp.float32),
+        "metrics": jax.tree.map(lambda a: jnp.zeros((), jnp.float32), metric_avals),
+    }
+    gy0 = _zeros(jax.eval_shape(lambda: message(zero_x)))
+    state = _matched(state, {k: _like(state[k], spec) for k, spec in state_spec.items()}, manual)
+    with in_microbatches():
+        (st, _, top), _ = jax.lax.scan(tick, (state, gy0, top), _rows(table))
+    g_stack = [a.sum(0) for a in st["acc"]]  # each replica's rows' share, summed
+    if v_ > 1:  # back in the model's order
+        g_stack = [g.reshape(s_, v_, g_, *g.shape[1:]).swapaxes(0, 1).reshape(g.shape)
+                   for g in g_stack]  # fmt: skip
+    grads = jax.tree.unflatten(treedef, _merge(stacked, g_stack, top["other"]))
+    grads = jax.tree.map(lambda g, x: g.astype(x.dtype), grads, params)
+    return (top["loss"], (top["metrics"], model_state)), grads
+
+
+def _slotted(aval: Any, count: int) -> jax.Array:
+    """Zeros for ``count`` slots of a ``(stages, replicas, *one)`` value."""
+    return jnp.zeros((*aval.shape[:2], count, *aval.shape[2:]), aval.dtype)
+
+
+def _like(tree: Any, spec: P) -> Any:
+    return jax.tree.map(lambda _: spec, tree)
+
+
+def _chunked(x: jax.Array, s_: int, v_: int, axis: str) -> jax.Array:
+    """A stacked leaf reordered so that stage ``s``'s contiguous share holds chunks ``s, s +
+    S, ..., s + (V-1)S`` (of L/(V*S) layers each)."""
+    g_ = x.shape[0] // (s_ * v_)
+    x = x.reshape(v_, s_, g_, *x.shape[1:]).swapaxes(0, 1)
+    x = lay_out(x, P(axis, *([P.UNCONSTRAINED] * (x.ndim - 1))))
+    return x.reshape(s_ * v_ * g_, *x.shape[3:])
+
+
+def _layer_given(msg_local: Any, has_aux: bool, g_: int) -> Any:
+    """The abstract cotangent one layer's pullback is given: its output's (and its aux's)."""
+    if not has_aux:
+        return (jax.ShapeDtypeStruct(msg_local.shape, msg_local.dtype),)
+    h, acc = msg_local
+    return (
+        jax.ShapeDtypeStruct(h.shape, h.dtype),
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), acc),
+    )
+
+
+def _placeholder(x: Any, aux: Any, layers: int) -> Any:
+    """A stack's output of the right shape, where its value is not used."""
+    if aux is None:
+        return jnp.zeros_like(x)
+    return jnp.zeros_like(x), jax.tree.map(lambda a: jnp.zeros((layers, *a.shape), a.dtype), aux)
+
+
+def _refuse_new_state(before: Any, after: Any) -> None:
+    """One line for a model whose step changes its state: each microbatch's loss runs alone
+    here, and a state updated from the whole batch (a router's balancing bias, batch
+    statistics) cannot be."""
+    old, new = jax.tree.leaves(before), jax.tree.leaves(after)
+    if len(old) != len(new) or any(a is not b for a, b in zip(old, new, strict=False)):
+        raise ConfigError(
+            "pp's 1F1B and zero-bubble schedules compute each microbatch's loss as its "
+            "gradient comes back, and this model updates its state from the batch (batch "
+            "statistics, a router's balancing bias): use -o pp.schedule=gpipe"
+        )
+
+
+def _local_rows(x: jax.Array, replica_size: int) -> jax.Array:
+    return jnp.zeros((x.shape[0] // replica_size, *x.shape[1:]), x.dtype)
+
+
+def _sent(any_send: Any, value: Any, axis: str, perm: list[tuple[int, int]]) -> Any:
+    """``value`` sent round the ring where some stage sends this tick (else zeros)."""
+    return jax.lax.cond(
+        any_send > 0,
+        lambda: jax.tree.map(lambda a: jax.lax.ppermute(a, axis, perm)[None], value),
+        lambda: jax.tree.map(lambda a: jnp.zeros_like(a)[None], value),
+    )
+
+
+def _leaving(flag: Any, value: Any, mine: Any, axis: str, replicas: tuple[str, ...]) -> Any:
+    """One stage's ``value`` for outside the region (the sum over the stage axis, the rest
+    zeros), where ``flag`` says it leaves this tick; the aux of a message ``(h, aux)`` also
+    summed over the replicas' rows."""
+
+    def out():
+        summed = jax.tree.map(lambda a: jax.lax.psum(jnp.where(mine, a, 0), axis), value)
+        if replicas and isinstance(summed, tuple):
+            return summed[0], jax.tree.map(lambda a: jax.lax.psum(a, replicas), summed[1])
+        return summed
+
+    return jax.lax.cond(flag, out, lambda: _zeros(value))
+
+
+def _zeros(tree: Any) -> Any:
+    """Zeros like each leaf of ``tree`` (arrays or their shapes), laid out alike on explicit
+    axes (where ``lax.cond``'s branches must agree)."""
+
+    def one(a):
+        if isinstance(a, jax.Array):
+            return jnp.zeros_like(a)
+        z = jnp.zeros(a.shape, a.dtype)
+        spec = getattr(getattr(a, "sharding", None), "spec", None)
+        if spec is None or not is_explicit(jax.sharding.get_abstract_mesh()):
+            return z
+        return jax.sharding.reshard(z, spec) if any(e is not None for e in spec) else z
+
+    return jax.tree.map(one, tree)
+
+
+def _merge(stacked: list[bool], stack: list[Any], other: list[Any]) -> list[Any]:
+    it_s, it_o = iter(stack), iter(other)
+    return [next(it_s) if s else next(it_o) for s in stacked]
+
+
+def _pick(mbs: Any, m: Any) -> Any:
+    return jax.tree.map(lambda x: x[m], mbs)
+
+
+def _get(buf: Any, slot: Any) -> Any:
+    return jax.tree.map(lambda b: b[jnp.maximum(slot, 0)], buf)
+
+
+def _put(buf: Any, slot: Any, value: Any) -> Any:
+    """``value`` into ``buf[slot]`` where ``slot`` >= 0."""
+
+    def one(b, x):
+        at = jnp.maximum(slot, 0)
+        x = jnp.where(slot >= 0, x.astype(b.dtype), b[at])
+        return jax.lax.dynamic_update_index_in_dim(b, x, at, 0)
+
+    return jax.tree.map(one, buf, value)
+
+
+def _put_list(bufs: list[Any], slot: Any, values: list[Any]) -> list[Any]:
+    return [jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), slot, 0)
+            for b, v in zip(bufs, values, strict=True)]  # fmt: skip
+
+
+def _add(acc: list[Any], grads: list[Any]) -> list[Any]:
+    return [a + g.astype(a.dtype) for a, g in zip(acc, grads, strict=True)]
+
+
+def _rows(table: Table) -> dict[str, jax.Array]:
+    """The table's per-tick rows: each stage's pass and slots, and what runs outside the
+    stages: whose stack input *pre* makes, whose output *post* takes, whose input gradient
+    goes into *pre*'s, and whether any stage sends forward or back."""
+    s_, c_ = table.stages, table.stages * table.chunks
+    chunk = np.maximum(table.chunk, 0) * s_ + np.arange(s_)[None, :]
+    first, last = chunk == 0, chunk == c_ - 1
+    out = {k: np.asarray(getattr(table, k)) for k in _STAGE_FIELDS if k != "first"}
+    out["chunk"] = np.maximum(table.chunk, 0)
+    out["micro"] = np.maximum(table.micro, 0)
+    out["first"] = (first & (table.kind == F)).astype(np.int32)
+
+    def where(kind, at):
+        return np.where((table.kind == kind) & at, table.micro, -1).max(axis=1)
+
+    out["pre_micro"] = where(F, first)
+    out["post_micro"] = where(F, last)
+    out["gx_micro"] = where(B, first)
+    out["any_forward"] = ((table.kind == F) & ~last).any(axis=1).astype(np.int32)
+    out["any_backward"] = ((table.kind == B) & ~first).any(axis=1).astype(np.int32)
+    return {k: jnp.asarray(v, jnp.int32) for k, v in out.items()}
+
+
+def _cut(x: Any, count: int) -> Any:
+    """A batch leaf cut into ``count`` microbatches (rows ``m, m + count, ...``)."""
+    if not np.ndim(x):
+        raise ConfigError(
+            "pp's schedules cut every batch leaf into microbatches along its rows; give the "
+            "batch's scalars as arrays with one row each, or use -o pp.schedule=gpipe"
+        )
+    if x.shape[0] % count:
+        raise ConfigError(
+            f"{count} microbatches do not divide the batch of {x.shape[0]}: choose -o "
+            f"microbatches=M with M dividing {x.shape[0]}"
+        )
+    return microbatches(x, count)
+
+
+def _matched(tree: Any, specs: Any, manual: set[str]) -> Any:
+    """On explicit axes, ``tree`` laid out over the ``manual`` axes as ``specs`` say (the
+    other axes as they are), as ``jax.shard_map`` requires of its operands; else as it is."""
+    if not is_explicit(jax.sharding.get_abstract_mesh()):
+        return tree
+
+    def one(x, spec):
+        now = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+        want = tuple(spec) + (None,) * x.ndim
+        out = []
+        for d in range(x.ndim):
+            kept = tuple(a for a in mesh_axes(P(now[d])) if a not in manual)
+            axes = tuple(mesh_axes(P(want[d]))) + kept
+            out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        target = P(*out)
+        return x if tuple(now[: x.ndim]) == tuple(out) else jax.sharding.reshard(x, target)
+
+    return jax.tree.map(one, tree, specs, is_leaf=lambda s: isinstance(s, P))
+
+
+__all__ = ["math", "scheduled_grads"]
