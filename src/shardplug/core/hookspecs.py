@@ -311,8 +311,8 @@ def compute_grads(
         compute precision, gathered where a parallelism stores them split); under ``jax.jit``.
     :param forward: ``forward(prepared, model_state, batch, rng)`` returns ``(loss,
         (metrics, model_state))``: the loss of the parameters ``prepare`` gave, which a
-        plugin that writes the backward pass itself differentiates (pp's 1F1B schedules,
-        :mod:`shardplug.plugin.ticks`); the gradient with respect to the prepared parameters
+        plugin that writes the backward pass itself differentiates (a pipeline schedule's
+        own, :mod:`shardplug.plugin.ticks`); the gradient with respect to the prepared parameters
         is the stored ones' (cast back).
     :param param_shardings: the parameters' stored shardings (NamedSharding), or None.
     :return: ``((loss, (metrics, model_state)), grads)`` for the whole batch: the mean loss
@@ -334,6 +334,7 @@ def compute_grads(
 # contract (registered with it).
 from shardplug.core.parallel_hooks import (  # noqa: E402
     check_layout,
+    check_program,
     explain_step,
     gather_param,
     operations,
@@ -345,6 +346,7 @@ from shardplug.core.parallel_hooks import (  # noqa: E402
 
 __all__ = [
     "check_layout",
+    "check_program",
     "compile_step",
     "compute_grads",
     "encode_grads",

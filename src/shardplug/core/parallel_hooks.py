@@ -10,7 +10,8 @@ innermost first):
   is built for a batch structure;
 - while a step is traced: :func:`gather_param` (mesh order), and the :func:`operations` it
   computes its own way (attention, a mixture of experts' product, a layer stack's loop);
-- after compiling, for ``explain``: :func:`explain_step`.
+- after compiling: :func:`check_program` (before it runs), and for ``explain``:
+  :func:`explain_step`.
 
 Every hook is optional but :func:`parallel_axis`; the fallbacks split nothing and keep every
 layout as stored.
@@ -251,4 +252,28 @@ def explain_step(axis: str, mesh: Any, step: StepFacts) -> Explained | None:
         def explain_step(self, axis, step):
             sent = sum(c["bytes"] for c in step.collectives if c["kind"] == "collective-permute")
             return Explained(notes=(f"{axis}: {sent} B of collective-permutes a step",))
+    """
+
+
+@hookspec(firstresult=True)
+def check_program(axis: str, mesh: Any, hlo: str) -> None:
+    """Refuse, in one line, a compiled training step this parallelism cannot run.
+
+    Called once each training step is compiled, before it first runs, with the optimised
+    program's text (``compiled.as_text()``; asked only of parallelisms that implement this
+    hook). Raise :class:`shardplug.plugin.ConfigError` saying what to change; return None to
+    let it run.
+
+    :param axis: this parallelism's mesh axis, as the run names it.
+    :param mesh: the run's mesh.
+    :param hlo: the compiled program's HLO text.
+
+    Example, a pipeline whose stages each choose their own pass: a collective-permute inside
+    that choice (the other stages never reach it; it would wait forever)::
+
+        @hookimpl
+        def check_program(self, axis, hlo):
+            if any("collective-permute(" in line and "stage_pass/" in line
+                   for line in hlo.splitlines()):
+                raise ConfigError("...: use a schedule that runs one pass on every stage")
     """

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import jax
 
 from shardplug.core import ops
+from shardplug.core.compose import implemented
 from shardplug.core.step import key_impl, unwrap_keys, wrap_keys
 from shardplug.errors import PluginError, unsay
 from shardplug.loop import feed
@@ -176,7 +177,19 @@ def _trace(step_for, abstract, batch_shardings, *, strategy, mesh, state_shardin
 def build(step_for: Callable[[Any], Callable], batch: Any, **context: Any) -> Program:
     """:func:`lower`, compiled: the program for batches shaped like ``batch``."""
     lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
-    return Program(lowered.compile(), batch_shardings, feed.signature(batch), jaxpr)
+    compiled = lowered.compile()
+    _checked(compiled, context["strategy"], context["mesh"])
+    return Program(compiled, batch_shardings, feed.signature(batch), jaxpr)
+
+
+def _checked(compiled: Any, strategy: Any, mesh: Any) -> None:
+    """The parallelisms that check a compiled program (``check_program``) shown it."""
+    parts = strategy.composition.parts if strategy.composition is not None else []
+    asked = [p for p in parts if "check_program" in implemented(p.plugin)]
+    if asked:
+        text = compiled.as_text()
+        for part in asked:
+            part.call("check_program", axis=part.axis.name, mesh=mesh, hlo=text)
 
 
 def place(program: Program, batch: Any, index: int) -> Any:

@@ -2,10 +2,9 @@
 axis, with the backward pass written into it.
 
 :func:`scheduled_grads` owns a training step's gradient (pp's ``compute_grads`` for the
-schedules of :mod:`.schedules`). It cuts the model's own loss at its layer stack, each piece
-the user's forward pass traced with the stack's operation answering differently: *pre* (up
-to the stack: the embeddings), the stack's blocks, and *post* (after it: the head and the
-loss). One ``lax.scan`` runs the table's ticks; at each:
+schedules of :mod:`.schedules`). It cuts the model's own loss at its layer stack
+(:mod:`.chunks`): *pre* (up to the stack: the embeddings), the stack's blocks, and *post*
+(after it: the head and the loss). One ``lax.scan`` runs the table's ticks; at each:
 
 1. *pre*, where the first chunk's F runs (its microbatch's stack input);
 2. the stages, in ``jax.shard_map`` manual over the stage axis (and the replica axes), each
@@ -34,6 +33,7 @@ is a mean over its rows: the whole batch's).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -42,15 +42,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core import ops
 from shardplug.core.context import in_microbatches
-from shardplug.core.layer_stack import split_aux
 from shardplug.core.mesh import is_explicit
 from shardplug.core.sharding import lay_out, mesh_axes
 from shardplug.errors import ConfigError
-from shardplug.plugin import backward
+from shardplug.plugin.chunks import Chunk, cut_at_stack, merged
 from shardplug.plugin.schedules import B, F, Table
 from shardplug.plugin.stages import microbatches
+
+#: the name scope of the pass each stage runs: what a compiled program runs there, only that
+#: stage's devices reach (:func:`divergent_permutes`)
+STAGE_PASS = "stage_pass"
 
 #: the table's per-stage fields the stages read at each tick
 _STAGE_FIELDS = ("kind", "chunk", "micro", "residual", "inbox", "grad", "stash",
@@ -85,164 +87,38 @@ def scheduled_grads(
     :param remat: keep only each layer's input from F, its activations recomputed in B.
     """
     s_, v_, m_ = table.stages, table.chunks, table.microbatches
-    c_ = s_ * v_
     leaves, treedef = jax.tree.flatten(params)
     stack = [x for x, s in zip(leaves, stacked, strict=True) if s]
     other = [x for x, s in zip(leaves, stacked, strict=True) if not s]
     if not stack:
         raise ConfigError("pp's schedules split a layer stack; this model's step has none")
     layers = stack[0].shape[0]
-    g_ = layers // c_
+    g_ = layers // (s_ * v_)
     rows = None if not replicas else replicas[0] if len(replicas) == 1 else replicas
     mbs = jax.tree.map(lambda x: _cut(x, m_), batch)
-
-    def run(op, stack_leaves, other_leaves, data, key):
-        full = jax.tree.unflatten(treedef, _merge(stacked, stack_leaves, other_leaves))
-        with ops.override("layer_stack", op):
-            return forward(full, model_state, data, key)
-
-    # The stack as the model runs it: its block, its parameters (which of ours, by identity),
-    # and what it returns, from one trace of the whole batch (what the block closes over is
-    # the batch's, as under the stack's own operation).
-    seen: dict[str, Any] = {}
-
-    def capture(block, sp, x, *, layers):
-        if seen:
-            raise ConfigError(
-                "pp's schedules run one layer stack per step; this model runs two: use -o "
-                "pp.schedule=gpipe"
-            )
-        first = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), sp)
-        _, aux = jax.eval_shape(lambda w, h: split_aux(block(w, h)), first, x)
-        seen.update(block=block, sp=sp, aux=aux)
-        return _placeholder(x, aux, layers)
-
-    with in_microbatches():
-        _, (_, new_state) = run(capture, stack, other, batch, rng)
-    if not seen:
-        raise ConfigError("pp's schedules split a layer stack, and this model never ran one")
-    _refuse_new_state(model_state, new_state)
-    block, aux_shape = seen["block"], seen["aux"]
-    if remat:
-        block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
-    has_aux = aux_shape is not None
-    ids = {id(w): i for i, w in enumerate(stack)}
-    sp_leaves, sp_tree = jax.tree.flatten(seen["sp"])
-    if any(id(w) not in ids for w in sp_leaves):
-        raise ConfigError(
-            "pp's schedules need the layer stack's parameters as the model stores them; this "
-            "model computes them, or passes its stack per-layer state: use -o "
-            "pp.schedule=gpipe"
-        )
-    view = [ids[id(w)] for w in sp_leaves]  # the stack operation's leaves, as our stack's
+    cut = cut_at_stack(forward, model_state, treedef, stacked, stack, other, batch, rng)
     if v_ > 1:  # each stage's share holds its V non-adjacent chunks: c, c + S, ...
         stack = [_chunked(x, s_, v_, axis) for x in stack]
+    chunk = Chunk(cut, g_, s_, remat)
+    has_aux = cut.aux is not None
+    message = cut.message
 
-    def placeholder_run(stack_leaves, other_leaves, m, op):
-        with in_microbatches():
-            return run(op, stack_leaves, other_leaves, _pick(mbs, m), jax.random.fold_in(rng, m))
+    def pre(other, m):
+        return cut.pre(other, _pick(mbs, m), jax.random.fold_in(rng, m))
 
-    def pre(other_leaves, m):
-        got = {}
-
-        def op(block, sp, x, *, layers):
-            got["x"] = x
-            return _placeholder(x, aux_shape, layers)
-
-        placeholder_run(stack, other_leaves, m, op)
-        return got["x"]
-
-    def post(other_leaves, m, msg):
-        def op(block, sp, x, *, layers):
-            return msg
-
-        loss, (metrics, _) = placeholder_run(stack, other_leaves, m, op)
-        return loss, metrics
+    def post(other, m, msg):
+        return cut.post(other, _pick(mbs, m), jax.random.fold_in(rng, m), msg)
 
     x_aval = jax.eval_shape(lambda o: pre(o, 0), other)
     zero_x = _zeros(x_aval)
-
-    def message(h):  # what passes between the stages: h, and each layer's aux where one is
-        if not has_aux:
-            return h
-        return (h, jax.tree.map(lambda a: jnp.zeros((layers, *a.shape), a.dtype), aux_shape))
-
-    # ---- one stage's chunk: its layers' F, B and W passes ----
-    def chunk_params(local, k):
-        return jax.tree.unflatten(
-            sp_tree, [jax.lax.dynamic_slice_in_dim(local[i], k * g_, g_, 0) for i in view]
-        )
-
-    pulls: dict[str, Any] = {}
-
-    def layer_forward(h, w):
-        y, pull = jax.vjp(block, w, h)
-        res, tree = jax.tree.flatten(pull)
-        mine = {id(x): i for i, x in enumerate(jax.tree.leaves(w))}
-        where = tuple(mine.get(id(r), -1) for r in res)  # -1: stored, else the weight's
-        pulls.update(tree=tree, where=where)
-        y_h, aux = split_aux(y)
-        return y_h, ([r for r, i in zip(res, where, strict=True) if i < 0], aux)
-
-    def kept(res, w):
-        """A layer's pullback leaves: the stored residuals with its weights put back."""
-        given, wl = iter(res), jax.tree.leaves(w)
-        return [next(given) if i < 0 else wl[i] for i in pulls["where"]]
-
-    def pullback(k_leaves, g):
-        g = g if has_aux else g[0]
-        return jax.tree.unflatten(pulls["tree"], k_leaves)(g)
-
-    def cut_layer(k_leaves, g):
-        return backward.cut(pullback, k_leaves, g)[0]
-
-    def f_pass(local, k, msg, stage):
-        h, acc = msg if has_aux else (msg, None)
-        h, (res, aux) = jax.lax.scan(layer_forward, h, chunk_params(local, k))
-        if has_aux:
-            first = (k * s_ + stage) * g_  # the chunk's first layer in the model's order
-            acc = jax.tree.map(
-                lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), first, 0),
-                acc, aux,
-            )  # fmt: skip
-            return (h, acc), res
-        return h, res
-
-    def b_pass(local, k, g_msg, res, stage):
-        g_h, g_acc = g_msg if has_aux else (g_msg, None)
-        g_aux = None
-        if has_aux:
-            first = (k * s_ + stage) * g_
-            g_aux = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, first, g_, 0), g_acc)
-
-        def layer(g, inputs):
-            w, r, ga = inputs
-            k_leaves = kept(r, w)
-            given = (g, ga) if has_aux else (g,)
-            c = cut_layer(k_leaves, given)
-            gx, stash = backward.input_grads(c, k_leaves, jax.tree.leaves(given))
-            return gx[0], stash
-
-        g_h, stash = jax.lax.scan(layer, g_h, (chunk_params(local, k), res, g_aux), reverse=True)
-        return ((g_h, g_acc) if has_aux else g_h), stash
-
-    def w_pass(local, k, res, stash, g_like):
-        def layer(_, inputs):
-            w, r, st = inputs
-            k_leaves = kept(r, w)
-            c = cut_layer(k_leaves, g_like)
-            return None, backward.weight_grads(c, k_leaves, st)
-
-        _, gw = jax.lax.scan(layer, None, (chunk_params(local, k), res, stash))
-        return gw  # per leaf of the stack operation's parameters, (G, ...)
 
     # ---- the buffers each stage keeps, from an abstract run of one layer's F and B ----
     msg_local = jax.eval_shape(lambda: message(_local_rows(zero_x, replica_size)))
     slots = table.slots
 
     def probe(local, msg):
-        h, res = f_pass(local, 0, msg, 0)
-        _, stash = b_pass(local, 0, h, res, 0)
+        h, res = chunk.forward(local, 0, msg, 0)
+        _, stash = chunk.input_grad(local, 0, h, res, 0)
         return [r[None, None] for r in res], [x[None, None] for x in stash]
 
     manual = {axis, *replicas}
@@ -313,15 +189,15 @@ def scheduled_grads(
             inbox = _get(st["inbox"], me["inbox"])
             start = message(x_in) if has_aux else x_in
             msg = jax.tree.map(lambda a, b: jnp.where(me["first"] > 0, a, b), start, inbox)
-            st["send_f"], res = f_pass(local, me["chunk"], msg, stage)
+            st["send_f"], res = chunk.forward(local, me["chunk"], msg, stage)
             st["res"] = _put_list(st["res"], me["residual"], res)
             return st
 
         def bwd(st):
             st = dict(st)
             res = [b[me["residual"]] for b in st["res"]]
-            st["send_b"], stash = b_pass(local, me["chunk"], _get(st["grad"], me["grad"]), res,
-                                         stage)  # fmt: skip
+            g_msg = _get(st["grad"], me["grad"])
+            st["send_b"], stash = chunk.input_grad(local, me["chunk"], g_msg, res, stage)
             st["stash"] = _put_list(st["stash"], me["stash"], stash)
             return st
 
@@ -329,16 +205,17 @@ def scheduled_grads(
             st = dict(st)
             res = [b[me["residual"]] for b in st["res"]]
             stash = [b[me["stash"]] for b in st["stash"]]
-            gw = w_pass(local, me["chunk"], res, stash, g_like)
+            gw = chunk.weight_grad(local, me["chunk"], res, stash, g_like)
             acc = list(st["acc"])
             start = me["chunk"] * g_
-            for i, g in zip(view, gw, strict=True):
+            for i, g in zip(cut.view, gw, strict=True):
                 now = jax.lax.dynamic_slice_in_dim(acc[i], start, g_, 0) + g.astype(jnp.float32)
                 acc[i] = jax.lax.dynamic_update_slice_in_dim(acc[i], now, start, 0)
             st["acc"] = acc
             return st
 
-        st = jax.lax.switch(me["kind"], [idle, fwd, bwd, wgt], st)
+        with jax.named_scope(STAGE_PASS):  # the pass each stage chooses alone
+            st = jax.lax.switch(me["kind"], [idle, fwd, bwd, wgt], st)
         forward_ring = [(i, (i + 1) % s_) for i in range(s_)]
         backward_ring = [((i + 1) % s_, i) for i in range(s_)]
         send_f, send_b = st.pop("send_f"), st.pop("send_b")
@@ -408,9 +285,26 @@ def scheduled_grads(
     if v_ > 1:  # back in the model's order
         g_stack = [g.reshape(s_, v_, g_, *g.shape[1:]).swapaxes(0, 1).reshape(g.shape)
                    for g in g_stack]  # fmt: skip
-    grads = jax.tree.unflatten(treedef, _merge(stacked, g_stack, top["other"]))
+    grads = jax.tree.unflatten(treedef, merged(stacked, g_stack, top["other"]))
     grads = jax.tree.map(lambda g, x: g.astype(x.dtype), grads, params)
     return (top["loss"], (top["metrics"], model_state)), grads
+
+
+def divergent_permutes(hlo: str) -> list[str]:
+    """The collective-permutes of a compiled program (its HLO text) inside the pass a stage
+    chooses alone, each as the model's operation it came from: the compiler's sends between
+    devices (a slice or shift of an array split over an axis), which wait for every device
+    of the mesh, while the other stages run another pass."""
+    found = []
+    for line in hlo.splitlines():
+        if " collective-permute(" not in line and " collective-permute-start(" not in line:
+            continue
+        name = re.search(r'op_name="([^"]*)"', line)
+        if name and f"/{STAGE_PASS}/" in name.group(1):
+            where = re.search(r'source_file="([^"]*)" source_line=(\d+)', line)
+            op = name.group(1).rsplit("/", 1)[-1]
+            found.append(f"{op} at {where.group(1)}:{where.group(2)}" if where else op)
+    return found
 
 
 def _slotted(aval: Any, count: int) -> jax.Array:
@@ -440,26 +334,6 @@ def _layer_given(msg_local: Any, has_aux: bool, g_: int) -> Any:
         jax.ShapeDtypeStruct(h.shape, h.dtype),
         jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), acc),
     )
-
-
-def _placeholder(x: Any, aux: Any, layers: int) -> Any:
-    """A stack's output of the right shape, where its value is not used."""
-    if aux is None:
-        return jnp.zeros_like(x)
-    return jnp.zeros_like(x), jax.tree.map(lambda a: jnp.zeros((layers, *a.shape), a.dtype), aux)
-
-
-def _refuse_new_state(before: Any, after: Any) -> None:
-    """One line for a model whose step changes its state: each microbatch's loss runs alone
-    here, and a state updated from the whole batch (a router's balancing bias, batch
-    statistics) cannot be."""
-    old, new = jax.tree.leaves(before), jax.tree.leaves(after)
-    if len(old) != len(new) or any(a is not b for a, b in zip(old, new, strict=False)):
-        raise ConfigError(
-            "pp's 1F1B and zero-bubble schedules compute each microbatch's loss as its "
-            "gradient comes back, and this model updates its state from the batch (batch "
-            "statistics, a router's balancing bias): use -o pp.schedule=gpipe"
-        )
 
 
 def _local_rows(x: jax.Array, replica_size: int) -> jax.Array:
@@ -503,11 +377,6 @@ def _zeros(tree: Any) -> Any:
         return jax.sharding.reshard(z, spec) if any(e is not None for e in spec) else z
 
     return jax.tree.map(one, tree)
-
-
-def _merge(stacked: list[bool], stack: list[Any], other: list[Any]) -> list[Any]:
-    it_s, it_o = iter(stack), iter(other)
-    return [next(it_s) if s else next(it_o) for s in stacked]
 
 
 def _pick(mbs: Any, m: Any) -> Any:

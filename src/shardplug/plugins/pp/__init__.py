@@ -38,7 +38,7 @@ from shardplug.plugin import (
 )
 from shardplug.plugin.schedules import Schedule, Table, find_schedule
 from shardplug.plugin.stages import rows_split
-from shardplug.plugin.ticks import scheduled_grads
+from shardplug.plugin.ticks import divergent_permutes, scheduled_grads
 from shardplug.plugins.pp.report import pipeline_report, written_report
 
 #: the schedule pp runs where none is asked for (see docs/guide.md for the measurement)
@@ -165,6 +165,19 @@ class PipelineParallel:
             stacked=stacked, replicas=plan.replicas, replica_size=plan.replica_size,
             remat=self.remat,
         )  # fmt: skip
+
+    @hookimpl
+    def check_program(self, hlo):
+        if self.written is None:
+            return
+        found = divergent_permutes(hlo)
+        if found:
+            raise ConfigError(
+                f"pp's {self.schedule} schedule runs different passes on different stages at "
+                f"once, and the compiler made the model's {found[0]} a send between devices "
+                f"of every stage inside one (a collective-permute), which would wait forever: "
+                f"use -o pp.schedule=gpipe, or compute that operation on the whole array"
+            )
 
     @hookimpl
     def explain_step(self, axis, mesh, step):

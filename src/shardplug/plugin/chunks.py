@@ -1,0 +1,220 @@
+"""A training step cut at its layer stack, and the three passes of a chunk of its layers.
+
+:func:`cut_at_stack` traces the user's loss with the layer stack's operation answering
+differently, into *pre* (up to the stack: the embeddings), the stack's block, and *post*
+(after it: the head and the loss), each a function of the parameters and one microbatch.
+:class:`Chunk` runs a chunk of G consecutive layers of the stack: ``forward`` (F: each
+layer by ``jax.vjp``, its residuals kept), ``input_grad`` (B) and ``weight_grad`` (W), the two
+halves of each layer's pullback (:mod:`shardplug.plugin.backward`). The tick loop of
+:mod:`shardplug.plugin.ticks` runs them as a schedule says.
+
+What passes between the stages (a *message*) is the stack's running input ``h`` or, where
+the blocks return an aux (a mixture of experts' tallies), ``(h, aux of every layer)``, each
+chunk writing its own layers' rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from shardplug.core import ops
+from shardplug.core.context import in_microbatches
+from shardplug.core.layer_stack import split_aux
+from shardplug.errors import ConfigError
+from shardplug.plugin import backward
+
+
+@dataclasses.dataclass(frozen=True)
+class StackCut:
+    """The user's loss cut at its layer stack (:func:`cut_at_stack`)."""
+
+    run: Callable[..., Any]  # (stack op, stack leaves, other leaves, data, key) -> forward's
+    stack: list[Any]  # the stack's leaves, as stored (each split over the stage axis)
+    block: Callable[..., Any]  # one layer: block(layer params, h) -> h or (h, aux)
+    view: list[int]  # the stack operation's parameter leaves, as indices into ``stack``
+    tree: Any  # their tree
+    aux: Any  # one layer's aux (its shape), None where the blocks return none
+    layers: int
+
+    def pre(self, other: list[Any], data: Any, key: Any) -> jax.Array:
+        """The stack's input for one microbatch."""
+        got = {}
+
+        def op(block, sp, x, *, layers):
+            got["x"] = x
+            return _placeholder(x, self.aux, layers)
+
+        self.run(op, self.stack, other, data, key)
+        return got["x"]
+
+    def post(self, other: list[Any], data: Any, key: Any, msg: Any) -> tuple[Any, Any]:
+        """The loss and metrics of one microbatch, given the stack's output ``msg``."""
+        loss, (metrics, _) = self.run(lambda *a, **k: msg, self.stack, other, data, key)
+        return loss, metrics
+
+    def message(self, h: Any) -> Any:
+        """A message starting from the stack input ``h``: no layer's aux yet."""
+        if self.aux is None:
+            return h
+        return (h, jax.tree.map(lambda a: jnp.zeros((self.layers, *a.shape), a.dtype), self.aux))
+
+
+def cut_at_stack(forward, model_state, treedef, stacked, stack, other, batch, rng) -> StackCut:
+    """Cut ``forward(params, model_state, batch, rng)`` at its layer stack: one trace of the
+    whole batch (what the block closes over is the batch's, as under the stack's own
+    operation) finds the block, which of ``stack`` (the leaves flagged in ``stacked``) the
+    stack operation is given, and what the blocks return. Refuses, in one line, what the
+    schedules cannot run: two stacks, none, a stack of computed parameters or per-layer
+    state, a model that updates its state from the batch."""
+
+    def run(op, stack_leaves, other_leaves, data, key):
+        full = jax.tree.unflatten(treedef, merged(stacked, stack_leaves, other_leaves))
+        with ops.override("layer_stack", op), in_microbatches():
+            return forward(full, model_state, data, key)
+
+    seen: dict[str, Any] = {}
+
+    def capture(block, sp, x, *, layers):
+        if seen:
+            raise ConfigError(
+                "pp's schedules run one layer stack per step; this model runs two: use -o "
+                "pp.schedule=gpipe"
+            )
+        first = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), sp)
+        _, aux = jax.eval_shape(lambda w, h: split_aux(block(w, h)), first, x)
+        seen.update(block=block, sp=sp, aux=aux, layers=layers)
+        return _placeholder(x, aux, layers)
+
+    _, (_, new_state) = run(capture, stack, other, batch, rng)
+    if not seen:
+        raise ConfigError("pp's schedules split a layer stack, and this model never ran one")
+    old, new = jax.tree.leaves(model_state), jax.tree.leaves(new_state)
+    if len(old) != len(new) or any(a is not b for a, b in zip(old, new, strict=False)):
+        raise ConfigError(
+            "pp's 1F1B and zero-bubble schedules compute each microbatch's loss as its "
+            "gradient comes back, and this model updates its state from the batch (batch "
+            "statistics, a router's balancing bias): use -o pp.schedule=gpipe"
+        )
+    ids = {id(w): i for i, w in enumerate(stack)}
+    leaves, tree = jax.tree.flatten(seen["sp"])
+    if any(id(w) not in ids for w in leaves):
+        raise ConfigError(
+            "pp's schedules need the layer stack's parameters as the model stores them; this "
+            "model computes them, or passes its stack per-layer state: use -o "
+            "pp.schedule=gpipe"
+        )
+    view = [ids[id(w)] for w in leaves]
+    return StackCut(run, stack, seen["block"], view, tree, seen["aux"], seen["layers"])
+
+
+class Chunk:
+    """F, B and W of a chunk of ``size`` layers on a stage (see the module); with ``remat``,
+    F keeps only each layer's input and B recomputes the rest."""
+
+    def __init__(self, cut: StackCut, size: int, stages: int, remat: bool):
+        self.cut, self.size, self.stages = cut, size, stages
+        block = cut.block
+        if remat:
+            block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+        self.block = block
+        self.pull: dict[str, Any] = {}  # a layer's pullback: its tree, where its weights are
+
+    def params(self, local: list[Any], k: Any) -> Any:
+        """The stack operation's parameters for the stage's local chunk ``k``."""
+        g_ = self.size
+        return jax.tree.unflatten(
+            self.cut.tree,
+            [jax.lax.dynamic_slice_in_dim(local[i], k * g_, g_, 0) for i in self.cut.view],
+        )
+
+    def first_layer(self, k: Any, stage: Any) -> Any:
+        """The model's index of the first layer of the stage's local chunk ``k``."""
+        return (k * self.stages + stage) * self.size
+
+    def forward(self, local, k, msg, stage) -> tuple[Any, list[Any]]:
+        """F: the chunk's output message and its layers' residuals (stacked per layer; a
+        layer's own weights left out: :meth:`_leaves` puts them back)."""
+
+        def layer(h, w):
+            y, pull = jax.vjp(self.block, w, h)
+            res, tree = jax.tree.flatten(pull)
+            mine = {id(x): i for i, x in enumerate(jax.tree.leaves(w))}
+            where = tuple(mine.get(id(r), -1) for r in res)  # -1: kept, else the weight's
+            self.pull.update(tree=tree, where=where)
+            h, aux = split_aux(y)
+            return h, ([r for r, i in zip(res, where, strict=True) if i < 0], aux)
+
+        h, acc = msg if self.cut.aux is not None else (msg, None)
+        h, (res, aux) = jax.lax.scan(layer, h, self.params(local, k))
+        if acc is None:
+            return h, res
+        first = self.first_layer(k, stage)
+        acc = jax.tree.map(
+            lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), first, 0),
+            acc,
+            aux,
+        )
+        return (h, acc), res
+
+    def input_grad(self, local, k, g_msg, res, stage) -> tuple[Any, list[Any]]:
+        """B: the gradient of the chunk's input message, and the stash W needs."""
+        aux = self.cut.aux is not None
+        g_h, g_acc = g_msg if aux else (g_msg, None)
+        g_aux = None
+        if aux:
+            first = self.first_layer(k, stage)
+            g_aux = jax.tree.map(
+                lambda a: jax.lax.dynamic_slice_in_dim(a, first, self.size, 0), g_acc
+            )
+
+        def layer(g, inputs):
+            w, r, ga = inputs
+            kept = self._leaves(r, w)
+            given = (g, ga) if aux else (g,)
+            gx, stash = backward.input_grads(self._cut(kept, given), kept, jax.tree.leaves(given))
+            return gx[0], stash
+
+        g_h, stash = jax.lax.scan(layer, g_h, (self.params(local, k), res, g_aux), reverse=True)
+        return ((g_h, g_acc) if aux else g_h), stash
+
+    def weight_grad(self, local, k, res, stash, given) -> list[Any]:
+        """W: the gradient of each of the stack operation's parameter leaves, (G, ...);
+        ``given``: one layer's output gradient, its shape alone."""
+
+        def layer(_, inputs):
+            w, r, st = inputs
+            kept = self._leaves(r, w)
+            return None, backward.weight_grads(self._cut(kept, given), kept, st)
+
+        _, gw = jax.lax.scan(layer, None, (self.params(local, k), res, stash))
+        return gw
+
+    def _leaves(self, res: list[Any], w: Any) -> list[Any]:
+        """A layer's pullback leaves: its kept residuals with its weights put back."""
+        kept, weights = iter(res), jax.tree.leaves(w)
+        return [next(kept) if i < 0 else weights[i] for i in self.pull["where"]]
+
+    def _cut(self, leaves: list[Any], given: Any) -> backward.Cut:
+        def pullback(leaves, g):
+            g = g if self.cut.aux is not None else g[0]
+            return jax.tree.unflatten(self.pull["tree"], leaves)(g)
+
+        return backward.cut(pullback, leaves, given)[0]
+
+
+def _placeholder(x: Any, aux: Any, layers: int) -> Any:
+    """A stack's output of the right shape, where its value is not used."""
+    if aux is None:
+        return jnp.zeros_like(x)
+    return jnp.zeros_like(x), jax.tree.map(lambda a: jnp.zeros((layers, *a.shape), a.dtype), aux)
+
+
+def merged(stacked: list[bool], stack: list[Any], other: list[Any]) -> list[Any]:
+    """The leaves of the stack and of the rest back in one list, as ``stacked`` flags them."""
+    it_s, it_o = iter(stack), iter(other)
+    return [next(it_s) if s else next(it_o) for s in stacked]
