@@ -81,6 +81,7 @@ SLOW_ROWS = (
     "tests/test_ep.py::test_compositions_with_ep",
     "tests/test_pipeline.py::test_pipeline_trains_like_one_device",
     "tests/test_users_models.py::test_a_gqa_llama_fed_tokens_minus_one",
+    "tests/test_schedules.py::test_every_schedule_trains_like_one_device",
 )
 
 

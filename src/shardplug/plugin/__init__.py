@@ -18,7 +18,9 @@ parallelism written from this namespace alone.
 
 Building blocks: the online softmax a ring of attention is made of (:mod:`.attention`),
 the grouped product and capacity of a mixture of experts (:mod:`shardplug.moe.kernels`),
-and a pipeline's plan and schedule (:mod:`.stages`).
+a pipeline's plan and GPipe schedule (:mod:`.stages`), and the schedules that write the
+backward pass in: their tables (:mod:`.schedules`), the tick loop that runs one
+(:mod:`.ticks`, :mod:`.chunks`) and a layer's backward pass cut in two (:mod:`.backward`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,16 @@ from shardplug.plugin.attention import (
     softmax_rows,
     softmax_start,
 )
+from shardplug.plugin.schedules import (
+    SCHEDULES,
+    Pass,
+    Schedule,
+    Table,
+    find_schedule,
+    one_f_one_b,
+    tabulate,
+    zero_bubble,
+)
 from shardplug.plugin.stages import (
     Pipeline,
     circular_order,
@@ -90,6 +102,7 @@ from shardplug.plugin.stages import (
     schedule,
     stack_operation,
 )
+from shardplug.plugin.ticks import scheduled_grads
 
 #: The built-in parallelisms' axes and their ranks, stated once: the mesh lays axes out in
 #: this order (outermost first: replicas across nodes, tensor parallelism on the fastest
@@ -138,6 +151,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "LAYERS",
     "RANK",
+    "SCHEDULES",
     "Axis",
     "Capability",
     "Composed",
@@ -148,11 +162,14 @@ __all__ = [
     "Operations",
     "P",
     "PartitionSpec",
+    "Pass",
     "Pipeline",
     "PluginError",
+    "Schedule",
     "ShardplugWarning",
     "StepFacts",
     "StrategyOptionError",
+    "Table",
     "attention",
     "attention_override",
     "batch_axes",
@@ -164,6 +181,7 @@ __all__ = [
     "compute_dtype",
     "constrain",
     "describe",
+    "find_schedule",
     "grouped_mlp",
     "hookimpl",
     "hookspec",
@@ -178,6 +196,7 @@ __all__ = [
     "mesh_axes",
     "microbatched",
     "microbatches",
+    "one_f_one_b",
     "pad_sequence",
     "parse_mesh",
     "per_device_program",
@@ -187,6 +206,7 @@ __all__ = [
     "queue_places",
     "rows_split",
     "schedule",
+    "scheduled_grads",
     "shard_largest_dim",
     "softmax_end",
     "softmax_join",
@@ -194,5 +214,7 @@ __all__ = [
     "softmax_rows",
     "softmax_start",
     "stack_operation",
+    "tabulate",
     "warn_once",
+    "zero_bubble",
 ]

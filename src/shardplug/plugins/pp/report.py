@@ -94,6 +94,7 @@ def written_report(table: Table, formula: float, axis: str, mesh: Any,
         "stack_bytes": sum(_bytes(leaf) for leaf, _ in stacked),
         "stack_bytes_per_device": sum(_bytes(leaf, spec, mesh) for leaf, spec in stacked),
         "ticks": table.ticks,
+        "compiled_ticks": tick_loop(step.jaxpr),
         "chart": table.chart(),
         "collective_permute": {
             "compiled_ops": sum(c["count"] for c in permutes),
@@ -102,6 +103,40 @@ def written_report(table: Table, formula: float, axis: str, mesh: Any,
             "sending_ticks": {"forward": forward, "backward": backward},
         },
     }
+
+
+def tick_loop(jaxpr: Any) -> int | None:
+    """The length of the traced step's tick loop: the scan whose body enters the stages'
+    manual region (a ``shard_map`` that sends with ``ppermute``); None without one."""
+
+    def subs(eqn):
+        for value in eqn.params.values():
+            for v in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(v, "jaxpr", v)
+                if hasattr(inner, "eqns"):
+                    yield inner
+
+    def has(jaxpr, name, inside=None):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == name and (inside is None or any(
+                    has(sub, inside) for sub in subs(eqn))):  # fmt: skip
+                return True
+            if any(has(sub, name, inside) for sub in subs(eqn)):
+                return True
+        return False
+
+    def find(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan" and any(
+                has(sub, "shard_map", "ppermute") for sub in subs(eqn)
+            ):
+                return int(eqn.params["length"])
+            for sub in subs(eqn):
+                if (found := find(sub)) is not None:
+                    return found
+        return None
+
+    return find(getattr(jaxpr, "jaxpr", jaxpr))
 
 
 def _bytes(leaf: Any, spec: Any = None, mesh: Any = None) -> int:

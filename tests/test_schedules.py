@@ -1,0 +1,332 @@
+"""Pipeline schedules that write the backward pass in (1F1B, interleaved 1F1B, ZB-H1): their
+tables against the formulas, the backward pass cut in two, trajectories equal to one
+device's in every composition, activation memory flat in the microbatches, and bad input in
+one line."""
+
+import json
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from test_registry import fresh_registry, install  # noqa: F401 (a fixture)
+
+import shardplug
+from shardplug import stack
+from shardplug.cli import main
+from shardplug.errors import ConfigError, StrategyOptionError
+from shardplug.explain import explain
+from shardplug.plugin import backward
+from shardplug.plugin.schedules import (
+    SCHEDULES,
+    Schedule,
+    find_schedule,
+    installed,
+    one_f_one_b,
+    tabulate,
+    zero_bubble,
+)
+from shardplug.testing.conformance import _losses, one_device_losses
+
+STEPS = 2
+NAMES = tuple(SCHEDULES)
+
+
+def chunks(name):
+    return 2 if SCHEDULES[name].chunked else 1
+
+
+# -- the tables ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_each_schedules_bubble_is_its_formula(name, stages, microbatches):
+    v = chunks(name)
+    table = SCHEDULES[name].table(stages, microbatches, v)
+    assert table.bubble == pytest.approx(SCHEDULES[name].formula(stages, microbatches, v))
+    assert len(set(table.idle.tolist())) == 1  # every stage idles alike
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_stage_holds_at_most_about_s_microbatches_whatever_m(name):
+    v = chunks(name)
+    peaks = [SCHEDULES[name].table(4, m, v).peak for m in (8, 16, 32)]
+    assert peaks[0] == peaks[1] == peaks[2]
+    assert max(peaks[0]) == {"1f1b": 4, "zb": 4, "interleaved-1f1b": 5.5}[name]
+
+
+def replay(table):
+    """Run a table as the tick loop does, independently of how it was made: every pass once,
+    each after what it needs, every buffer read holding what the pass needs."""
+    s_, c_, m_ = table.stages, table.stages * table.chunks, table.microbatches
+    done = {}
+    slots = [{k: {} for k in ("residual", "inbox", "grad", "stash")} for _ in range(s_)]
+    sent = [None] * s_
+    for t in range(table.ticks):
+        for d in range(s_):  # arrivals of what was sent at t-1
+            back, fwd, own = sent[(d + 1) % s_], sent[(d - 1) % s_], sent[d]
+            if table.recv_forward[t, d] >= 0:
+                assert fwd[0] == "F"
+                slots[d]["inbox"][table.recv_forward[t, d]] = ("x", fwd[1] + 1, fwd[2])
+            if table.recv_backward[t, d] >= 0:
+                assert back[0] == "B"
+                slots[d]["grad"][table.recv_backward[t, d]] = ("g", back[1] - 1, back[2])
+            if table.recv_loss[t, d] >= 0:
+                assert own[0] == "F" and own[1] == c_ - 1
+                slots[d]["grad"][table.recv_loss[t, d]] = ("g", own[1], own[2])
+        now = [None] * s_
+        for d in range(s_):
+            kind = " FBW"[table.kind[t, d]]
+            if kind == " ":
+                continue
+            c, m = int(table.chunk[t, d]) * s_ + d, int(table.micro[t, d])
+            assert (kind, c, m) not in done
+            if kind == "F":
+                assert c == 0 or done[("F", c - 1, m)] < t
+                if c > 0:
+                    assert slots[d]["inbox"][table.inbox[t, d]] == ("x", c, m)
+                slots[d]["residual"][table.residual[t, d]] = ("r", c, m)
+            elif kind == "B":
+                assert done[("F", c, m)] < t
+                assert slots[d]["residual"][table.residual[t, d]] == ("r", c, m)
+                assert slots[d]["grad"][table.grad[t, d]] == ("g", c, m)
+                slots[d]["stash"][table.stash[t, d]] = ("s", c, m)
+            else:
+                assert slots[d]["residual"][table.residual[t, d]] == ("r", c, m)
+                assert slots[d]["stash"][table.stash[t, d]] == ("s", c, m)
+            done[(kind, c, m)] = t
+            now[d] = (kind, c, m)
+        sent = now
+    assert len(done) == 3 * c_ * m_
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (4, 4), (4, 12), (3, 9)])
+def test_every_pass_runs_once_after_its_inputs_from_the_right_slots(name, stages, microbatches):
+    replay(SCHEDULES[name].table(stages, microbatches, chunks(name)))
+
+
+def test_lists_that_are_not_a_schedule_are_refused_in_one_line():
+    lists = one_f_one_b(2, 2)
+    with pytest.raises(ConfigError, match="exactly once"):
+        tabulate("short", [lists[0][:-1], lists[1]])
+    with pytest.raises(ConfigError, match="runs a chunk on stage 0 that lives on another"):
+        tabulate("swapped", [lists[1], lists[0]])
+    backwards_first = [[p for p in seq if p[0] != "F"] + [p for p in seq if p[0] == "F"]
+                       for seq in lists]  # fmt: skip
+    with pytest.raises(ConfigError, match="never finishes"):
+        tabulate("stuck", backwards_first)
+
+
+def test_zero_bubble_puts_off_a_stages_weight_gradients_by_its_index():
+    lists = zero_bubble(4, 8)
+    for stage, seq in enumerate(lists):
+        order = [p for p in seq if p[0] in "BW"]
+        first_w = next(i for i, p in enumerate(order) if p[0] == "W")
+        assert sum(p[0] == "B" for p in order[:first_w]) == stage + 1
+
+
+# -- the backward pass, cut in two -----------------------------------------------------------
+
+
+def test_the_input_and_weight_halves_are_the_pullback_each_operation_once():
+    @jax.jit
+    def norm(x):
+        return x / jnp.sqrt(jnp.mean(x**2, axis=-1, keepdims=True) + 1e-6)
+
+    def block(w, h):
+        q = (h @ w["q"]).reshape(*h.shape[:2], 2, 4)
+        a = jax.nn.dot_product_attention(q, q, q, is_causal=True).reshape(h.shape)
+        h = h + norm(a) @ w["o"]
+        return h + jax.checkpoint(lambda h: jnp.tanh(h @ w["up"]) @ w["down"])(h)
+
+    keys = jax.random.split(jax.random.key(0), 6)
+    w = {k: jax.random.normal(keys[i], s) * 0.3 for i, (k, s) in
+         enumerate({"q": (8, 8), "o": (8, 8), "up": (8, 16), "down": (16, 8)}.items())}  # fmt: skip
+    h = jax.random.normal(keys[4], (2, 5, 8))
+    y, pull = jax.vjp(block, w, h)
+    kept, tree = jax.tree.flatten(pull)
+    gy = jax.random.normal(keys[5], y.shape)
+    cut, _ = backward.cut(lambda k, g: jax.tree.unflatten(tree, k)(g[0]), kept, (gy,))
+    gx, stash = backward.input_grads(cut, kept, [gy])
+    gw = backward.weight_grads(cut, kept, stash)
+    want_w, want_x = pull(gy)
+    np.testing.assert_array_equal(gx[0], want_x)
+    for got, want in zip(gw, jax.tree.leaves(want_w), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert not set(cut.b) & set(cut.w) and cut.w and cut.shared == 0
+    products = [cut.flat.eqns[i].eqn.primitive.name == "dot_general" for i in cut.w]
+    assert sum(products) >= 4  # each weight's product is W's, not B's
+
+
+# -- trajectories ----------------------------------------------------------------------------
+
+COMPOSITIONS = {
+    "pp+fsdp": ("stage=2,fsdp=4", {"min_size": 0}, {}),
+    "pp+fsdp+tp": ("stage=2,fsdp=2,model=2", {"min_size": 0}, {}),
+    "pp+cp": ("stage=2,context=4", {}, {}),
+    "pp+ep": ("stage=2,expert=4", {"microbatches": 4}, {"experts": 4, "top_k": 2}),
+}
+
+
+@pytest.mark.parametrize("adapter", ["nnx", "linen", "equinox"])
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("composition", COMPOSITIONS)
+def test_every_schedule_trains_like_one_device(composition, name, adapter):
+    mesh, options, model_options = COMPOSITIONS[composition]
+    v = chunks(name)
+    model_options = {**model_options, "layers": 4 * v}
+    options = {**options, "schedule": name, "repeats": v}
+    got = _losses(composition, options, adapter, "transformer", STEPS, 0, 8, mesh, model_options)
+    want = one_device_losses(adapter, "transformer", STEPS, 0, tuple(sorted(model_options.items())))
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+# -- memory and the bubble as explain reports them -------------------------------------------
+
+
+def explained(name, microbatches, rows=4, **options):
+    model = shardplug.get_model("transformer")
+    trainer = shardplug.Trainer(
+        model.adapter("nnx", layers=8), loss_fn=model.loss_fn, optimizer=optax.adam(1e-3),
+        strategy=shardplug.get_strategy("pp", schedule=name, microbatches=microbatches,
+                                        **options),
+        devices=4, mesh="stage=4", allocate=False, precision="float32",
+    )  # fmt: skip
+    return explain(trainer, next(model.batches(rows * microbatches, 0)))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_activation_memory_is_flat_in_the_microbatches_where_the_backward_is_written_in(name):
+    """Microbatches of 4 rows, M = 8, 16, 32 at S = 4: the compiled step's temporaries
+    per device (nothing allocated) stay within 10% under 1F1B and grow under GPipe."""
+    temp = [explained(name, m).per_device["temp_bytes"] for m in (8, 16, 32)]
+    if name == "gpipe":
+        assert temp[1] > 1.25 * temp[0] and temp[2] > 1.6 * temp[1]
+    else:
+        assert max(temp) <= 1.1 * min(temp)
+
+
+def test_explain_reports_the_schedules_bubble_peak_and_sends():
+    report = explained("zb", 8)
+    pl = report.pipeline
+    assert pl["schedule"] == "zb" and pl["ticks"] == 3 * 8 + 3 == pl["compiled_ticks"]
+    assert pl["bubble"] == pytest.approx(3 / 27) == pytest.approx(pl["formula"])
+    assert pl["peak_microbatches"] == [4, 4, 4, 4]
+    table = SCHEDULES["zb"].table(4, 8)
+    stage = np.arange(4)[None, :]
+    forward = int(((table.kind == 1) & (stage < 3)).any(axis=1).sum())  # F before the last
+    backward = int(((table.kind == 2) & (stage > 0)).any(axis=1).sum())  # B after the first
+    sends = pl["collective_permute"]["sending_ticks"]
+    assert sends == {"forward": forward, "backward": backward} and 0 < forward < pl["ticks"]
+
+
+# -- bad input, and schedules of one's own ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"schedule": "2f2b"}, "pp option schedule must be one of gpipe, 1f1b"),
+        ({"schedule": "1f1b", "repeats": 2}, "repeats=2 interleaves chunks of layers"),
+        ({"schedule": "interleaved-1f1b"}, "give -o pp.repeats=V with V >= 2"),
+    ],
+)
+def test_bad_schedule_options_are_one_line(options, message):
+    with pytest.raises(StrategyOptionError, match=message):
+        shardplug.get_strategy("pp", **options)
+
+
+def test_what_a_written_schedule_cannot_run_is_one_line(capsys):
+    model = shardplug.get_model("transformer")
+    biased = model.task("nnx", experts=4, top_k=2, bias_rate=0.05, layers=4)
+    trainer = biased.trainer(strategy=shardplug.get_strategy("pp", schedule="zb"),
+                             mesh="stage=4", devices=4)  # fmt: skip
+    with pytest.raises(ConfigError, match="updates its state from the batch"):
+        trainer.compile(next(model.batches(model.batch_size, 0)))
+    argv = ["train", "--steps", "1", "--quiet", "--strategy", "pp", "--mesh", "stage=4",
+            "--devices", "4", "--layers", "4", "-o", "pp.schedule=1f1b",
+            "--grad-accum", "2"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "accumulates its microbatches itself" in err and err.count("\n") == 1
+
+
+class Rolled(nnx.Module):
+    """Blocks that shift their rows (split over fsdp): the compiler sends between devices."""
+
+    def __init__(self, rngs):
+        self.blocks = stack.nnx_layers(lambda r: RollBlock(r), 4, rngs)
+
+    def __call__(self, x):
+        return stack.apply(self.blocks, x)
+
+
+class RollBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.w(jnp.roll(x, 1, axis=0)))
+
+
+def test_a_send_inside_a_stages_own_pass_is_refused_not_waited_for():
+    data = [{"x": np.ones((16, 8, 16), np.float32), "y": np.zeros((16, 8, 16), np.float32)}]
+    for schedule in ("1f1b", "gpipe"):
+        trainer = shardplug.Trainer(
+            shardplug.from_nnx(Rolled), loss_fn=lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
+            optimizer=optax.sgd(0.1), strategy=shardplug.get_strategy("pp+fsdp",
+                                                                     schedule=schedule),
+            mesh="stage=2,fsdp=4", devices=8,
+        )  # fmt: skip
+        if schedule == "gpipe":  # one program on every stage: it runs
+            assert np.isfinite(trainer.fit(data, 1)[0]["loss"])
+            continue
+        with pytest.raises(ConfigError, match=r"made the model's \w+ a send between devices"):
+            trainer.fit(data, 1)
+
+
+LATE_W = textwrap.dedent(
+    """
+    from shardplug.plugin import Schedule, one_f_one_b
+
+    def late(stages, microbatches, chunks):
+        # 1F1B's order, every weight gradient at the end: a stage holds every microbatch
+        lists = one_f_one_b(stages, microbatches)
+        return [[p for p in seq if p[0] != "W"] + [p for p in seq if p[0] == "W"]
+                for seq in lists]
+
+    LATE = Schedule("late-w", late, lambda s, m, v: (s - 1) / (3 * m + s - 1))
+    """
+)
+
+
+def test_a_schedule_of_ones_own_trains_like_one_device(tmp_path, monkeypatch, fresh_registry):  # noqa: F811
+    install(tmp_path, monkeypatch, "latew", "0.1", {"late-w": "latew:LATE"}, {"latew": LATE_W},
+            group="shardplug.schedules")  # fmt: skip
+    installed.cache_clear()
+    try:
+        late = find_schedule("late-w")
+        assert isinstance(late, Schedule) and late.table(4, 8).peak[0] == 8
+        got = _losses("pp", {"schedule": "late-w"}, "nnx", "transformer", STEPS, 0, 4,
+                      "stage=4", {"layers": 4})  # fmt: skip
+        want = one_device_losses("nnx", "transformer", STEPS, 0, (("layers", 4),))
+        np.testing.assert_allclose(got, want, rtol=1e-4)
+    finally:
+        installed.cache_clear()
+
+
+def test_explain_prints_the_schedule(capsys):
+    argv = ["explain", "--strategy", "pp", "--mesh", "stage=4", "--devices", "4", "--layers",
+            "8", "-o", "pp.schedule=1f1b", "-o", "microbatches=4"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    pl = json.loads(capsys.readouterr().out)["pipeline"]
+    assert pl["schedule"] == "1f1b" and pl["bubble"] == pytest.approx(3 / 7)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "bubble 42.9% (formula 42.9%)" in out
+    assert "stage 3: .  .  .  F0 B0 W0 F1 B1 W1" in out
