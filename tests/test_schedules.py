@@ -330,3 +330,9 @@ def test_explain_prints_the_schedule(capsys):
     out = capsys.readouterr().out
     assert "bubble 42.9% (formula 42.9%)" in out
     assert "stage 3: .  .  .  F0 B0 W0 F1 B1 W1" in out
+
+
+def test_the_pytest_plugin_lists_the_built_in_schedules():
+    from shardplug.testing.pytest_plugin import SCHEDULES as LISTED
+
+    assert tuple(SCHEDULES) == LISTED

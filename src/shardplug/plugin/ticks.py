@@ -47,7 +47,7 @@ from shardplug.core.mesh import is_explicit
 from shardplug.core.sharding import lay_out, mesh_axes
 from shardplug.errors import ConfigError
 from shardplug.plugin.chunks import Chunk, cut_at_stack, merged
-from shardplug.plugin.schedules import B, F, Table
+from shardplug.plugin.schedules import B, F, Table, W
 from shardplug.plugin.stages import microbatches
 
 #: the name scope of the pass each stage runs: what a compiled program runs there, only that
@@ -169,7 +169,9 @@ def scheduled_grads(
     def stages(local, st, x_in, gy_in, row):
         """One tick of every stage, inside the manual region (see the module)."""
         stage = jax.lax.axis_index(axis)
-        me = {k: row[k][stage] for k in _STAGE_FIELDS}
+        # every device of a stage must read the same pass: the table whole on each (the
+        # compiler split its few rows over another axis once, and a device read another's)
+        me = {k: lay_out(row[k], P())[stage] for k in _STAGE_FIELDS}
         st = {k: jax.tree.map(lambda a: a[0, 0], v) for k, v in st.items() if k != "acc"} | {
             "acc": [a[0] for a in st["acc"]]
         }
@@ -178,52 +180,57 @@ def scheduled_grads(
         st["inbox"] = _put(st["inbox"], me["recv_forward"], recv_f)
         st["grad"] = _put(st["grad"], me["recv_backward"], recv_b)
         st["grad"] = _put(st["grad"], me["recv_loss"], gy_in)
-        none = _zeros(msg_local)
-        st["send_f"], st["send_b"] = none, none
 
-        def idle(st):
-            return st
-
-        def fwd(st):
-            st = dict(st)
+        def fwd(res):
             inbox = _get(st["inbox"], me["inbox"])
             start = message(x_in) if has_aux else x_in
             msg = jax.tree.map(lambda a, b: jnp.where(me["first"] > 0, a, b), start, inbox)
-            st["send_f"], res = chunk.forward(local, me["chunk"], msg, stage)
-            st["res"] = _put_list(st["res"], me["residual"], res)
-            return st
+            out, new = chunk.forward(local, me["chunk"], msg, stage)
+            return _put_list(res, me["residual"], new), out
 
-        def bwd(st):
-            st = dict(st)
+        def skip_f(res):
+            return list(res), _zeros(msg_local)
+
+        def bwd(stash):
             res = [b[me["residual"]] for b in st["res"]]
             g_msg = _get(st["grad"], me["grad"])
-            st["send_b"], stash = chunk.input_grad(local, me["chunk"], g_msg, res, stage)
-            st["stash"] = _put_list(st["stash"], me["stash"], stash)
-            return st
+            out, new = chunk.input_grad(local, me["chunk"], g_msg, res, stage)
+            return _put_list(stash, me["stash"], new), out
 
-        def wgt(st):
-            st = dict(st)
+        def skip_b(stash):
+            return list(stash), _zeros(msg_local)
+
+        def wgt(acc):
             res = [b[me["residual"]] for b in st["res"]]
             stash = [b[me["stash"]] for b in st["stash"]]
             gw = chunk.weight_grad(local, me["chunk"], res, stash, g_like)
-            acc = list(st["acc"])
-            start = me["chunk"] * g_
+            acc, start = list(acc), me["chunk"] * g_
             for i, g in zip(cut.view, gw, strict=True):
                 now = jax.lax.dynamic_slice_in_dim(acc[i], start, g_, 0) + g.astype(jnp.float32)
                 acc[i] = jax.lax.dynamic_update_slice_in_dim(acc[i], now, start, 0)
-            st["acc"] = acc
-            return st
+            return acc
 
+        # Each pass a lax.cond of its own, updating its buffer in place or passing it through
+        # (a switch over one state returned whole made XLA copy every buffer each tick).
+        # the passes start once pre's stack input is made (its collectives are every device's)
+        st["res"], st["stash"], st["acc"] = _after((st["res"], st["stash"], st["acc"]), x_in)
         with jax.named_scope(STAGE_PASS):  # the pass each stage chooses alone
-            st = jax.lax.switch(me["kind"], [idle, fwd, bwd, wgt], st)
+            st["res"], send_f = jax.lax.cond(me["kind"] == F, fwd, skip_f, st["res"])
+            st["stash"], send_b = jax.lax.cond(me["kind"] == B, bwd, skip_b, st["stash"])
+            st["acc"] = jax.lax.cond(me["kind"] == W, wgt, list, st["acc"])
         forward_ring = [(i, (i + 1) % s_) for i in range(s_)]
         backward_ring = [((i + 1) % s_, i) for i in range(s_)]
-        send_f, send_b = st.pop("send_f"), st.pop("send_b")
+        # XLA:CPU runs what does not wait on each other in any order, each device its own:
+        # every send that crosses stages waits for all the passes, and for the send before
+        send_f, send_b, st["acc"] = _after((send_f, send_b, st["acc"]))
         st["recv_f"] = _sent(row["any_forward"], send_f, axis, forward_ring)
+        send_b = _after(send_b, st["recv_f"])
         st["recv_b"] = _sent(row["any_backward"], send_b, axis, backward_ring)
+        send_f = _after(send_f, st["recv_b"])
         # the last stage's output and the first stage's input gradient leave the region
         y = _leaving(row["post_micro"] >= 0, send_f, stage == s_ - 1, axis,
                      replicas if has_aux else ())  # fmt: skip
+        send_b = _after(send_b, y)
         gx = _leaving(row["gx_micro"] >= 0, send_b[0] if has_aux else send_b, stage == 0, axis,
                       ())  # fmt: skip
         acc = [a[None] for a in st.pop("acc")]
@@ -269,6 +276,7 @@ def scheduled_grads(
             top["other"] = _add(top["other"], pull(gx)[0])
             return top
 
+        gx = _after(gx, gy)  # pre's gradient after post's, on every device alike
         top = jax.lax.cond(row["gx_micro"] >= 0, with_pre, dict, top)
         return (st, gy, top), None
 
@@ -338,6 +346,16 @@ def _layer_given(msg_local: Any, has_aux: bool, g_: int) -> Any:
 
 def _local_rows(x: jax.Array, replica_size: int) -> jax.Array:
     return jnp.zeros((x.shape[0] // replica_size, *x.shape[1:]), x.dtype)
+
+
+def _after(value: Any, *before: Any) -> Any:
+    """``value``, once ``before`` (and ``value``) are computed: an order of collectives that
+    every device keeps (``lax.optimization_barrier``)."""
+    return (
+        jax.lax.optimization_barrier((value, before))[0]
+        if before
+        else (jax.lax.optimization_barrier(value))
+    )
 
 
 def _sent(any_send: Any, value: Any, axis: str, perm: list[tuple[int, int]]) -> Any:

@@ -199,6 +199,32 @@ class StrategyConformance:
         )
         np.testing.assert_allclose(losses, expected, rtol=RTOL.get(shardplug_model, 1e-4))
 
+    def test_every_pipeline_schedule_trains_like_one_device(
+        self, shardplug_adapter: str, shardplug_schedule: str
+    ) -> None:
+        """A strategy with a pipeline schedule to choose (an option named ``schedule``: pp,
+        alone or composed) trains the transformer like one device under every schedule that
+        writes the backward pass in (gpipe, the default, is the check above): two chunks of
+        layers per stage for an interleaved one."""
+        import numpy as np
+
+        from shardplug.core.registry import strategy_options
+        from shardplug.plugin import find_schedule
+
+        if "schedule" not in {o.name for o in strategy_options(self.strategy)}:
+            pytest.skip(f"{self.strategy} has no pipeline schedule to choose")
+        self._skip_unless(shardplug_adapter)
+        options = {**self.options, "schedule": shardplug_schedule}
+        model_options = self._model_options()
+        if find_schedule(shardplug_schedule).chunked:
+            options["repeats"] = 2
+            model_options["layers"] = 2 * model_options.get("layers", 4)
+        losses = _losses(self.strategy, options, shardplug_adapter, "transformer", self.steps,
+                         self.seed, self.devices, self.mesh, model_options)  # fmt: skip
+        expected = one_device_losses(shardplug_adapter, "transformer", self.steps, self.seed,
+                                     tuple(sorted(model_options.items())))  # fmt: skip
+        np.testing.assert_allclose(losses, expected, rtol=RTOL["transformer"])
+
     def test_trains_like_one_device_on_explicit_axes(self) -> None:
         """A model written for explicit sharding mode (:mod:`shardplug.testing.explicit`; its
         ``ExpertNet`` for a plugin that needs experts) trains on the strategy's mesh with

@@ -5,9 +5,11 @@ simulated CPU devices, which JAX reads when it starts.
 
 - ``shardplug_strategy``, ``shardplug_adapter``, ``shardplug_model``: fixtures whose values are
   names, each parametrized over what is installed and registered, so a test that takes them
-  runs as a matrix with ids such as ``[fsdp-linen-transformer]``;
-- ``--shardplug-strategies=dp,fsdp`` (and ``-adapters``, ``-models``), or the environment
-  variables ``SHARDPLUG_STRATEGIES`` (...), narrow the matrix;
+  runs as a matrix with ids such as ``[fsdp-linen-transformer]``; ``shardplug_schedule``:
+  the pipeline schedules that write the backward pass in (built-in and registered under
+  ``shardplug.schedules``);
+- ``--shardplug-strategies=dp,fsdp`` (and ``-adapters``, ``-models``, ``-schedules``), or the
+  environment variables ``SHARDPLUG_STRATEGIES`` (...), narrow the matrix;
 - ``--shardplug-devices=N`` or ``SHARDPLUG_DEVICES`` (default 8) simulated CPU devices.
 """
 
@@ -23,7 +25,9 @@ import pytest
 #: the adapters and reference models shardplug ships (tests check these match the code)
 ADAPTERS = ("nnx", "linen", "equinox")
 MODELS = ("mlp", "classifier", "transformer", "cnn")
-KINDS = ("strategies", "adapters", "models")
+#: the pipeline schedules shardplug ships beside gpipe (tests check these match the code)
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zb")
+KINDS = ("strategies", "adapters", "models", "schedules")
 DEFAULT_DEVICES = 8
 
 
@@ -39,6 +43,12 @@ def installed_strategies() -> list[str]:
         elif chosen is None or ep.name in chosen:
             other.add(ep.name)
     return sorted(builtin) + sorted(other - builtin)
+
+
+def installed_schedules() -> list[str]:
+    """The built-in schedules, then the names registered under ``shardplug.schedules``."""
+    other = {ep.name for ep in importlib.metadata.entry_points(group="shardplug.schedules")}
+    return [*SCHEDULES, *sorted(other - set(SCHEDULES))]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -70,7 +80,8 @@ def pytest_configure(config: pytest.Config) -> None:
             jax.config.update("jax_num_cpu_devices", devices)
     else:
         os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(devices))
-    available = {"strategies": installed_strategies(), "adapters": ADAPTERS, "models": MODELS}
+    available = {"strategies": installed_strategies(), "adapters": ADAPTERS, "models": MODELS,
+                 "schedules": installed_schedules()}  # fmt: skip
     config._shardplug_matrix = {  # type: ignore[attr-defined]
         kind: _narrow(config, kind, list(available[kind])) for kind in KINDS
     }
@@ -93,6 +104,7 @@ FIXTURES = {
     "shardplug_strategy": "strategies",
     "shardplug_adapter": "adapters",
     "shardplug_model": "models",
+    "shardplug_schedule": "schedules",
 }
 
 
