@@ -29,10 +29,15 @@ from typing import Any
 
 SIZES = {
     "smoke": {"layers": 4, "width": 64, "heads": 4, "mlp": 128, "vocab": 256, "sequence": 32},
-    "350m": {"layers": 24, "width": 1024, "heads": 16, "mlp": 2816, "vocab": 32000,
-             "sequence": 1024},
-    "1b": {"layers": 16, "width": 2048, "heads": 16, "mlp": 5632, "vocab": 32000,
-           "sequence": 1024},
+    "350m": {
+        "layers": 24,
+        "width": 1024,
+        "heads": 16,
+        "mlp": 2816,
+        "vocab": 32000,
+        "sequence": 1024,
+    },
+    "1b": {"layers": 16, "width": 2048, "heads": 16, "mlp": 5632, "vocab": 32000, "sequence": 1024},
 }
 
 

@@ -67,7 +67,7 @@ def test_the_hand_written_gpipe_takes_pp_s_step():
         model.adapter("nnx", layers=4),
         loss_fn=model.loss_fn,
         optimizer=optax.adam(model.learning_rate),
-        strategy=shardplug.get_strategy("pp", microbatches=8),
+        strategy=shardplug.get_strategy("pp", microbatches=8, schedule="gpipe"),
         devices=4,
     )
     batch = next(model.batches(32, 0))

@@ -38,6 +38,8 @@ MOE = {"experts": 4, "top_k": 2}
 def test_compositions_with_ep_train_like_one_device(name, mesh, adapter, options):
     devices = 8 if "data" in mesh or "stage" in mesh else 4
     renamed = {"axis_names": {"expert": "ex"}} if "ex=" in mesh else {}
+    if name.startswith("pp"):  # GPipe's: its state updated from the whole batch's tallies
+        renamed["schedule"] = "gpipe"
     losses = _losses(name, renamed, adapter, "transformer", STEPS, 0, devices, mesh, options)
     want = one_device_losses(adapter, "transformer", STEPS, 0, tuple(sorted(options.items())))
     np.testing.assert_allclose(losses, want, rtol=1e-4)

@@ -46,13 +46,21 @@ def one_device(adapter, layers):
     return _REFERENCE[adapter, layers]
 
 
-# Each composition, GPipe and circular; every adapter under pp+dp is the conformance suite's
+# Each composition, GPipe and circular (the schedules that write the backward pass in are
+# tests/test_schedules.py's); every adapter under pp+dp is the conformance suite's
 # (tests/test_conformance.py, TestPipeline).
+GPIPE = {"schedule": "gpipe"}
 CASES = [
-    ("pp", "stage=8", {}, "nnx", 8),
-    ("pp+fsdp+tp", "stage=2,fsdp=2,model=2", {"min_size": 0}, "linen", 4),
-    ("pp+dp", "stage=4,data=2", {"repeats": 2, "microbatches": 4}, "nnx", 8),
-    ("pp+fsdp+tp", "stage=2,fsdp=2,model=2", {"repeats": 2, "microbatches": 4}, "equinox", 4),
+    ("pp", "stage=8", GPIPE, "nnx", 8),
+    ("pp+fsdp+tp", "stage=2,fsdp=2,model=2", {"min_size": 0, **GPIPE}, "linen", 4),
+    ("pp+dp", "stage=4,data=2", {"repeats": 2, "microbatches": 4, **GPIPE}, "nnx", 8),
+    (
+        "pp+fsdp+tp",
+        "stage=2,fsdp=2,model=2",
+        {"repeats": 2, "microbatches": 4, **GPIPE},
+        "equinox",
+        4,
+    ),
 ]
 
 
@@ -69,7 +77,7 @@ def test_pipeline_with_gradient_accumulation_trains_like_one_device():
         model.adapter("nnx", layers=4),
         loss_fn=model.loss_fn,
         optimizer=optax.adam(model.learning_rate),
-        strategy=shardplug.get_strategy("pp+dp", microbatches=4),
+        strategy=shardplug.get_strategy("pp+dp", microbatches=4, schedule="gpipe"),
         mesh="stage=4,data=2",
         grad_accum=2,
     )
@@ -81,7 +89,9 @@ def test_pipeline_with_gradient_accumulation_trains_like_one_device():
 def gpipe():
     """pp+dp on stage=4,data=2, 8 layers, 4 microbatches: explained."""
     model = shardplug.get_model("transformer")
-    trainer, _ = train("pp+dp", "nnx", 8, mesh="stage=4,data=2", steps=1, microbatches=4)
+    trainer, _ = train(
+        "pp+dp", "nnx", 8, mesh="stage=4,data=2", steps=1, microbatches=4, schedule="gpipe"
+    )
     return trainer, explain(trainer, next(model.batches(model.batch_size, 0)))
 
 

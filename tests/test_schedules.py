@@ -276,7 +276,7 @@ class RollBlock(nnx.Module):
 
 def test_a_send_inside_a_stages_own_pass_is_refused_not_waited_for():
     data = [{"x": np.ones((16, 8, 16), np.float32), "y": np.zeros((16, 8, 16), np.float32)}]
-    for schedule in ("1f1b", "gpipe"):
+    for schedule in ("1f1b", "gpipe", "auto"):
         trainer = shardplug.Trainer(
             shardplug.from_nnx(Rolled), loss_fn=lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
             optimizer=optax.sgd(0.1), strategy=shardplug.get_strategy("pp+fsdp",
@@ -286,8 +286,26 @@ def test_a_send_inside_a_stages_own_pass_is_refused_not_waited_for():
         if schedule == "gpipe":  # one program on every stage: it runs
             assert np.isfinite(trainer.fit(data, 1)[0]["loss"])
             continue
+        if schedule == "auto":  # the default: compiled again as GPipe, said once
+            with pytest.warns(shardplug.ShardplugWarning, match="runs gpipe.*concatenate"):
+                assert np.isfinite(trainer.fit(data, 1)[0]["loss"])
+            continue
         with pytest.raises(ConfigError, match=r"made the model's \w+ a send between devices"):
             trainer.fit(data, 1)
+
+
+def test_the_default_runs_zero_bubble_where_it_can_and_gpipe_where_not():
+    assert explained("auto", 8).pipeline["schedule"] == "zb"
+    pl = explained("auto", 8, repeats=2).pipeline
+    assert pl["schedule"] == "interleaved-1f1b" and pl["bubble"] == pytest.approx(3 / 19)
+    model = shardplug.get_model("transformer")
+    biased = model.task("nnx", experts=4, top_k=2, bias_rate=0.05, layers=4)
+    trainer = biased.trainer(strategy="pp", mesh="stage=4", devices=4)  # the default
+    with pytest.warns(shardplug.ShardplugWarning, match="runs gpipe.*updates its state"):
+        rows = trainer.fit(model.batches(model.batch_size, 0), 1)
+    assert np.isfinite(rows[0]["loss"])
+    report = explain(trainer, next(model.batches(model.batch_size, 0)))
+    assert report.pipeline["schedule"] == "gpipe"
 
 
 LATE_W = textwrap.dedent(
@@ -334,5 +352,41 @@ def test_explain_prints_the_schedule(capsys):
 
 def test_the_pytest_plugin_lists_the_built_in_schedules():
     from shardplug.testing.pytest_plugin import SCHEDULES as LISTED
+    from shardplug.testing.pytest_plugin import installed_schedules
 
-    assert tuple(SCHEDULES) == LISTED
+    assert tuple(SCHEDULES) == LISTED and installed_schedules()[:4] == ["gpipe", *LISTED]
+
+
+def test_recommend_picks_a_schedule_as_well_as_a_composition():
+    from shardplug.recommend import recommend
+
+    model = shardplug.get_model("transformer")
+    task = model.task("nnx", layers=8)
+
+    def compile_trainer(name, options=None):
+        strategy = shardplug.get_strategy(name, **(options or {}))
+        trainer = task.trainer(strategy=strategy, mesh="stage=4,data=2", allocate=False,
+                               precision="float32")  # fmt: skip
+        return trainer, next(model.batches(model.batch_size, 0))
+
+    roomy = recommend(compile_trainer, 1 << 30, ["pp+dp"])
+    assert roomy["recommended"] == "pp+dp" and roomy["options"] == {"schedule": "zb"}
+    tried = roomy["strategies"][0]["schedule"]["tried"]
+    assert tried["zb"]["bubble"] < tried["1f1b"]["bubble"] == tried["gpipe"]["bubble"]
+    # room for the leanest schedule alone: it is the pick, though it idles more
+    leanest = min(tried, key=lambda k: tried[k]["peak_bytes"])
+    room = tried[leanest]["peak_bytes"] + sorted(t["peak_bytes"] for t in tried.values())[1]
+    tight = recommend(compile_trainer, room // 2, ["pp+dp"])
+    assert tight["options"] == {"schedule": leanest} and "do not fit" in tight["reason"]
+
+
+def test_the_plugin_guides_schedule_runs():
+    """docs/plugins.md, "A pipeline schedule": its block runs (the guide's other blocks build
+    a package, tests/test_plugin_guide.py's)."""
+    import pathlib
+    import re
+
+    guide = (pathlib.Path(__file__).parent.parent / "docs" / "plugins.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", guide[guide.index("## 7. A pipeline") :], re.S)
+    assert len(block) == 1
+    exec(compile(block[0], "plugins.md", "exec"), {"__name__": "docs_plugins"})

@@ -60,6 +60,11 @@ class TaskError(ConfigError):
     such name, or not a :class:`shardplug.Task`."""
 
 
+class TraceAgain(ShardplugError):
+    """Raised by a parallelism's ``check_program`` that has changed what it will trace (pp's
+    ``auto`` schedule falling back to GPipe): core traces and compiles the step once more."""
+
+
 class PluginError(ShardplugError):
     """A strategy plugin failed to load, or a hook of it failed or returned something unusable."""
 

@@ -85,57 +85,31 @@ def recommend(
         and ``(count, count, "")`` when all have.
     :return: ``{"strategies": [row per strategy], "recommended": name or None, "reason"}``.
     """
-    rows = []
     names = strategies or candidates()
+    rows = []
     for i, name in enumerate(names):
         if progress is not None:
             progress(i, len(names), name)
-        try:
-            trainer, batch = compile_trainer(name)
-            report = explain(trainer, batch, device_memory=device_memory)
-        except ShardplugError as exc:  # a strategy that cannot run this model here
-            rows.append({"strategy": name, "fits": False, "error": str(exc)})
-            continue
-        devices = math.prod(trainer.mesh.shape.values())
-        if devices > 1 and not _divides(trainer):
-            rows.append({"strategy": name, "fits": False, "error": (
-                f"divides nothing here: the batch and every parameter are whole on each of "
-                f"the {devices} devices, which would all do the same work")})  # fmt: skip
-            continue
-        peak = report.per_device["peak_bytes"]
-        rows.append({
-            "strategy": name,
-            "mesh": {str(k): int(v) for k, v in trainer.mesh.shape.items()},
-            "fits": peak is not None and peak <= device_memory,
-            "peak_bytes": peak,
-            "params_bytes": report.per_device["params_bytes"],
-            "opt_state_bytes": report.per_device["opt_state_bytes"],
-            "sent_bytes": report.wire_bytes(),
-            "activation_bytes": max(0, report.wire_bytes() - report.textbook_wire_bytes()),
-            "collectives": sum(c["count"] for c in report.collectives),
-            "pipelined": report.pipeline is not None,
-        })  # fmt: skip
-
+        rows.append(_row(compile_trainer, name, {}, device_memory))
     if progress is not None:
         progress(len(names), len(names), "")
+    # A pipeline is planned under each schedule where one is the pick, or where nothing fits
+    # (another schedule may hold less): the one of least bubble that fits, then least peak.
+    best = _best(rows)
+    planned = [r for r in rows if r.get("pipelined")] if best is None else [best]
+    for row in planned if best is None or best["pipelined"] else []:
+        _schedule_for(row, compile_trainer, device_memory)
 
-    def rank(row: dict[str, Any]) -> tuple:
-        moves_activations = row["activation_bytes"] > 0.05 * row["sent_bytes"]
-        return (moves_activations, row["sent_bytes"], row["peak_bytes"])
-
+    fitting = sorted((r for r in rows if r["fits"]), key=_rank)
+    if not fitting:
+        reason = "no installed strategy fits: add devices, or shrink the batch or model"
+        return {"strategies": rows, "recommended": None, "reason": reason}
+    best, equals = _best(rows, with_equals=True)
     infos = {i.name: i for i in list_strategies()}
 
     def plain(row: dict[str, Any]) -> tuple:
         return (row["pipelined"], *_plainness(row["strategy"], infos))
 
-    fitting = sorted((r for r in rows if r["fits"]), key=rank)
-    if not fitting:
-        reason = "no installed strategy fits: add devices, or shrink the batch or model"
-        return {"strategies": rows, "recommended": None, "reason": reason}
-    least = fitting[0]
-    equals = [r for r in fitting if rank(r)[0] == rank(least)[0]
-              and r["sent_bytes"] <= 1.05 * least["sent_bytes"]]  # fmt: skip
-    best = min(equals, key=lambda r: (plain(r), r["peak_bytes"]))
     others = [r["strategy"] for r in rows if "error" not in r and not r["fits"]]
     if math.prod(best["mesh"].values()) == 1:
         # One device: nothing is split or sent, so the plain step is best; a pipeline
@@ -151,7 +125,7 @@ def recommend(
     else:
         what = (
             "moves parameters and gradients only, and the least of them"
-            if rank(best)[0] is False
+            if _rank(best)[0] is False
             else "moves activations too (every strategy that fits does), and sends the least"
         )
         reason = (
@@ -164,7 +138,91 @@ def recommend(
             reason += f"; the plainest step of those sending as little ({', '.join(tied)})"
     if others:
         reason += f"; {', '.join(others)} do not fit"
-    return {"strategies": rows, "recommended": best["strategy"], "reason": reason}
+    chosen = best.get("schedule")
+    if chosen is not None:
+        reason += f"; {chosen['reason']}"
+    return {"strategies": rows, "recommended": best["strategy"], "reason": reason,
+            "options": {"schedule": chosen["name"]} if chosen else {}}  # fmt: skip
+
+
+def _row(compile_trainer: Callable[..., tuple[Any, Any]], name: str, options: dict[str, Any],
+         device_memory: int) -> dict[str, Any]:  # fmt: skip
+    """A candidate compiled and explained: its figures, or why it cannot run here."""
+    try:
+        trainer, batch = compile_trainer(name, options) if options else compile_trainer(name)
+        report = explain(trainer, batch, device_memory=device_memory)
+    except ShardplugError as exc:  # a strategy that cannot run this model here
+        return {"strategy": name, "fits": False, "error": str(exc)}
+    devices = math.prod(trainer.mesh.shape.values())
+    if devices > 1 and not _divides(trainer):
+        return {"strategy": name, "fits": False, "error": (
+            f"divides nothing here: the batch and every parameter are whole on each of "
+            f"the {devices} devices, which would all do the same work")}  # fmt: skip
+    peak = report.per_device["peak_bytes"]
+    pipeline = report.pipeline or {}
+    return {
+        "strategy": name,
+        "mesh": {str(k): int(v) for k, v in trainer.mesh.shape.items()},
+        "fits": peak is not None and peak <= device_memory,
+        "peak_bytes": peak,
+        "params_bytes": report.per_device["params_bytes"],
+        "opt_state_bytes": report.per_device["opt_state_bytes"],
+        "sent_bytes": report.wire_bytes(),
+        "activation_bytes": max(0, report.wire_bytes() - report.textbook_wire_bytes()),
+        "collectives": sum(c["count"] for c in report.collectives),
+        "pipelined": report.pipeline is not None,
+        **({"bubble": pipeline["bubble"], "ran": pipeline["schedule"]} if pipeline else {}),
+    }  # fmt: skip
+
+
+def _rank(row: dict[str, Any]) -> tuple:
+    moves_activations = row["activation_bytes"] > 0.05 * row["sent_bytes"]
+    return (moves_activations, row["sent_bytes"], row["peak_bytes"])
+
+
+def _best(rows: list[dict[str, Any]], with_equals: bool = False) -> Any:
+    """The pick of the fitting rows (see the module), and those sending about as little."""
+    infos = {i.name: i for i in list_strategies()}
+    fitting = sorted((r for r in rows if r["fits"]), key=_rank)
+    if not fitting:
+        return (None, []) if with_equals else None
+    least = fitting[0]
+    equals = [r for r in fitting if _rank(r)[0] == _rank(least)[0]
+              and r["sent_bytes"] <= 1.05 * least["sent_bytes"]]  # fmt: skip
+    best = min(equals, key=lambda r: ((r["pipelined"], *_plainness(r["strategy"], infos)),
+                                      r["peak_bytes"]))  # fmt: skip
+    return (best, equals) if with_equals else best
+
+
+#: the schedules recommend plans a pipeline under (interleaved ones need repeats)
+PLANNED_SCHEDULES = ("gpipe", "1f1b", "zb")
+
+
+def _schedule_for(row: dict[str, Any], compile_trainer, device_memory: int) -> None:
+    """Plan ``row``'s pipeline under each schedule; where one that fits idles less than the
+    one it ran (or fits where it did not), take its figures and record it."""
+    from shardplug.core.registry import strategy_options
+
+    if "schedule" not in {o.name for o in strategy_options(row["strategy"])}:
+        return
+    tried = {name: _row(compile_trainer, row["strategy"], {"schedule": name}, device_memory)
+             for name in PLANNED_SCHEDULES}  # fmt: skip
+    fits = {k: r for k, r in tried.items() if r["fits"] and "bubble" in r}
+    if not fits:
+        return
+    name = min(fits, key=lambda k: (fits[k]["bubble"], fits[k]["peak_bytes"]))
+    chosen = fits[name]
+    figures = ", ".join(
+        f"{k} {r['bubble']:.1%} idle at {size(r['peak_bytes'])}" if "bubble" in r
+        else f"{k} refused" for k, r in tried.items()
+    )  # fmt: skip
+    over = [k for k, r in tried.items() if "bubble" in r and not r["fits"]]
+    reason = (f"-o pp.schedule={name}: the least idle of the schedules that fit ({figures}"
+              + (f"; {', '.join(over)} do not fit" if over else "") + ")")  # fmt: skip
+    row.update({k: v for k, v in chosen.items() if k != "strategy"})
+    row["schedule"] = {"name": name, "reason": reason, "tried": {
+        k: {"bubble": r.get("bubble"), "peak_bytes": r.get("peak_bytes"), "fits": r["fits"]}
+        for k, r in tried.items()}}  # fmt: skip
 
 
 def longest_sequences(

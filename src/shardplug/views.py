@@ -334,7 +334,8 @@ def render_recommend(result: dict[str, Any], console: Any, title: str) -> None:
         table.add_row(names[0] + more, "no", "", "", error)
     console.print(table)
     choice, reason = result["recommended"], result["reason"]
-    console.print(f"recommended: [bold]{choice}[/bold]: {reason}" if choice
+    flags = "".join(f" -o pp.{k}={v}" for k, v in (result.get("options") or {}).items())
+    console.print(f"recommended: [bold]{choice}{flags}[/bold]: {reason}" if choice
                   else f"recommended: none: {reason}")  # fmt: skip
 
 

@@ -313,15 +313,17 @@ def parse_options(strategy: str, pairs: Sequence[str]) -> dict[str, Any]:
     return options
 
 
-def cli_strategy(args: argparse.Namespace, name: str | None = None) -> Any:
+def cli_strategy(args: argparse.Namespace, name: str | None = None,
+                 options: dict[str, Any] | None = None) -> Any:  # fmt: skip
     r"""The one path from the command line to a :class:`~shardplug.core.registry.Strategy`:
     ``name`` (``--strategy`` by default, its ``-o`` options with it; another name, as a
     candidate, without them), its ``--addon``\s and ``--axis-name``\s. Made once for
     ``--strategy`` (an unknown name or option is one line, before JAX starts)."""
     from shardplug.core.registry import get_strategy
 
-    if name is not None and name != getattr(args, "strategy", None):
-        return get_strategy(name, addons=args.addon, axis_names=axis_names(args.axis_name))
+    if options or (name is not None and name != getattr(args, "strategy", None)):
+        return get_strategy(name or args.strategy, addons=args.addon,
+                            axis_names=axis_names(args.axis_name), **(options or {}))  # fmt: skip
     if getattr(args, "_strategy", None) is None:
         options = parse_options(args.strategy, getattr(args, "option", []))
         args._strategy = get_strategy(
@@ -342,7 +344,11 @@ def axis_names(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def _planning_trainer(
-    args: argparse.Namespace, strategy: str, allocate: bool = True, task: Any = None
+    args: argparse.Namespace,
+    strategy: str,
+    allocate: bool = True,
+    task: Any = None,
+    options: dict[str, Any] | None = None,
 ):
     """A trainer of the task with ``strategy`` (:func:`cli_strategy`; planning only, for
     ``allocate=False``); and the batch to compile its step for. ``task``: another size of
@@ -351,7 +357,7 @@ def _planning_trainer(
     task = cli_task(args) if own else task
     trainer = task.trainer(
         allocate=allocate,
-        strategy=cli_strategy(args, strategy),
+        strategy=cli_strategy(args, strategy, options),
         devices=args.devices,
         mesh=args.mesh,
         seed=args.seed,

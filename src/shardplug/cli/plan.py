@@ -96,7 +96,9 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         return 0
     with _candidates_progress() as progress:
         result = recommend(
-            lambda name: _planning_trainer(args, name, allocate=False),
+            lambda name, options=None: _planning_trainer(
+                args, name, allocate=False, options=options
+            ),
             args.device_memory,
             strategies,
             progress=progress,

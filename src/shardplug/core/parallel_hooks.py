@@ -262,7 +262,8 @@ def check_program(axis: str, mesh: Any, hlo: str) -> None:
     Called once each training step is compiled, before it first runs, with the optimised
     program's text (``compiled.as_text()``; asked only of parallelisms that implement this
     hook). Raise :class:`shardplug.plugin.ConfigError` saying what to change; return None to
-    let it run.
+    let it run; or, having changed what it will trace, raise
+    :class:`shardplug.plugin.TraceAgain` and core traces and compiles the step once more.
 
     :param axis: this parallelism's mesh axis, as the run names it.
     :param mesh: the run's mesh.

@@ -21,7 +21,7 @@ import jax
 from shardplug.core import ops
 from shardplug.core.compose import implemented
 from shardplug.core.step import key_impl, unwrap_keys, wrap_keys
-from shardplug.errors import PluginError, unsay
+from shardplug.errors import PluginError, TraceAgain, unsay
 from shardplug.loop import feed
 
 
@@ -178,7 +178,12 @@ def build(step_for: Callable[[Any], Callable], batch: Any, **context: Any) -> Pr
     """:func:`lower`, compiled: the program for batches shaped like ``batch``."""
     lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
     compiled = lowered.compile()
-    _checked(compiled, context["strategy"], context["mesh"])
+    try:
+        _checked(compiled, context["strategy"], context["mesh"])
+    except TraceAgain:  # a parallelism changed what it traces: once more, and final
+        lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
+        compiled = lowered.compile()
+        _checked(compiled, context["strategy"], context["mesh"])
     return Program(compiled, batch_shardings, feed.signature(batch), jaxpr)
 
 

@@ -64,6 +64,7 @@ from shardplug.errors import (
     PluginError,
     ShardplugWarning,
     StrategyOptionError,
+    TraceAgain,
     warn_once,
 )
 from shardplug.moe.kernels import (
@@ -87,6 +88,7 @@ from shardplug.plugin.schedules import (
     Pass,
     Schedule,
     Table,
+    Unscheduled,
     find_schedule,
     one_f_one_b,
     tabulate,
@@ -170,6 +172,8 @@ __all__ = [
     "StepFacts",
     "StrategyOptionError",
     "Table",
+    "TraceAgain",
+    "Unscheduled",
     "attention",
     "attention_override",
     "batch_axes",

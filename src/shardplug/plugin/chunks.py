@@ -27,6 +27,7 @@ from shardplug.core.context import in_microbatches
 from shardplug.core.layer_stack import split_aux
 from shardplug.errors import ConfigError
 from shardplug.plugin import backward
+from shardplug.plugin.schedules import Unscheduled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ def cut_at_stack(forward, model_state, treedef, stacked, stack, other, batch, rn
 
     def capture(block, sp, x, *, layers):
         if seen:
-            raise ConfigError(
+            raise Unscheduled(
                 "pp's schedules run one layer stack per step; this model runs two: use -o "
                 "pp.schedule=gpipe"
             )
@@ -95,7 +96,7 @@ def cut_at_stack(forward, model_state, treedef, stacked, stack, other, batch, rn
         raise ConfigError("pp's schedules split a layer stack, and this model never ran one")
     old, new = jax.tree.leaves(model_state), jax.tree.leaves(new_state)
     if len(old) != len(new) or any(a is not b for a, b in zip(old, new, strict=False)):
-        raise ConfigError(
+        raise Unscheduled(
             "pp's 1F1B and zero-bubble schedules compute each microbatch's loss as its "
             "gradient comes back, and this model updates its state from the batch (batch "
             "statistics, a router's balancing bias): use -o pp.schedule=gpipe"
@@ -103,7 +104,7 @@ def cut_at_stack(forward, model_state, treedef, stacked, stack, other, batch, rn
     ids = {id(w): i for i, w in enumerate(stack)}
     leaves, tree = jax.tree.flatten(seen["sp"])
     if any(id(w) not in ids for w in leaves):
-        raise ConfigError(
+        raise Unscheduled(
             "pp's schedules need the layer stack's parameters as the model stores them; this "
             "model computes them, or passes its stack per-layer state: use -o "
             "pp.schedule=gpipe"

@@ -45,6 +45,13 @@ import numpy as np
 
 from shardplug.errors import ConfigError, ShardplugWarning, StrategyOptionError
 
+
+class Unscheduled(ConfigError):
+    """What a schedule that writes the backward pass in cannot run and GPipe can (a model
+    that updates its state from the batch, two layer stacks, gradient accumulation): one
+    line, or, under pp's ``auto`` schedule, GPipe instead."""
+
+
 #: pass kinds, as the table codes them
 IDLE, F, B, W = 0, 1, 2, 3
 KINDS = {"F": F, "B": B, "W": W}

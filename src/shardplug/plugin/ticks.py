@@ -47,8 +47,8 @@ from shardplug.core.mesh import is_explicit
 from shardplug.core.sharding import lay_out, mesh_axes
 from shardplug.errors import ConfigError
 from shardplug.plugin.chunks import Chunk, cut_at_stack, merged
-from shardplug.plugin.schedules import B, F, Table, W
-from shardplug.plugin.stages import microbatches
+from shardplug.plugin.schedules import B, F, Table, Unscheduled, W
+from shardplug.plugin.stages import _wide, microbatches
 
 #: the name scope of the pass each stage runs: what a compiled program runs there, only that
 #: stage's devices reach (:func:`divergent_permutes`)
@@ -145,23 +145,23 @@ def scheduled_grads(
     )
     g_like = _layer_given(msg_local, has_aux, g_)
 
-    def buffer(count, aval):  # (stages, replicas, slots, *one's shape)
-        return jnp.zeros((s_, replica_size, count, *aval.shape), aval.dtype)
-
-    def slot_buffers(count, tree):
-        return jax.tree.map(lambda a: buffer(count, a), tree)
+    # Every buffer is (slots, stages, replicas, *one's shape): the region reads and writes a
+    # slot by its first index, never reshaping a buffer (the squeeze of a leading (1, 1)
+    # gave the loop-carried buffer another layout, copied whole on each tick).
+    def slotted(count, tree):
+        return jax.tree.map(lambda a: jnp.zeros((count, s_, replica_size, *a.shape), a.dtype),
+                            tree)  # fmt: skip
 
     state = {
-        "inbox": slot_buffers(slots["inbox"], msg_local),
-        "grad": slot_buffers(slots["grad"], msg_local),
-        "res": [_slotted(a, slots["residual"]) for a in res_avals],
-        "stash": [_slotted(a, slots["stash"]) for a in stash_avals],
-        "recv_f": slot_buffers(1, msg_local),
-        "recv_b": slot_buffers(1, msg_local),
+        "inbox": slotted(slots["inbox"], msg_local),
+        "grad": slotted(slots["grad"], msg_local),
+        "res": [jnp.zeros((slots["residual"], *a.shape), a.dtype) for a in res_avals],
+        "stash": [jnp.zeros((slots["stash"], *a.shape), a.dtype) for a in stash_avals],
+        "recv_f": slotted(1, msg_local),
+        "recv_b": slotted(1, msg_local),
         "acc": [jnp.zeros((replica_size, *x.shape), jnp.float32) for x in stack],
     }
-    spec = P(axis, rows)
-    state_spec = {k: (P(rows, axis) if k == "acc" else spec) for k in state}
+    state_spec = {k: (P(rows, axis) if k == "acc" else P(None, axis, rows)) for k in state}
     msg_spec = jax.tree.map(lambda _: P(rows), msg_local)
     if has_aux:  # an aux's first dimension is layers, not rows
         msg_spec = (P(rows), jax.tree.map(lambda _: P(), msg_local[1]))
@@ -169,14 +169,10 @@ def scheduled_grads(
     def stages(local, st, x_in, gy_in, row):
         """One tick of every stage, inside the manual region (see the module)."""
         stage = jax.lax.axis_index(axis)
-        # every device of a stage must read the same pass: the table whole on each (the
-        # compiler split its few rows over another axis once, and a device read another's)
-        me = {k: lay_out(row[k], P())[stage] for k in _STAGE_FIELDS}
-        st = {k: jax.tree.map(lambda a: a[0, 0], v) for k, v in st.items() if k != "acc"} | {
-            "acc": [a[0] for a in st["acc"]]
-        }
-        recv_f = jax.tree.map(lambda a: a[0], st.pop("recv_f"))
-        recv_b = jax.tree.map(lambda a: a[0], st.pop("recv_b"))
+        me = {k: row[k][stage] for k in _STAGE_FIELDS}
+        st = dict(st)
+        recv_f = _get(st.pop("recv_f"), 0)
+        recv_b = _get(st.pop("recv_b"), 0)
         st["inbox"] = _put(st["inbox"], me["recv_forward"], recv_f)
         st["grad"] = _put(st["grad"], me["recv_backward"], recv_b)
         st["grad"] = _put(st["grad"], me["recv_loss"], gy_in)
@@ -186,43 +182,49 @@ def scheduled_grads(
             start = message(x_in) if has_aux else x_in
             msg = jax.tree.map(lambda a, b: jnp.where(me["first"] > 0, a, b), start, inbox)
             out, new = chunk.forward(local, me["chunk"], msg, stage)
-            return _put_list(res, me["residual"], new), out
+            return _set(res, me["residual"], new), out
 
         def skip_f(res):
             return list(res), _zeros(msg_local)
 
         def bwd(stash):
-            res = [b[me["residual"]] for b in st["res"]]
+            res = _get(st["res"], me["residual"])
             g_msg = _get(st["grad"], me["grad"])
             out, new = chunk.input_grad(local, me["chunk"], g_msg, res, stage)
-            return _put_list(stash, me["stash"], new), out
+            return _set(stash, me["stash"], new), out
 
         def skip_b(stash):
             return list(stash), _zeros(msg_local)
 
         def wgt(acc):
-            res = [b[me["residual"]] for b in st["res"]]
-            stash = [b[me["stash"]] for b in st["stash"]]
+            res = _get(st["res"], me["residual"])
+            stash = _get(st["stash"], me["stash"])
             gw = chunk.weight_grad(local, me["chunk"], res, stash, g_like)
             acc, start = list(acc), me["chunk"] * g_
-            for i, g in zip(cut.view, gw, strict=True):
-                now = jax.lax.dynamic_slice_in_dim(acc[i], start, g_, 0) + g.astype(jnp.float32)
-                acc[i] = jax.lax.dynamic_update_slice_in_dim(acc[i], now, start, 0)
-            return acc
+            for i, g in zip(cut.view, gw, strict=True):  # (replica 1, layers, ...) each
+                now = jax.lax.dynamic_slice_in_dim(acc[i], start, g_, 1)
+                now = now + g[None].astype(jnp.float32)
+                acc[i] = jax.lax.dynamic_update_slice_in_dim(acc[i], now, start, 1)
+            return acc, _token(acc)
 
+        def skip_w(acc):
+            return list(acc), _token(acc)
+
+        # XLA:CPU runs what does not wait on each other in any order, each device its own, so
+        # the collectives of different conditionals are ordered by data: the passes after
+        # pre's stack input (its collectives are every device's), each send after every pass
+        # and after the send before. Only small values pass the barriers: a buffer that
+        # does is copied whole each tick.
+        me = _after(me, x_in)
         # Each pass a lax.cond of its own, updating its buffer in place or passing it through
         # (a switch over one state returned whole made XLA copy every buffer each tick).
-        # the passes start once pre's stack input is made (its collectives are every device's)
-        st["res"], st["stash"], st["acc"] = _after((st["res"], st["stash"], st["acc"]), x_in)
         with jax.named_scope(STAGE_PASS):  # the pass each stage chooses alone
             st["res"], send_f = jax.lax.cond(me["kind"] == F, fwd, skip_f, st["res"])
             st["stash"], send_b = jax.lax.cond(me["kind"] == B, bwd, skip_b, st["stash"])
-            st["acc"] = jax.lax.cond(me["kind"] == W, wgt, list, st["acc"])
+            st["acc"], done = jax.lax.cond(me["kind"] == W, wgt, skip_w, st["acc"])
         forward_ring = [(i, (i + 1) % s_) for i in range(s_)]
         backward_ring = [((i + 1) % s_, i) for i in range(s_)]
-        # XLA:CPU runs what does not wait on each other in any order, each device its own:
-        # every send that crosses stages waits for all the passes, and for the send before
-        send_f, send_b, st["acc"] = _after((send_f, send_b, st["acc"]))
+        send_f, send_b = _after((send_f, send_b), done)
         st["recv_f"] = _sent(row["any_forward"], send_f, axis, forward_ring)
         send_b = _after(send_b, st["recv_f"])
         st["recv_b"] = _sent(row["any_backward"], send_b, axis, backward_ring)
@@ -233,9 +235,6 @@ def scheduled_grads(
         send_b = _after(send_b, y)
         gx = _leaving(row["gx_micro"] >= 0, send_b[0] if has_aux else send_b, stage == 0, axis,
                       ())  # fmt: skip
-        acc = [a[None] for a in st.pop("acc")]
-        st = {k: jax.tree.map(lambda a: a[None, None], v) for k, v in st.items()}
-        st["acc"] = acc
         return st, y, gx
 
     row_spec = {k: P() for k in (*_STAGE_FIELDS, "any_forward", "any_backward", "post_micro",
@@ -315,11 +314,6 @@ def divergent_permutes(hlo: str) -> list[str]:
     return found
 
 
-def _slotted(aval: Any, count: int) -> jax.Array:
-    """Zeros for ``count`` slots of a ``(stages, replicas, *one)`` value."""
-    return jnp.zeros((*aval.shape[:2], count, *aval.shape[2:]), aval.dtype)
-
-
 def _like(tree: Any, spec: P) -> Any:
     return jax.tree.map(lambda _: spec, tree)
 
@@ -348,6 +342,11 @@ def _local_rows(x: jax.Array, replica_size: int) -> jax.Array:
     return jnp.zeros((x.shape[0] // replica_size, *x.shape[1:]), x.dtype)
 
 
+def _token(acc: list[Any]) -> jax.Array:
+    """One element of the updated gradients: what waits on it waits on the update."""
+    return acc[0].reshape(-1)[0]
+
+
 def _after(value: Any, *before: Any) -> Any:
     """``value``, once ``before`` (and ``value``) are computed: an order of collectives that
     every device keeps (``lax.optimization_barrier``)."""
@@ -359,11 +358,12 @@ def _after(value: Any, *before: Any) -> Any:
 
 
 def _sent(any_send: Any, value: Any, axis: str, perm: list[tuple[int, int]]) -> Any:
-    """``value`` sent round the ring where some stage sends this tick (else zeros)."""
+    """``value`` sent round the ring where some stage sends this tick (else zeros), as a
+    buffer of one slot."""
     return jax.lax.cond(
         any_send > 0,
-        lambda: jax.tree.map(lambda a: jax.lax.ppermute(a, axis, perm)[None], value),
-        lambda: jax.tree.map(lambda a: jnp.zeros_like(a)[None], value),
+        lambda: jax.tree.map(lambda a: jax.lax.ppermute(a, axis, perm)[None, None, None], value),
+        lambda: jax.tree.map(lambda a: jnp.zeros_like(a)[None, None, None], value),
     )
 
 
@@ -373,12 +373,19 @@ def _leaving(flag: Any, value: Any, mine: Any, axis: str, replicas: tuple[str, .
     summed over the replicas' rows."""
 
     def out():
-        summed = jax.tree.map(lambda a: jax.lax.psum(jnp.where(mine, a, 0), axis), value)
+        summed = jax.tree.map(lambda a: _psum(jnp.where(mine, a, 0), axis), value)
         if replicas and isinstance(summed, tuple):
-            return summed[0], jax.tree.map(lambda a: jax.lax.psum(a, replicas), summed[1])
+            return summed[0], jax.tree.map(lambda a: _psum(a, replicas), summed[1])
         return summed
 
     return jax.lax.cond(flag, out, lambda: _zeros(value))
+
+
+def _psum(x: jax.Array, axes: Any) -> jax.Array:
+    """``psum``, of a 16-bit float in float32 on CPU (where XLA's compiler aborts on it)."""
+    if _wide(x.dtype):
+        return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
+    return jax.lax.psum(x, axes)
 
 
 def _zeros(tree: Any) -> Any:
@@ -402,23 +409,25 @@ def _pick(mbs: Any, m: Any) -> Any:
 
 
 def _get(buf: Any, slot: Any) -> Any:
-    return jax.tree.map(lambda b: b[jnp.maximum(slot, 0)], buf)
+    """Slot ``slot`` (clamped to 0) of each ``(slots, 1, 1, ...)`` buffer of ``buf``."""
+    at = jnp.maximum(slot, 0)
+    return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, at, 0, False)[0, 0], buf)
+
+
+def _set(buf: Any, slot: Any, value: Any) -> Any:
+    """``value`` written into slot ``slot`` of each buffer, in place."""
+    return jax.tree.map(
+        lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x.astype(b.dtype)[None, None], slot, 0),
+        buf, value,
+    )  # fmt: skip
 
 
 def _put(buf: Any, slot: Any, value: Any) -> Any:
-    """``value`` into ``buf[slot]`` where ``slot`` >= 0."""
-
-    def one(b, x):
-        at = jnp.maximum(slot, 0)
-        x = jnp.where(slot >= 0, x.astype(b.dtype), b[at])
-        return jax.lax.dynamic_update_index_in_dim(b, x, at, 0)
-
-    return jax.tree.map(one, buf, value)
-
-
-def _put_list(bufs: list[Any], slot: Any, values: list[Any]) -> list[Any]:
-    return [jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), slot, 0)
-            for b, v in zip(bufs, values, strict=True)]  # fmt: skip
+    """``value`` into slot ``slot`` where ``slot`` >= 0 (else the buffer as it was)."""
+    at = jnp.maximum(slot, 0)
+    kept = jax.tree.map(lambda b, x: jnp.where(slot >= 0, x.astype(b.dtype), b), _get(buf, at),
+                        value)  # fmt: skip
+    return _set(buf, at, kept)
 
 
 def _add(acc: list[Any], grads: list[Any]) -> list[Any]:
@@ -451,7 +460,7 @@ def _rows(table: Table) -> dict[str, jax.Array]:
 def _cut(x: Any, count: int) -> Any:
     """A batch leaf cut into ``count`` microbatches (rows ``m, m + count, ...``)."""
     if not np.ndim(x):
-        raise ConfigError(
+        raise Unscheduled(
             "pp's schedules cut every batch leaf into microbatches along its rows; give the "
             "batch's scalars as arrays with one row each, or use -o pp.schedule=gpipe"
         )

@@ -6,7 +6,7 @@ simulated CPU devices, which JAX reads when it starts.
 - ``shardplug_strategy``, ``shardplug_adapter``, ``shardplug_model``: fixtures whose values are
   names, each parametrized over what is installed and registered, so a test that takes them
   runs as a matrix with ids such as ``[fsdp-linen-transformer]``; ``shardplug_schedule``:
-  the pipeline schedules that write the backward pass in (built-in and registered under
+  pp's schedules by name (``gpipe``, the built-ins, and those registered under
   ``shardplug.schedules``);
 - ``--shardplug-strategies=dp,fsdp`` (and ``-adapters``, ``-models``, ``-schedules``), or the
   environment variables ``SHARDPLUG_STRATEGIES`` (...), narrow the matrix;
@@ -46,9 +46,10 @@ def installed_strategies() -> list[str]:
 
 
 def installed_schedules() -> list[str]:
-    """The built-in schedules, then the names registered under ``shardplug.schedules``."""
+    """``gpipe`` and the built-in schedules, then those registered under
+    ``shardplug.schedules``."""
     other = {ep.name for ep in importlib.metadata.entry_points(group="shardplug.schedules")}
-    return [*SCHEDULES, *sorted(other - set(SCHEDULES))]
+    return ["gpipe", *SCHEDULES, *sorted(other - {"gpipe", *SCHEDULES})]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -32,17 +32,20 @@ from shardplug.plugin import (
     Operations,
     Pipeline,
     StrategyOptionError,
+    TraceAgain,
     hookimpl,
     mesh_axes,
     stack_operation,
+    warn_once,
 )
-from shardplug.plugin.schedules import Schedule, Table, find_schedule
+from shardplug.plugin.schedules import Schedule, Table, Unscheduled, find_schedule
 from shardplug.plugin.stages import rows_split
 from shardplug.plugin.ticks import divergent_permutes, scheduled_grads
 from shardplug.plugins.pp.report import pipeline_report, written_report
 
-#: the schedule pp runs where none is asked for (see docs/guide.md for the measurement)
-DEFAULT_SCHEDULE = "gpipe"
+#: the schedule pp runs where none is asked for: ``auto``, zero-bubble (interleaved 1F1B over
+#: ``repeats`` chunks) where the model lets it, GPipe where not (docs/guide.md, measured)
+DEFAULT_SCHEDULE = "auto"
 
 
 class PipelineParallel:
@@ -50,17 +53,19 @@ class PipelineParallel:
 
     :param microbatches: microbatches per step (M); 0 chooses 4 x stages, or the largest
         divisor of the batch below that (at least the stage count where the batch allows).
-    :param repeats: groups of layers per stage (V); above 1 the schedule is circular
+    :param repeats: chunks of layers per stage (V); above 1 the schedule is circular
         (interleaved), bubble (S-1)/(V*M+S-1), and M must be a multiple of the stages.
     :param remat: recompute each stage's activations in its backward pass, keeping only
         each layer's input; default: yes for ``gpipe`` (which otherwise keeps every
         microbatch's), no for the schedules that write the backward pass in (which hold at
         most about S microbatches' and run uneven ticks when B recomputes).
-    :param schedule: ``gpipe`` (every microbatch's forward pass, then autodiff's backward;
-        circular with ``repeats``), ``1f1b``, ``interleaved-1f1b`` (over ``repeats`` chunks
-        per stage) or ``zb`` (zero-bubble ZB-H1), a schedule registered under the entry-point
-        group ``shardplug.schedules``, or a :class:`shardplug.plugin.Schedule`. All but
-        ``gpipe`` write the backward pass into the schedule (:mod:`shardplug.plugin.ticks`).
+    :param schedule: ``auto`` (the default: ``zb``, or ``interleaved-1f1b`` with
+        ``repeats``, where the model lets it, else ``gpipe``, said once with the reason),
+        ``gpipe`` (every microbatch's forward pass, then autodiff's backward; circular with
+        ``repeats``), ``1f1b``, ``interleaved-1f1b`` or ``zb`` (zero-bubble ZB-H1), a
+        schedule registered under the entry-point group ``shardplug.schedules``, or a
+        :class:`shardplug.plugin.Schedule`. All but ``gpipe`` write the backward pass into
+        the schedule (:mod:`shardplug.plugin.ticks`).
     """
 
     unsupported: ClassVar[dict[str, str]] = {
@@ -79,6 +84,9 @@ class PipelineParallel:
             raise StrategyOptionError(
                 f"pp option repeats must be a positive integer, got {repeats!r}"
             )
+        self.auto = schedule == "auto"
+        if self.auto:
+            schedule = "interleaved-1f1b" if repeats > 1 else "zb"
         written = None if schedule == "gpipe" else find_schedule(schedule)
         if written is not None and repeats > 1 and not written.chunked:
             raise StrategyOptionError(
@@ -94,10 +102,24 @@ class PipelineParallel:
         self.microbatches = microbatches
         self.repeats = repeats
         self.written = written
-        self.schedule = "gpipe" if written is None else written.name
-        self.remat = (written is None) if remat is None else bool(remat)
+        self._remat = remat
         self._plan: Pipeline | None = None
         self.table: Table | None = None  # the last step's, for explain
+
+    @property
+    def schedule(self) -> str:
+        """The schedule the step runs: ``gpipe`` where ``auto`` fell back to it."""
+        return "gpipe" if self.written is None else self.written.name
+
+    @property
+    def remat(self) -> bool:
+        """Whether the schedule that runs recomputes activations (see the class)."""
+        return (self.written is None) if self._remat is None else bool(self._remat)
+
+    def _gpipe_instead(self, why: str) -> None:
+        """``auto``: run GPipe from now on, saying once why."""
+        self.written = None
+        warn_once(f"pp runs gpipe, not its default zero-bubble schedule: {why}")
 
     @hookimpl
     def parallel_axis(self):
@@ -131,8 +153,9 @@ class PipelineParallel:
     @hookimpl
     def operations(self, axis, mesh, replicas):
         replicas = tuple(a for a in replicas if mesh.shape[a] > 1)
+        gpipe_remat = True if self._remat is None else bool(self._remat)  # where it runs
         plan = Pipeline(
-            axis, mesh.shape[axis], self.microbatches, self.repeats, self.remat,
+            axis, mesh.shape[axis], self.microbatches, self.repeats, gpipe_remat,
             replicas=replicas, replica_size=math.prod(mesh.shape[a] for a in replicas),
         )  # fmt: skip
         self._plan = plan
@@ -143,18 +166,36 @@ class PipelineParallel:
                       forward, param_shardings):  # fmt: skip
         if self.written is None or self._plan is None:
             return None  # gpipe: the layer stack operation runs it, autodiff the rest
+        try:
+            return self._scheduled(params, model_state, batch, rng, mesh, microbatches,
+                                   prepare, forward, param_shardings)  # fmt: skip
+        except Unscheduled as exc:  # what GPipe runs: under auto, GPipe runs it
+            if not self.auto:
+                raise
+            self._gpipe_instead(str(exc).split(": use -o pp.schedule=gpipe")[0])
+            return None
+
+    def _scheduled(self, params, model_state, batch, rng, mesh, microbatches, prepare,
+                   forward, param_shardings):  # fmt: skip
         if microbatches > 1:
-            raise ConfigError(
+            raise Unscheduled(
                 f"pp's {self.schedule} schedule accumulates its microbatches itself: instead "
                 f"of --grad-accum {microbatches}, give -o pp.microbatches=M (M times as many)"
             )
         if param_shardings is None:
             raise ConfigError(f"pp's {self.schedule} schedule needs the parameters' shardings")
         plan = self._plan
+        manual = math.prod(mesh.shape[a] for a in plan.replicas)
+        if _rows_split(batch) > manual:
+            raise Unscheduled(
+                f"pp's {self.schedule} schedule on explicit axes splits a microbatch's rows "
+                f"only over axes that split no parameter ({', '.join(plan.replicas) or 'none'}"
+                f" here), and this batch's rows are split over more"
+            )
         specs = jax.tree.leaves(param_shardings, is_leaf=lambda s: hasattr(s, "spec"))
         stacked = [bool(len(s.spec)) and plan.axis in mesh_axes(P(s.spec[0])) for s in specs]
         rows = jax.tree.leaves(batch)[0].shape[0]
-        plan = plan.split_over(_rows_split(batch)).resolve(rows)
+        plan = plan.resolve(rows)
         layers = next(
             (x.shape[0] for x, s in zip(jax.tree.leaves(params), stacked, strict=True) if s), 0
         )
@@ -162,7 +203,8 @@ class PipelineParallel:
         self.table = self.written.table(plan.stages, plan.microbatches, plan.repeats)
         return scheduled_grads(
             self.table, forward, prepare(params), model_state, batch, rng, axis=plan.axis,
-            stacked=stacked, replicas=plan.replicas, replica_size=plan.replica_size,
+            stacked=stacked, replicas=plan.replicas,
+            replica_size=manual,
             remat=self.remat,
         )  # fmt: skip
 
@@ -171,6 +213,12 @@ class PipelineParallel:
         if self.written is None:
             return
         found = divergent_permutes(hlo)
+        if found and self.auto:
+            self._gpipe_instead(
+                f"the compiler made the model's {found[0]} a send between devices of every "
+                f"stage inside the pass one stage runs"
+            )
+            raise TraceAgain("pp runs gpipe instead")
         if found:
             raise ConfigError(
                 f"pp's {self.schedule} schedule runs different passes on different stages at "
