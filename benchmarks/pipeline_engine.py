@@ -55,8 +55,10 @@ def contenders(microbatches: int) -> dict[str, dict[str, Any]]:
     m = microbatches
     return {
         "dp, grad_accum=M": {"strategy": "dp", "grad_accum": m},
-        "pp gpipe (remat)": {"strategy": ("pp", {"microbatches": m})},
-        "pp gpipe (no remat)": {"strategy": ("pp", {"microbatches": m, "remat": False})},
+        "pp gpipe (remat)": {"strategy": ("pp", {"microbatches": m, "schedule": "gpipe"})},
+        "pp gpipe (no remat)": {
+            "strategy": ("pp", {"microbatches": m, "schedule": "gpipe", "remat": False})
+        },
         "pp 1f1b": {"strategy": ("pp", {"microbatches": m, "schedule": "1f1b"})},
         "pp zb": {"strategy": ("pp", {"microbatches": m, "schedule": "zb"})},
     }

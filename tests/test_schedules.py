@@ -4,6 +4,7 @@ device's in every composition, activation memory flat in the microbatches, and b
 one line."""
 
 import json
+import math
 import textwrap
 
 import jax
@@ -166,6 +167,7 @@ def test_the_input_and_weight_halves_are_the_pullback_each_operation_once():
 # -- trajectories ----------------------------------------------------------------------------
 
 COMPOSITIONS = {
+    "pp": ("stage=4", {}, {}),
     "pp+fsdp": ("stage=2,fsdp=4", {"min_size": 0}, {}),
     "pp+fsdp+tp": ("stage=2,fsdp=2,model=2", {"min_size": 0}, {}),
     "pp+cp": ("stage=2,context=4", {}, {}),
@@ -181,7 +183,9 @@ def test_every_schedule_trains_like_one_device(composition, name, adapter):
     v = chunks(name)
     model_options = {**model_options, "layers": 4 * v}
     options = {**options, "schedule": name, "repeats": v}
-    got = _losses(composition, options, adapter, "transformer", STEPS, 0, 8, mesh, model_options)
+    devices = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
+    got = _losses(composition, options, adapter, "transformer", STEPS, 0, devices, mesh,
+                  model_options)  # fmt: skip
     want = one_device_losses(adapter, "transformer", STEPS, 0, tuple(sorted(model_options.items())))
     np.testing.assert_allclose(got, want, rtol=1e-4)
 

@@ -35,7 +35,9 @@ class StackCut:
     """The user's loss cut at its layer stack (:func:`cut_at_stack`)."""
 
     run: Callable[..., Any]  # (stack op, stack leaves, other leaves, data, key) -> forward's
-    stack: list[Any]  # the stack's leaves, as stored (each split over the stage axis)
+    stacked: list[bool]  # which of the parameters' leaves the stack operation is given
+    stack: list[Any]  # those leaves (leading dimension: the layers)
+    other: list[Any]  # the rest
     block: Callable[..., Any]  # one layer: block(layer params, h) -> h or (h, aux)
     view: list[int]  # the stack operation's parameter leaves, as indices into ``stack``
     tree: Any  # their tree
@@ -65,18 +67,23 @@ class StackCut:
         return (h, jax.tree.map(lambda a: jnp.zeros((self.layers, *a.shape), a.dtype), self.aux))
 
 
-def cut_at_stack(forward, model_state, treedef, stacked, stack, other, batch, rng) -> StackCut:
+def cut_at_stack(forward, model_state, params, batch, rng) -> StackCut:
     """Cut ``forward(params, model_state, batch, rng)`` at its layer stack: one trace of the
     whole batch (what the block closes over is the batch's, as under the stack's own
-    operation) finds the block, which of ``stack`` (the leaves flagged in ``stacked``) the
-    stack operation is given, and what the blocks return. Refuses, in one line, what the
-    schedules cannot run: two stacks, none, a stack of computed parameters or per-layer
-    state, a model that updates its state from the batch."""
+    operation) finds the block, which of ``params``' leaves the stack operation is given
+    (stored split over the stages or not: each stage takes its layers of each), and what the
+    blocks return. Refuses, in one line, what the schedules cannot run: two stacks, none, a
+    stack of computed parameters or per-layer state, a model that updates its state from
+    the batch."""
+    leaves, treedef = jax.tree.flatten(params)
 
-    def run(op, stack_leaves, other_leaves, data, key):
-        full = jax.tree.unflatten(treedef, merged(stacked, stack_leaves, other_leaves))
-        with ops.override("layer_stack", op), in_microbatches():
-            return forward(full, model_state, data, key)
+    def runner(stacked):
+        def run(op, stack_leaves, other_leaves, data, key):
+            full = jax.tree.unflatten(treedef, merged(stacked, stack_leaves, other_leaves))
+            with ops.override("layer_stack", op), in_microbatches():
+                return forward(full, model_state, data, key)
+
+        return run
 
     seen: dict[str, Any] = {}
 
@@ -91,7 +98,7 @@ def cut_at_stack(forward, model_state, treedef, stacked, stack, other, batch, rn
         seen.update(block=block, sp=sp, aux=aux, layers=layers)
         return _placeholder(x, aux, layers)
 
-    _, (_, new_state) = run(capture, stack, other, batch, rng)
+    _, (_, new_state) = runner([False] * len(leaves))(capture, [], leaves, batch, rng)
     if not seen:
         raise ConfigError("pp's schedules split a layer stack, and this model never ran one")
     old, new = jax.tree.leaves(model_state), jax.tree.leaves(new_state)
@@ -101,16 +108,21 @@ def cut_at_stack(forward, model_state, treedef, stacked, stack, other, batch, rn
             "gradient comes back, and this model updates its state from the batch (batch "
             "statistics, a router's balancing bias): use -o pp.schedule=gpipe"
         )
+    given, tree = jax.tree.flatten(seen["sp"])
+    mine = {id(w) for w in given}
+    stacked = [id(w) in mine for w in leaves]
+    stack = [w for w, s in zip(leaves, stacked, strict=True) if s]
     ids = {id(w): i for i, w in enumerate(stack)}
-    leaves, tree = jax.tree.flatten(seen["sp"])
-    if any(id(w) not in ids for w in leaves):
+    if any(id(w) not in ids for w in given):
         raise Unscheduled(
             "pp's schedules need the layer stack's parameters as the model stores them; this "
             "model computes them, or passes its stack per-layer state: use -o "
             "pp.schedule=gpipe"
         )
-    view = [ids[id(w)] for w in leaves]
-    return StackCut(run, stack, seen["block"], view, tree, seen["aux"], seen["layers"])
+    other = [w for w, s in zip(leaves, stacked, strict=True) if not s]
+    view = [ids[id(w)] for w in given]
+    return StackCut(runner(stacked), stacked, stack, other, seen["block"], view, tree,
+                    seen["aux"], seen["layers"])  # fmt: skip
 
 
 class Chunk:

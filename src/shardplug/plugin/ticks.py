@@ -43,12 +43,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core.context import in_microbatches
-from shardplug.core.mesh import is_explicit
-from shardplug.core.sharding import lay_out, mesh_axes
+from shardplug.core.sharding import lay_out
 from shardplug.errors import ConfigError
 from shardplug.plugin.chunks import Chunk, cut_at_stack, merged
+from shardplug.plugin.region import after, get, leaving, matched, put, sent, set_slot, zeros
 from shardplug.plugin.schedules import B, F, Table, Unscheduled, W
-from shardplug.plugin.stages import _wide, microbatches
+from shardplug.plugin.stages import microbatches
 
 #: the name scope of the pass each stage runs: what a compiled program runs there, only that
 #: stage's devices reach (:func:`divergent_permutes`)
@@ -68,7 +68,6 @@ def scheduled_grads(
     rng: Any,
     *,
     axis: str,
-    stacked: list[bool],
     replicas: tuple[str, ...] = (),
     replica_size: int = 1,
     remat: bool = False,
@@ -78,25 +77,24 @@ def scheduled_grads(
 
     :param forward: ``forward(params, model_state, batch, rng) -> (loss, (metrics, state))``,
         the user's loss with the model bound (core's, of the prepared parameters).
-    :param params: the parameters as the forward pass uses them, the layer stack's leaves
-        split over ``axis`` along their first (layer) dimension.
-    :param stacked: which of ``params``' leaves (in ``jax.tree.leaves`` order) belong to the
-        layer stack.
+    :param params: the parameters as the forward pass uses them (those of the layer stack
+        best stored split over ``axis`` along their first, layer, dimension).
     :param replicas: batch axes no parameter is split over, manual in the stages (each
         device its own rows); ``replica_size``: their devices.
     :param remat: keep only each layer's input from F, its activations recomputed in B.
     """
     s_, v_, m_ = table.stages, table.chunks, table.microbatches
-    leaves, treedef = jax.tree.flatten(params)
-    stack = [x for x, s in zip(leaves, stacked, strict=True) if s]
-    other = [x for x, s in zip(leaves, stacked, strict=True) if not s]
-    if not stack:
-        raise ConfigError("pp's schedules split a layer stack; this model's step has none")
-    layers = stack[0].shape[0]
-    g_ = layers // (s_ * v_)
+    treedef = jax.tree.structure(params)
     rows = None if not replicas else replicas[0] if len(replicas) == 1 else replicas
     mbs = jax.tree.map(lambda x: _cut(x, m_), batch)
-    cut = cut_at_stack(forward, model_state, treedef, stacked, stack, other, batch, rng)
+    cut = cut_at_stack(forward, model_state, params, batch, rng)
+    stack, other, layers = cut.stack, cut.other, cut.layers
+    if layers % (s_ * v_):
+        raise ConfigError(
+            f"{s_} stages x {v_} chunks do not divide the layer stack's {layers} layers: "
+            f"choose --layers as a multiple of {s_ * v_}"
+        )
+    g_ = layers // (s_ * v_)
     if v_ > 1:  # each stage's share holds its V non-adjacent chunks: c, c + S, ...
         stack = [_chunked(x, s_, v_, axis) for x in stack]
     chunk = Chunk(cut, g_, s_, remat)
@@ -110,7 +108,7 @@ def scheduled_grads(
         return cut.post(other, _pick(mbs, m), jax.random.fold_in(rng, m), msg)
 
     x_aval = jax.eval_shape(lambda o: pre(o, 0), other)
-    zero_x = _zeros(x_aval)
+    zero_x = zeros(x_aval)
 
     # ---- the buffers each stage keeps, from an abstract run of one layer's F and B ----
     msg_local = jax.eval_shape(lambda: message(_local_rows(zero_x, replica_size)))
@@ -134,14 +132,14 @@ def scheduled_grads(
                 lambda spec, a: jax.tree.map(lambda _: spec, a), in_specs, args,
                 is_leaf=lambda x: isinstance(x, P),
             )  # fmt: skip
-            return program(*_matched(args, specs, manual))
+            return program(*matched(args, specs, manual))
 
         return call
 
     res_avals, stash_avals = jax.eval_shape(
         in_region(probe, ([P(axis)] * len(stack), P(rows)), P(axis, rows)),
         stack,
-        _zeros(jax.eval_shape(lambda: message(zero_x))),
+        zeros(jax.eval_shape(lambda: message(zero_x))),
     )
     g_like = _layer_given(msg_local, has_aux, g_)
 
@@ -171,34 +169,34 @@ def scheduled_grads(
         stage = jax.lax.axis_index(axis)
         me = {k: row[k][stage] for k in _STAGE_FIELDS}
         st = dict(st)
-        recv_f = _get(st.pop("recv_f"), 0)
-        recv_b = _get(st.pop("recv_b"), 0)
-        st["inbox"] = _put(st["inbox"], me["recv_forward"], recv_f)
-        st["grad"] = _put(st["grad"], me["recv_backward"], recv_b)
-        st["grad"] = _put(st["grad"], me["recv_loss"], gy_in)
+        recv_f = get(st.pop("recv_f"), 0)
+        recv_b = get(st.pop("recv_b"), 0)
+        st["inbox"] = put(st["inbox"], me["recv_forward"], recv_f)
+        st["grad"] = put(st["grad"], me["recv_backward"], recv_b)
+        st["grad"] = put(st["grad"], me["recv_loss"], gy_in)
 
         def fwd(res):
-            inbox = _get(st["inbox"], me["inbox"])
+            inbox = get(st["inbox"], me["inbox"])
             start = message(x_in) if has_aux else x_in
             msg = jax.tree.map(lambda a, b: jnp.where(me["first"] > 0, a, b), start, inbox)
             out, new = chunk.forward(local, me["chunk"], msg, stage)
-            return _set(res, me["residual"], new), out
+            return set_slot(res, me["residual"], new), out
 
         def skip_f(res):
-            return list(res), _zeros(msg_local)
+            return list(res), zeros(msg_local)
 
         def bwd(stash):
-            res = _get(st["res"], me["residual"])
-            g_msg = _get(st["grad"], me["grad"])
+            res = get(st["res"], me["residual"])
+            g_msg = get(st["grad"], me["grad"])
             out, new = chunk.input_grad(local, me["chunk"], g_msg, res, stage)
-            return _set(stash, me["stash"], new), out
+            return set_slot(stash, me["stash"], new), out
 
         def skip_b(stash):
-            return list(stash), _zeros(msg_local)
+            return list(stash), zeros(msg_local)
 
         def wgt(acc):
-            res = _get(st["res"], me["residual"])
-            stash = _get(st["stash"], me["stash"])
+            res = get(st["res"], me["residual"])
+            stash = get(st["stash"], me["stash"])
             gw = chunk.weight_grad(local, me["chunk"], res, stash, g_like)
             acc, start = list(acc), me["chunk"] * g_
             for i, g in zip(cut.view, gw, strict=True):  # (replica 1, layers, ...) each
@@ -215,7 +213,7 @@ def scheduled_grads(
         # pre's stack input (its collectives are every device's), each send after every pass
         # and after the send before. Only small values pass the barriers: a buffer that
         # does is copied whole each tick.
-        me = _after(me, x_in)
+        me = after(me, x_in)
         # Each pass a lax.cond of its own, updating its buffer in place or passing it through
         # (a switch over one state returned whole made XLA copy every buffer each tick).
         with jax.named_scope(STAGE_PASS):  # the pass each stage chooses alone
@@ -224,16 +222,16 @@ def scheduled_grads(
             st["acc"], done = jax.lax.cond(me["kind"] == W, wgt, skip_w, st["acc"])
         forward_ring = [(i, (i + 1) % s_) for i in range(s_)]
         backward_ring = [((i + 1) % s_, i) for i in range(s_)]
-        send_f, send_b = _after((send_f, send_b), done)
-        st["recv_f"] = _sent(row["any_forward"], send_f, axis, forward_ring)
-        send_b = _after(send_b, st["recv_f"])
-        st["recv_b"] = _sent(row["any_backward"], send_b, axis, backward_ring)
-        send_f = _after(send_f, st["recv_b"])
+        send_f, send_b = after((send_f, send_b), done)
+        st["recv_f"] = sent(row["any_forward"], send_f, axis, forward_ring)
+        send_b = after(send_b, st["recv_f"])
+        st["recv_b"] = sent(row["any_backward"], send_b, axis, backward_ring)
+        send_f = after(send_f, st["recv_b"])
         # the last stage's output and the first stage's input gradient leave the region
-        y = _leaving(row["post_micro"] >= 0, send_f, stage == s_ - 1, axis,
+        y = leaving(row["post_micro"] >= 0, send_f, stage == s_ - 1, axis,
                      replicas if has_aux else ())  # fmt: skip
-        send_b = _after(send_b, y)
-        gx = _leaving(row["gx_micro"] >= 0, send_b[0] if has_aux else send_b, stage == 0, axis,
+        send_b = after(send_b, y)
+        gx = leaving(row["gx_micro"] >= 0, send_b[0] if has_aux else send_b, stage == 0, axis,
                       ())  # fmt: skip
         return st, y, gx
 
@@ -259,7 +257,7 @@ def scheduled_grads(
             top = dict(top)
             m = row["post_micro"]
             (loss, metrics), pull = jax.vjp(lambda o, y: post(o, m, y), other, y)
-            g_other, g_y = pull((jnp.asarray(1 / m_, loss.dtype), _zeros(metrics)))
+            g_other, g_y = pull((jnp.asarray(1 / m_, loss.dtype), zeros(metrics)))
             top["other"] = _add(top["other"], g_other)
             top["loss"] = top["loss"] + loss.astype(jnp.float32) / m_
             top["metrics"] = jax.tree.map(lambda a, b: a + b.astype(jnp.float32) / m_,
@@ -267,7 +265,7 @@ def scheduled_grads(
             return top, g_y
 
         top, gy = jax.lax.cond(row["post_micro"] >= 0, with_post,
-                               lambda top: (dict(top), _zeros(gy)), top)  # fmt: skip
+                               lambda top: (dict(top), zeros(gy)), top)  # fmt: skip
 
         def with_pre(top):
             top = dict(top)
@@ -275,7 +273,7 @@ def scheduled_grads(
             top["other"] = _add(top["other"], pull(gx)[0])
             return top
 
-        gx = _after(gx, gy)  # pre's gradient after post's, on every device alike
+        gx = after(gx, gy)  # pre's gradient after post's, on every device alike
         top = jax.lax.cond(row["gx_micro"] >= 0, with_pre, dict, top)
         return (st, gy, top), None
 
@@ -284,15 +282,15 @@ def scheduled_grads(
         "loss": jnp.zeros((), jnp.float32),
         "metrics": jax.tree.map(lambda a: jnp.zeros((), jnp.float32), metric_avals),
     }
-    gy0 = _zeros(jax.eval_shape(lambda: message(zero_x)))
-    state = _matched(state, {k: _like(state[k], spec) for k, spec in state_spec.items()}, manual)
+    gy0 = zeros(jax.eval_shape(lambda: message(zero_x)))
+    state = matched(state, {k: _like(state[k], spec) for k, spec in state_spec.items()}, manual)
     with in_microbatches():
         (st, _, top), _ = jax.lax.scan(tick, (state, gy0, top), _rows(table))
     g_stack = [a.sum(0) for a in st["acc"]]  # each replica's rows' share, summed
     if v_ > 1:  # back in the model's order
         g_stack = [g.reshape(s_, v_, g_, *g.shape[1:]).swapaxes(0, 1).reshape(g.shape)
                    for g in g_stack]  # fmt: skip
-    grads = jax.tree.unflatten(treedef, merged(stacked, g_stack, top["other"]))
+    grads = jax.tree.unflatten(treedef, merged(cut.stacked, g_stack, top["other"]))
     grads = jax.tree.map(lambda g, x: g.astype(x.dtype), grads, params)
     return (top["loss"], (top["metrics"], model_state)), grads
 
@@ -347,87 +345,8 @@ def _token(acc: list[Any]) -> jax.Array:
     return acc[0].reshape(-1)[0]
 
 
-def _after(value: Any, *before: Any) -> Any:
-    """``value``, once ``before`` (and ``value``) are computed: an order of collectives that
-    every device keeps (``lax.optimization_barrier``)."""
-    return (
-        jax.lax.optimization_barrier((value, before))[0]
-        if before
-        else (jax.lax.optimization_barrier(value))
-    )
-
-
-def _sent(any_send: Any, value: Any, axis: str, perm: list[tuple[int, int]]) -> Any:
-    """``value`` sent round the ring where some stage sends this tick (else zeros), as a
-    buffer of one slot."""
-    return jax.lax.cond(
-        any_send > 0,
-        lambda: jax.tree.map(lambda a: jax.lax.ppermute(a, axis, perm)[None, None, None], value),
-        lambda: jax.tree.map(lambda a: jnp.zeros_like(a)[None, None, None], value),
-    )
-
-
-def _leaving(flag: Any, value: Any, mine: Any, axis: str, replicas: tuple[str, ...]) -> Any:
-    """One stage's ``value`` for outside the region (the sum over the stage axis, the rest
-    zeros), where ``flag`` says it leaves this tick; the aux of a message ``(h, aux)`` also
-    summed over the replicas' rows."""
-
-    def out():
-        summed = jax.tree.map(lambda a: _psum(jnp.where(mine, a, 0), axis), value)
-        if replicas and isinstance(summed, tuple):
-            return summed[0], jax.tree.map(lambda a: _psum(a, replicas), summed[1])
-        return summed
-
-    return jax.lax.cond(flag, out, lambda: _zeros(value))
-
-
-def _psum(x: jax.Array, axes: Any) -> jax.Array:
-    """``psum``, of a 16-bit float in float32 on CPU (where XLA's compiler aborts on it)."""
-    if _wide(x.dtype):
-        return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
-    return jax.lax.psum(x, axes)
-
-
-def _zeros(tree: Any) -> Any:
-    """Zeros like each leaf of ``tree`` (arrays or their shapes), laid out alike on explicit
-    axes (where ``lax.cond``'s branches must agree)."""
-
-    def one(a):
-        if isinstance(a, jax.Array):
-            return jnp.zeros_like(a)
-        z = jnp.zeros(a.shape, a.dtype)
-        spec = getattr(getattr(a, "sharding", None), "spec", None)
-        if spec is None or not is_explicit(jax.sharding.get_abstract_mesh()):
-            return z
-        return jax.sharding.reshard(z, spec) if any(e is not None for e in spec) else z
-
-    return jax.tree.map(one, tree)
-
-
 def _pick(mbs: Any, m: Any) -> Any:
     return jax.tree.map(lambda x: x[m], mbs)
-
-
-def _get(buf: Any, slot: Any) -> Any:
-    """Slot ``slot`` (clamped to 0) of each ``(slots, 1, 1, ...)`` buffer of ``buf``."""
-    at = jnp.maximum(slot, 0)
-    return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, at, 0, False)[0, 0], buf)
-
-
-def _set(buf: Any, slot: Any, value: Any) -> Any:
-    """``value`` written into slot ``slot`` of each buffer, in place."""
-    return jax.tree.map(
-        lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x.astype(b.dtype)[None, None], slot, 0),
-        buf, value,
-    )  # fmt: skip
-
-
-def _put(buf: Any, slot: Any, value: Any) -> Any:
-    """``value`` into slot ``slot`` where ``slot`` >= 0 (else the buffer as it was)."""
-    at = jnp.maximum(slot, 0)
-    kept = jax.tree.map(lambda b, x: jnp.where(slot >= 0, x.astype(b.dtype), b), _get(buf, at),
-                        value)  # fmt: skip
-    return _set(buf, at, kept)
 
 
 def _add(acc: list[Any], grads: list[Any]) -> list[Any]:
@@ -470,26 +389,6 @@ def _cut(x: Any, count: int) -> Any:
             f"microbatches=M with M dividing {x.shape[0]}"
         )
     return microbatches(x, count)
-
-
-def _matched(tree: Any, specs: Any, manual: set[str]) -> Any:
-    """On explicit axes, ``tree`` laid out over the ``manual`` axes as ``specs`` say (the
-    other axes as they are), as ``jax.shard_map`` requires of its operands; else as it is."""
-    if not is_explicit(jax.sharding.get_abstract_mesh()):
-        return tree
-
-    def one(x, spec):
-        now = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
-        want = tuple(spec) + (None,) * x.ndim
-        out = []
-        for d in range(x.ndim):
-            kept = tuple(a for a in mesh_axes(P(now[d])) if a not in manual)
-            axes = tuple(mesh_axes(P(want[d]))) + kept
-            out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-        target = P(*out)
-        return x if tuple(now[: x.ndim]) == tuple(out) else jax.sharding.reshard(x, target)
-
-    return jax.tree.map(one, tree, specs, is_leaf=lambda s: isinstance(s, P))
 
 
 __all__ = ["math", "scheduled_grads"]

@@ -114,3 +114,25 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     for fixture, kind in FIXTURES.items():
         if fixture in metafunc.fixturenames:
             metafunc.parametrize(fixture, matrix[kind], ids=matrix[kind])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The schedule matrix only for a conformance class whose strategy has a pipeline
+    schedule to choose: for any other strategy its cells are deselected, not skipped."""
+    dropped = [item for item in items if not _takes_schedules(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if _takes_schedules(item)]
+
+
+def _takes_schedules(item: pytest.Item) -> bool:
+    spec = getattr(item, "callspec", None)
+    strategy = getattr(getattr(item, "cls", None), "strategy", None)
+    if spec is None or "shardplug_schedule" not in spec.params or strategy is None:
+        return True
+    from shardplug.core.registry import strategy_options
+
+    try:
+        return "schedule" in {o.name for o in strategy_options(strategy)}
+    except Exception:  # an unknown strategy: its own checks say so
+        return True

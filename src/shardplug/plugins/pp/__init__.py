@@ -203,7 +203,7 @@ class PipelineParallel:
         self.table = self.written.table(plan.stages, plan.microbatches, plan.repeats)
         return scheduled_grads(
             self.table, forward, prepare(params), model_state, batch, rng, axis=plan.axis,
-            stacked=stacked, replicas=plan.replicas,
+            replicas=plan.replicas,
             replica_size=manual,
             remat=self.remat,
         )  # fmt: skip
