@@ -25,13 +25,9 @@ def pipeline_report(axis: str, mesh: Any, step: Any) -> dict[str, Any] | None:
     m_, s_ = inputs.shape[0], mesh.shape[axis]
     r_ = (ticks - s_ + 1) // m_
     pl = Pipeline(axis, s_, m_, r_)
-    stacked = [
-        (leaf, spec) for leaf, spec in zip(step.params, step.stored, strict=True)
-        if len(spec) and spec[0] == axis
-    ]  # fmt: skip
+    stacked = _stage_split(step, axis)
     if not stacked:
         return None
-    layers = stacked[0][0].shape[0]
     shape, dtype = (inputs.shape[0] * inputs.shape[1], *inputs.shape[2:]), inputs.dtype
     batch_axes = step.batch_axes
     shards = math.prod(mesh.shape[a] for a in batch_axes) if batch_axes else 1
@@ -46,10 +42,7 @@ def pipeline_report(axis: str, mesh: Any, step: Any) -> dict[str, Any] | None:
         "bubble": pl.bubble,
         "formula": pl.bubble,
         "peak_microbatches": [float(m_)] * s_,  # every microbatch's stage inputs, until B
-        "layers": layers,
-        "stage_layers": circular_order(layers, s_, r_).reshape(s_, -1).tolist(),
-        "stack_bytes": sum(_bytes(leaf) for leaf, _ in stacked),
-        "stack_bytes_per_device": sum(_bytes(leaf, spec, mesh) for leaf, spec in stacked),
+        **_stack_figures(stacked, mesh, s_, r_),
         "ticks": pl.ticks,
         "collective_permute": {
             "compiled_ops": sum(c["count"] for c in permutes),
@@ -66,14 +59,10 @@ def written_report(table: Table, formula: float, axis: str, mesh: Any,
     the table it ran: its bubble as the stages' idle ticks against its authors' formula, the
     microbatches' residuals each stage holds at most, the buffers it keeps, and its
     collective-permutes: one forward and one back on each tick where some stage sends."""
-    stacked = [
-        (leaf, spec) for leaf, spec in zip(step.params, step.stored, strict=True)
-        if len(spec) and spec[0] == axis
-    ]  # fmt: skip
+    stacked = _stage_split(step, axis)
     if not stacked:
         return None
     s_, v_, m_ = table.stages, table.chunks, table.microbatches
-    layers = stacked[0][0].shape[0]
     chunk = np.maximum(table.chunk, 0) * s_ + np.arange(s_)[None, :]
     c_ = s_ * v_
     forward = int((((table.kind == F) & (chunk < c_ - 1)).any(axis=1)).sum())
@@ -89,10 +78,7 @@ def written_report(table: Table, formula: float, axis: str, mesh: Any,
         "idle_ticks": table.idle.tolist(),
         "peak_microbatches": table.peak,
         "slots": table.slots,
-        "layers": layers,
-        "stage_layers": circular_order(layers, s_, v_).reshape(s_, -1).tolist(),
-        "stack_bytes": sum(_bytes(leaf) for leaf, _ in stacked),
-        "stack_bytes_per_device": sum(_bytes(leaf, spec, mesh) for leaf, spec in stacked),
+        **_stack_figures(stacked, mesh, s_, v_),
         "ticks": table.ticks,
         "compiled_ticks": tick_loop(step.jaxpr),
         "chart": table.chart(),
@@ -137,6 +123,23 @@ def tick_loop(jaxpr: Any) -> int | None:
         return None
 
     return find(getattr(jaxpr, "jaxpr", jaxpr))
+
+
+def _stage_split(step: Any, axis: str) -> list[tuple[Any, Any]]:
+    """The layer stack's parameters (and stored specs): those split over ``axis``."""
+    return [(leaf, spec) for leaf, spec in zip(step.params, step.stored, strict=True)
+            if len(spec) and spec[0] == axis]  # fmt: skip
+
+
+def _stack_figures(stacked: list, mesh: Any, stages: int, chunks: int) -> dict[str, Any]:
+    """The stack's layers, which each stage holds, and its bytes whole and per device."""
+    layers = stacked[0][0].shape[0]
+    return {
+        "layers": layers,
+        "stage_layers": circular_order(layers, stages, chunks).reshape(stages, -1).tolist(),
+        "stack_bytes": sum(_bytes(leaf) for leaf, _ in stacked),
+        "stack_bytes_per_device": sum(_bytes(leaf, spec, mesh) for leaf, spec in stacked),
+    }
 
 
 def _bytes(leaf: Any, spec: Any = None, mesh: Any = None) -> int:
