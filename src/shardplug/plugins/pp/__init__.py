@@ -1,17 +1,24 @@
 """Pipeline parallel over the `stage` axis: a layer stack's layers split into stages.
 
 A model's layer stack (:mod:`shardplug.stack`) has its leading layer dimension split over
-``stage``: stage ``s`` holds L/S consecutive layers (GPipe) or R non-adjacent groups of
-L/(R*S) (circular, ``repeats=R``). pp supplies the layer stack operation: every stack call
-in the step runs the schedule of :mod:`shardplug.plugin.stages`, the batch cut into M
-microbatches, activations passed to the next stage with ``ppermute``, the backward pass by
-autodiff through the schedule; explain shows its figures (:mod:`.report`). The
-layers before and after the stack (embeddings, head) are replicated over ``stage`` and
-split by the other parallelisms of the composition (``pp+fsdp+tp``: 3D parallelism).
+``stage``: stage ``s`` holds L/S consecutive layers, or V non-adjacent chunks of L/(V*S)
+(``repeats=V``: circular, interleaved). The batch is cut into M microbatches and the
+activations passed between stages with ``ppermute``, by one of two engines:
 
-Idle share of each stage (the bubble): (S-1)/(R*M+S-1). Four stages need 27 microbatches
-for 90% of their ticks busy (GPipe); the default is 4 x stages, or the largest divisor of
-the batch below that.
+- ``gpipe``: pp supplies the layer stack operation, whose schedule
+  (:mod:`shardplug.plugin.stages`) runs every microbatch's forward pass inside the model's,
+  autodiff its backward; bubble (S-1)/(V*M+S-1), every microbatch's stage inputs held;
+- the schedules that write the backward pass in (``1f1b``, ``interleaved-1f1b``, ``zb``,
+  or a :class:`shardplug.plugin.Schedule` of a plugin's): pp's ``compute_grads`` runs the
+  table of F, B and W passes (:mod:`shardplug.plugin.ticks`), at most about S microbatches'
+  activations held whatever M; ZB-H1's bubble (S-1)/(3M+S-1).
+
+The default, ``auto``, is ``zb`` (``interleaved-1f1b`` with ``repeats``) where the model lets
+it and GPipe where not, said once (docs/guide.md, "Pipeline schedules", has the measurements
+behind it). The layers before and after the stack (embeddings, head) are replicated over
+``stage`` and split by the other parallelisms of the composition (``pp+fsdp+tp``: 3D
+parallelism). explain shows the schedule's figures (:mod:`.report`). The default M is 4 x
+stages, or the largest divisor of the batch below that.
 """
 
 from __future__ import annotations
