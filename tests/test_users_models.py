@@ -3,6 +3,7 @@ each trained against its framework's plain loop: grouped-query attention and nex
 slicing under cp (tests/llama_models.py), Flax's Gemma in explicit mode with its own mesh
 annotations (tests/gemma_model.py), experts written by hand (tests/switch_moe.py)."""
 
+import contextlib
 import functools
 
 import gemma_model as gemma
@@ -37,18 +38,45 @@ def _one_device(framework: str) -> tuple[float, ...]:
         ("pp+cp", "stage=2,context=4"),
     ],
 )
-def test_a_gqa_llama_fed_tokens_minus_one_trains_like_one_device(framework, name, mesh):
+def test_a_gqa_llama_fed_tokens_minus_one_trains_like_one_device(
+    framework, name, mesh, monkeypatch
+):
     """4 query heads over 2 key/value heads, a sequence of 31 (tokens[:, :-1] of 32) that the
     ring pads to whole blocks: the losses of the framework's own one-device loop (it crashed
-    in the ring's einsum, then in the shard_map of a sequence 4 devices do not divide)."""
+    in the ring's einsum, then in the shard_map of a sequence 4 devices do not divide).
+
+    Under pp+cp the padded sequence is laid out one way in a stage's pass and another in the
+    buffers pp's written-in schedules keep it in: the compiler moves it between them with
+    all-gathers that nothing orders against pp's sends, and XLA:CPU runs them in each device's
+    own order (150 steps, three runs at once: all three waited forever). pp's default runs
+    GPipe instead, and says so."""
     adapter, loss_fn = llama.adapter(framework)
     options = {"min_size": 0} if "fsdp" in name or "tp" in name else {}
     trainer = shardplug.Trainer(
         adapter, loss_fn=loss_fn, optimizer=optax.adam(llama.LR),
         strategy=shardplug.get_strategy(name, **options), mesh=mesh,
     )  # fmt: skip
-    losses = [r["loss"] for r in trainer.fit(llama.batches(0), steps=STEPS)]
+    monkeypatch.setattr(shardplug.errors, "_SAID", set())  # said afresh
+    falls_back = name.startswith("pp")
+    said = pytest.warns(shardplug.ShardplugWarning, match="pp runs gpipe.*all-gathers between")
+    with said if falls_back else contextlib.nullcontext():
+        losses = [r["loss"] for r in trainer.fit(llama.batches(0), steps=STEPS)]
     np.testing.assert_allclose(losses, _one_device(framework), rtol=1e-4)
+
+
+def test_a_written_in_schedule_that_could_wait_forever_on_cpu_is_one_line():
+    """Asked for by name, the schedule the default avoids is refused before it runs."""
+    adapter, loss_fn = llama.adapter("nnx")
+    trainer = shardplug.Trainer(
+        adapter, loss_fn=loss_fn, optimizer=optax.adam(llama.LR),
+        strategy=shardplug.get_strategy("pp+cp", schedule="1f1b"), mesh="stage=2,context=4",
+    )  # fmt: skip
+    with pytest.raises(
+        shardplug.ConfigError,
+        match=r"^pp's 1f1b schedule on CPU devices: the "
+        r"compiler put \d+ all-gathers between the passes.*pp.schedule=gpipe$",
+    ):
+        trainer.fit(llama.batches(0), steps=1)
 
 
 def _attention_loss(attend, causal, q, k, v):

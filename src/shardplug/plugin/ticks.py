@@ -53,6 +53,12 @@ from shardplug.plugin.stages import microbatches
 #: the name scope of the pass each stage runs: what a compiled program runs there, only that
 #: stage's devices reach (:func:`divergent_permutes`)
 STAGE_PASS = "stage_pass"
+#: the name scope of the tick loop's manual region, and of pp's own sends in it
+TICKS = "pp_ticks"
+SENDS = "pp_sends"
+_COLLECTIVE = re.compile(
+    r" (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\("
+)
 
 #: the table's per-stage fields the stages read at each tick
 _STAGE_FIELDS = ("kind", "chunk", "micro", "residual", "inbox", "grad", "stash",
@@ -223,16 +229,17 @@ def scheduled_grads(
         forward_ring = [(i, (i + 1) % s_) for i in range(s_)]
         backward_ring = [((i + 1) % s_, i) for i in range(s_)]
         send_f, send_b = after((send_f, send_b), done)
-        st["recv_f"] = sent(row["any_forward"], send_f, axis, forward_ring)
-        send_b = after(send_b, st["recv_f"])
-        st["recv_b"] = sent(row["any_backward"], send_b, axis, backward_ring)
-        send_f = after(send_f, st["recv_b"])
-        # the last stage's output and the first stage's input gradient leave the region
-        y = leaving(row["post_micro"] >= 0, send_f, stage == s_ - 1, axis,
-                     replicas if has_aux else ())  # fmt: skip
-        send_b = after(send_b, y)
-        gx = leaving(row["gx_micro"] >= 0, send_b[0] if has_aux else send_b, stage == 0, axis,
-                      ())  # fmt: skip
+        with jax.named_scope(SENDS):
+            st["recv_f"] = sent(row["any_forward"], send_f, axis, forward_ring)
+            send_b = after(send_b, st["recv_f"])
+            st["recv_b"] = sent(row["any_backward"], send_b, axis, backward_ring)
+            send_f = after(send_f, st["recv_b"])
+            # the last stage's output and the first stage's input gradient leave the region
+            y = leaving(row["post_micro"] >= 0, send_f, stage == s_ - 1, axis,
+                         replicas if has_aux else ())  # fmt: skip
+            send_b = after(send_b, y)
+            gx = leaving(row["gx_micro"] >= 0, send_b[0] if has_aux else send_b, stage == 0,
+                          axis, ())  # fmt: skip
         return st, y, gx
 
     row_spec = {k: P() for k in (*_STAGE_FIELDS, "any_forward", "any_backward", "post_micro",
@@ -251,7 +258,8 @@ def scheduled_grads(
         st, gy, top = carry
         x_in = jax.lax.cond(row["pre_micro"] >= 0, lambda: pre(other, row["pre_micro"]),
                             lambda: zero_x)  # fmt: skip
-        st, y, gx = region(stack, st, x_in, gy, {k: row[k] for k in row_spec})
+        with jax.named_scope(TICKS):
+            st, y, gx = region(stack, st, x_in, gy, {k: row[k] for k in row_spec})
 
         def with_post(top):
             top = dict(top)
@@ -309,6 +317,25 @@ def divergent_permutes(hlo: str) -> list[str]:
             where = re.search(r'source_file="([^"]*)" source_line=(\d+)', line)
             op = name.group(1).rsplit("/", 1)[-1]
             found.append(f"{op} at {where.group(1)}:{where.group(2)}" if where else op)
+    return found
+
+
+def unordered_collectives(hlo: str) -> list[str]:
+    """The collectives of a compiled program (its HLO text) that the compiler put between the
+    passes of the tick loop's region, neither in a stage's pass nor among pp's sends: moves of
+    the model's arrays between one layout and another of its buffers (an all-gather over
+    ``context`` where a pass's activations and the buffer holding them disagree). Nothing
+    orders them against pp's sends by data, and XLA:CPU runs what does not wait on each other
+    in any order, each device its own: a device that sends first waits for every device
+    while its stage's others wait for it in the all-gather."""
+    found = []
+    for line in hlo.splitlines():
+        kind = _COLLECTIVE.search(line)
+        name = re.search(r'op_name="([^"]*)"', line) if kind else None
+        if name is None or f"/{TICKS}/" not in name.group(1) + "/":
+            continue
+        if f"/{STAGE_PASS}/" not in name.group(1) and f"/{SENDS}/" not in name.group(1):
+            found.append(kind.group(1))
     return found
 
 

@@ -47,7 +47,7 @@ from shardplug.plugin import (
 )
 from shardplug.plugin.schedules import Schedule, Table, Unscheduled, find_schedule
 from shardplug.plugin.stages import rows_split
-from shardplug.plugin.ticks import divergent_permutes, scheduled_grads
+from shardplug.plugin.ticks import divergent_permutes, scheduled_grads, unordered_collectives
 from shardplug.plugins.pp.report import pipeline_report, written_report
 
 #: the schedule pp runs where none is asked for: ``auto``, zero-bubble (interleaved 1F1B over
@@ -216,7 +216,7 @@ class PipelineParallel:
         )  # fmt: skip
 
     @hookimpl
-    def check_program(self, hlo):
+    def check_program(self, mesh, hlo):
         if self.written is None:
             return
         found = divergent_permutes(hlo)
@@ -233,6 +233,23 @@ class PipelineParallel:
                 f"of every stage inside one (a collective-permute), which would wait forever: "
                 f"use -o pp.schedule=gpipe, or compute that operation on the whole array"
             )
+        # A GPU runs a program's collectives in its order; XLA:CPU in each device's own.
+        between = unordered_collectives(hlo) if _on_cpu(mesh) else []
+        if between and self.auto:
+            self._gpipe_instead(
+                f"on CPU devices the compiler's {len(between)} {between[0]}s between the "
+                f"passes of a tick (the model's activations laid out two ways) could meet "
+                f"pp's sends in a different order on each device"
+            )
+            raise TraceAgain("pp runs gpipe instead")
+        if between:
+            raise ConfigError(
+                f"pp's {self.schedule} schedule on CPU devices: the compiler put "
+                f"{len(between)} {between[0]}s between the passes of each tick (the model's "
+                f"activations laid out one way in a pass and another in the buffer holding "
+                f"them), which each CPU device runs in its own order against pp's sends, and "
+                f"a device sending first would wait forever: use -o pp.schedule=gpipe"
+            )
 
     @hookimpl
     def explain_step(self, axis, mesh, step):
@@ -243,6 +260,10 @@ class PipelineParallel:
         else:
             report = pipeline_report(axis, mesh, step)
         return None if report is None else Explained(name="pipeline", report=report)
+
+
+def _on_cpu(mesh) -> bool:
+    return mesh.devices.flat[0].platform == "cpu"
 
 
 def _rows_split(batch) -> int:
