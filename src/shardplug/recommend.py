@@ -96,8 +96,11 @@ def recommend(
     # A pipeline is planned under each schedule where one is the pick, or where nothing fits
     # (another schedule may hold less): the one of least bubble that fits, then least peak.
     best = _best(rows)
-    planned = [r for r in rows if r.get("pipelined")] if best is None else [best]
-    for row in planned if best is None or best["pipelined"] else []:
+    if best is None:
+        planned = [r for r in rows if r.get("pipelined")]
+    else:
+        planned = [best] if best["pipelined"] else []
+    for row in planned:
         _schedule_for(row, compile_trainer, device_memory)
 
     fitting = sorted((r for r in rows if r["fits"]), key=_rank)
@@ -106,16 +109,12 @@ def recommend(
         return {"strategies": rows, "recommended": None, "reason": reason}
     best, equals = _best(rows, with_equals=True)
     infos = {i.name: i for i in list_strategies()}
-
-    def plain(row: dict[str, Any]) -> tuple:
-        return (row["pipelined"], *_plainness(row["strategy"], infos))
-
     others = [r["strategy"] for r in rows if "error" not in r and not r["fits"]]
     if math.prod(best["mesh"].values()) == 1:
         # One device: nothing is split or sent, so the plain step is best; a pipeline
         # schedule on one stage only cuts the batch into microbatches (slower, less memory).
         low = min(r["peak_bytes"] for r in fitting)  # peaks within 5% are equal
-        best = min(fitting, key=lambda r: (plain(r), r["peak_bytes"] > 1.05 * low,
+        best = min(fitting, key=lambda r: (_plain(r, infos), r["peak_bytes"] > 1.05 * low,
                                            r["peak_bytes"]))  # fmt: skip
         reason = (
             f"one device: no strategy splits or sends anything, and of the {len(fitting)} that "
@@ -189,9 +188,13 @@ def _best(rows: list[dict[str, Any]], with_equals: bool = False) -> Any:
     least = fitting[0]
     equals = [r for r in fitting if _rank(r)[0] == _rank(least)[0]
               and r["sent_bytes"] <= 1.05 * least["sent_bytes"]]  # fmt: skip
-    best = min(equals, key=lambda r: ((r["pipelined"], *_plainness(r["strategy"], infos)),
-                                      r["peak_bytes"]))  # fmt: skip
+    best = min(equals, key=lambda r: (_plain(r, infos), r["peak_bytes"]))
     return (best, equals) if with_equals else best
+
+
+def _plain(row: dict[str, Any], infos: dict[str, Any]) -> tuple:
+    """How plain a candidate's step is: no pipeline first, then :func:`_plainness`."""
+    return (row["pipelined"], *_plainness(row["strategy"], infos))
 
 
 #: the schedules recommend plans a pipeline under (interleaved ones need repeats)

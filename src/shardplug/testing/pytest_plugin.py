@@ -119,10 +119,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The schedule matrix only for a conformance class whose strategy has a pipeline
     schedule to choose: for any other strategy its cells are deselected, not skipped."""
-    dropped = [item for item in items if not _takes_schedules(item)]
+    takes = {id(item): _takes_schedules(item) for item in items}
+    dropped = [item for item in items if not takes[id(item)]]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if _takes_schedules(item)]
+        items[:] = [item for item in items if takes[id(item)]]
 
 
 def _takes_schedules(item: pytest.Item) -> bool:

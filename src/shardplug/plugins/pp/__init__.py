@@ -220,36 +220,34 @@ class PipelineParallel:
         if self.written is None:
             return
         found = divergent_permutes(hlo)
-        if found and self.auto:
-            self._gpipe_instead(
-                f"the compiler made the model's {found[0]} a send between devices of every "
-                f"stage inside the pass one stage runs"
-            )
-            raise TraceAgain("pp runs gpipe instead")
+        # A GPU runs a program's collectives in its order; XLA:CPU in each device's own.
+        between = [] if found or not _on_cpu(mesh) else unordered_collectives(hlo)
         if found:
-            raise ConfigError(
+            brief = (f"the compiler made the model's {found[0]} a send between devices of every "
+                     f"stage inside the pass one stage runs")  # fmt: skip
+            line = (
                 f"pp's {self.schedule} schedule runs different passes on different stages at "
                 f"once, and the compiler made the model's {found[0]} a send between devices "
                 f"of every stage inside one (a collective-permute), which would wait forever: "
                 f"use -o pp.schedule=gpipe, or compute that operation on the whole array"
             )
-        # A GPU runs a program's collectives in its order; XLA:CPU in each device's own.
-        between = unordered_collectives(hlo) if _on_cpu(mesh) else []
-        if between and self.auto:
-            self._gpipe_instead(
-                f"on CPU devices the compiler's {len(between)} {between[0]}s between the "
-                f"passes of a tick (the model's activations laid out two ways) could meet "
-                f"pp's sends in a different order on each device"
-            )
-            raise TraceAgain("pp runs gpipe instead")
-        if between:
-            raise ConfigError(
+        elif between:
+            brief = (f"on CPU devices the compiler's {len(between)} {between[0]}s between the "
+                     f"passes of a tick (the model's activations laid out two ways) could meet "
+                     f"pp's sends in a different order on each device")  # fmt: skip
+            line = (
                 f"pp's {self.schedule} schedule on CPU devices: the compiler put "
                 f"{len(between)} {between[0]}s between the passes of each tick (the model's "
                 f"activations laid out one way in a pass and another in the buffer holding "
                 f"them), which each CPU device runs in its own order against pp's sends, and "
                 f"a device sending first would wait forever: use -o pp.schedule=gpipe"
             )
+        else:
+            return
+        if not self.auto:
+            raise ConfigError(line)
+        self._gpipe_instead(brief)
+        raise TraceAgain("pp runs gpipe instead")
 
     @hookimpl
     def explain_step(self, axis, mesh, step):
