@@ -27,6 +27,7 @@ _EXPORTS = {
         "list_addons",
         "list_strategies",
     ),
+    "shardplug.core.means": ("Mean",),
     "shardplug.core.step": ("TrainState",),
     "shardplug.trainer": ("Trainer",),
     "shardplug.task": ("Task", "load_task"),

@@ -20,8 +20,10 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core import means
 from shardplug.core.context import batch_axis_name, computing_in, manual_axes, per_device_program
 from shardplug.core.layer_gather import layer_specs
+from shardplug.core.means import Mean, declared, weight_key
 from shardplug.core.registry import Strategy
 from shardplug.core.sharding import lay_out, leading_axes
 from shardplug.errors import ConfigError
@@ -74,7 +76,9 @@ def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array], Any]:
         raise ConfigError(
             "loss_fn must return a loss, (loss, dict of metrics) or (loss, metrics, new state)"
         )
-    loss = parts[0]
+    loss, counts = parts[0], {}
+    if isinstance(loss, Mean):
+        loss, counts[weight_key()] = declared("the loss", loss)
     if not hasattr(loss, "shape") and not isinstance(loss, int | float):
         raise ConfigError(
             f"loss_fn must return a scalar array as the loss, got {type(loss).__name__}"
@@ -84,7 +88,10 @@ def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array], Any]:
             f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}: average it"
         )
     metrics = dict(parts[1]) if len(parts) > 1 else {}
-    for name, value in metrics.items():
+    for name, value in list(metrics.items()):
+        if isinstance(value, Mean):
+            value, counts[weight_key(name)] = declared(f"metric {name!r}", value)
+            metrics[name] = value
         if not hasattr(value, "shape") and not isinstance(value, int | float):
             raise ConfigError(f"metric {name!r} is a {type(value).__name__}: give a scalar array")
         if jnp.shape(value) != ():
@@ -92,7 +99,7 @@ def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array], Any]:
                 f"metric {name!r} has shape {jnp.shape(value)}: metrics must be scalars "
                 "(average it)"
             )
-    return loss, metrics, parts[2] if len(parts) == 3 else None
+    return loss, {**metrics, **counts}, parts[2] if len(parts) == 3 else None
 
 
 def _forward(adapter, loss_fn, extras, params, model_state, rng, batch, train):
@@ -197,11 +204,15 @@ def make_step(
 
     value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
 
+    def loss_only(params, model_state, batch, rng):  # read by the check of an undeclared loss
+        return _forward(adapter, loss_fn, extras, params, model_state, rng, batch, True)[0]
+
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         rng = step_key(state)
         axis = batch_axis_name()  # set inside a per-device program
         plain = axis is None and not encodes  # under jit, the compiler places the reduction
-        grad_fn = _accumulate(value_and_grad, grad_accum, batch_shardings if plain else None)
+        grad_fn = _accumulate(value_and_grad, grad_accum, batch_shardings if plain else None,
+                              loss_only)  # fmt: skip
         owned = strategy.compute_grads(
             loss_and_grad=value_and_grad, params=state.params, model_state=state.model_state,
             batch=batch, rng=rng, mesh=mesh, microbatches=grad_accum,
@@ -219,6 +230,8 @@ def make_step(
             (loss, (metrics, model_state)), grads = grad_fn(
                 state.params, state.model_state, batch, rng
             )
+            if axis is not None and means.weighted(metrics):  # the devices' parts averaged
+                loss, metrics, grads = means.reweigh(loss, metrics, grads, axis)
             if encodes:
                 grads = strategy.encode_grads(grads, mesh)
         grads = strategy.reduce_grads(grads, mesh)
@@ -226,7 +239,7 @@ def make_step(
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        out = {"loss": loss, **metrics}
+        out = {"loss": loss, **means.reported(metrics)}
         if skip_nonfinite:  # the update must be judged before it is applied
             finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
             if manual_axes():  # per device: every device of every manual axis decides alike
@@ -260,13 +273,17 @@ def _cast_floats(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(cast, tree)
 
 
-def _accumulate(value_and_grad: Callable, k: int, batch_shardings: Any) -> Callable:
+def _accumulate(
+    value_and_grad: Callable, k: int, batch_shardings: Any, loss_only: Callable
+) -> Callable:
     """``value_and_grad`` over ``k`` microbatches in turn: the mean loss, metrics and gradient.
 
     Microbatch ``i`` takes rows ``i, i+k, i+2k, ...`` of every leaf, so each microbatch is
     split over the devices as the whole batch is (``batch_shardings`` pins that under jit);
     its dropout key is the step's key folded with ``i``. The model state (batch statistics)
-    passes from one microbatch to the next.
+    passes from one microbatch to the next. A loss declared as a :class:`Mean` is summed and
+    counted over the microbatches and divided once; an undeclared one (``loss_only``, traced
+    once more) that divides by a count taken from the batch is told so, once.
     """
     if k == 1:
         return value_and_grad
@@ -284,15 +301,27 @@ def _accumulate(value_and_grad: Callable, k: int, batch_shardings: Any) -> Calla
                 rows = lay_out(rows, batch_shardings)
             key = jax.random.fold_in(rng, i)
             (loss, (metrics, model_state)), grads = value_and_grad(params, model_state, rows, key)
+            count = means.grad_scale(metrics)
+            if count is not None:  # a declared loss: this part's share of the sum
+                grads = jax.tree.map(lambda g: g * count.astype(g.dtype), grads)
+                loss, metrics = means.part_sums(loss, metrics)
             total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
             return (total, model_state), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        (total, model_state), (losses, metrics) = jax.lax.scan(
-            body, (zeros, model_state), (jnp.arange(k), jax.tree.map(split, batch))
+        parts = jax.tree.map(split, batch)
+        (total, new_state), (losses, metrics) = jax.lax.scan(
+            body, (zeros, model_state), (jnp.arange(k), parts)
         )
+        if means.weighted(metrics):  # the parts' sums and counts added, then divided once
+            loss, metrics = means.combine(losses.sum(0), jax.tree.map(jnp.sum, metrics), k)
+            return (loss, (metrics, new_state)), means.divided(total, metrics, k)
+        means.microbatch_means(
+            f"{k} of them, --grad-accum", lambda p, b: loss_only(p, model_state, b, rng),
+            params, jax.tree.map(lambda x: x[0], parts),
+        )  # fmt: skip
         grads = jax.tree.map(lambda g: g / k, total)
-        return (jnp.mean(losses), (jax.tree.map(jnp.mean, metrics), model_state)), grads
+        return (jnp.mean(losses), (jax.tree.map(jnp.mean, metrics), new_state)), grads
 
     return accumulated
 
@@ -351,8 +380,10 @@ def _per_shard_grads(grad_fn, strategy, mesh, state, batch, rng, param_shardings
     in_axes = jax.tree.map(lambda s: 0 if s else None, split)
 
     def one_shard(params, model_state, rows):
-        out, grads = grad_fn(params, model_state, rows, rng)
-        return out, strategy.encode_grads(grads, mesh)
+        (loss, (metrics, state)), grads = grad_fn(params, model_state, rows, rng)
+        if means.weighted(metrics):  # the shards' parts are averaged below
+            loss, metrics, grads = means.reweigh(loss, metrics, grads, SHARD_AXIS)
+        return (loss, (metrics, state)), strategy.encode_grads(grads, mesh)
 
     with per_device_program(SHARD_AXIS):
         (loss, (metrics, model_state)), encoded = jax.vmap(
@@ -402,7 +433,10 @@ def make_eval_step(
             loss, (metrics, _) = _forward(
                 adapter, loss_fn, extras, params, state.model_state, step_key(state), batch, False
             )
-        return state, {"loss": loss, **metrics}
+        axis = batch_axis_name()
+        if axis is not None and means.weighted(metrics):  # the devices' parts averaged
+            loss, metrics, _ = means.reweigh(loss, metrics, None, axis)
+        return state, {"loss": loss, **metrics}  # with the counts: batches are weighed by them
 
     return step
 

@@ -8,7 +8,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from shardplug.core.means import combine, part_sums, reported
 from shardplug.errors import ConfigError
 from shardplug.loop import feed
 from shardplug.loop.program import Program, RunState
@@ -77,9 +79,13 @@ def evaluate(
         state.leaves, metrics = program.compiled(
             state.leaves, feed.put(batch, program.batch_shardings)
         )
+        loss, metrics = part_sums(metrics["loss"], metrics)  # a declared loss's sums
+        metrics = {**metrics, "loss": loss}
         totals = metrics if totals is None else jax.tree.map(jnp.add, totals, metrics)
         count += 1
     if totals is None:
         raise ConfigError("evaluate got no batches: the evaluation data is empty (or used up)")
-    means = {name: float(value) / count for name, value in jax.device_get(totals).items()}
+    totals = {k: np.asarray(v, np.float64) for k, v in jax.device_get(totals).items()}
+    loss, metrics = combine(totals.pop("loss"), totals, count)
+    means = {name: float(value) for name, value in {"loss": loss, **reported(metrics)}.items()}
     return {**means, "batches": float(count)} if capped and count == EVAL_CAP else means

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core import means
 from shardplug.core.context import in_microbatches
 from shardplug.core.sharding import lay_out
 from shardplug.errors import ConfigError
@@ -253,6 +254,13 @@ def scheduled_grads(
     )  # fmt: skip
 
     metric_avals = jax.eval_shape(lambda o: post(o, 0, message(zero_x))[1], other)
+    weighted = means.weighted(metric_avals)  # a declared loss: sums added, divided once
+    if not weighted:
+        means.microbatch_means(
+            f"{m_} of them, pp's microbatches",
+            lambda o_msg, b: cut.post(o_msg[0], b, rng, o_msg[1])[0],
+            (other, message(zero_x)), _pick(mbs, 0),
+        )  # fmt: skip
 
     def tick(carry, row):
         st, gy, top = carry
@@ -265,10 +273,17 @@ def scheduled_grads(
             top = dict(top)
             m = row["post_micro"]
             (loss, metrics), pull = jax.vjp(lambda o, y: post(o, m, y), other, y)
-            g_other, g_y = pull((jnp.asarray(1 / m_, loss.dtype), zeros(metrics)))
+            if weighted:  # this microbatch's sums; the whole's divided by the counts below
+                count = means.grad_scale(metrics)
+                seed = jnp.ones((), loss.dtype) if count is None else count.astype(loss.dtype)
+                loss, metrics = means.part_sums(loss, metrics)
+            else:
+                seed = jnp.asarray(1 / m_, loss.dtype)
+            g_other, g_y = pull((seed, zeros(metrics)))
+            share = 1 if weighted else m_
             top["other"] = _add(top["other"], g_other)
-            top["loss"] = top["loss"] + loss.astype(jnp.float32) / m_
-            top["metrics"] = jax.tree.map(lambda a, b: a + b.astype(jnp.float32) / m_,
+            top["loss"] = top["loss"] + loss.astype(jnp.float32) / share
+            top["metrics"] = jax.tree.map(lambda a, b: a + b.astype(jnp.float32) / share,
                                           top["metrics"], metrics)  # fmt: skip
             return top, g_y
 
@@ -299,8 +314,12 @@ def scheduled_grads(
         g_stack = [g.reshape(s_, v_, g_, *g.shape[1:]).swapaxes(0, 1).reshape(g.shape)
                    for g in g_stack]  # fmt: skip
     grads = jax.tree.unflatten(treedef, merged(cut.stacked, g_stack, top["other"]))
+    loss, metrics = top["loss"], top["metrics"]
+    if weighted:
+        loss, metrics = means.combine(loss, metrics, m_)
+        grads = means.divided(grads, metrics, m_)
     grads = jax.tree.map(lambda g, x: g.astype(x.dtype), grads, params)
-    return (top["loss"], (top["metrics"], model_state)), grads
+    return (loss, (metrics, model_state)), grads
 
 
 def divergent_permutes(hlo: str) -> list[str]:

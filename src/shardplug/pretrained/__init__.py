@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 from shardplug import moe
+from shardplug.core.means import Mean
 from shardplug.core.sharding import leaf_paths
 from shardplug.errors import ConfigError, PretrainedError
 from shardplug.models import check_adapter
@@ -265,14 +266,17 @@ class Pretrained:
         mask = batch.get("loss_mask")
         if mask is None:
             loss = losses.mean()
-        else:
+        else:  # a sum and a count: exact wherever the step cuts the batch
             mask = mask[:, -targets.shape[1] :].astype(jnp.float32)
-            loss = (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+            loss = Mean((losses * mask).sum(), mask.sum())
         metrics = {"lm_loss": loss}
         if tallies is not None:
             summary = moe.summary(tallies)
             metrics.update(summary)
-            loss = loss + self.config.router_aux_loss * summary["moe_balance_loss"]
+            aux = self.config.router_aux_loss * summary["moe_balance_loss"]
+            # with a mask, each token's share of the balancing loss: aux once divided
+            loss = loss + aux if mask is None else Mean(loss.total + aux * loss.count,
+                                                        loss.count)  # fmt: skip
         return loss, metrics
 
 
