@@ -305,3 +305,40 @@ def test_recommend_finds_the_longest_sequence_cp_fits(capsys):
     console = Console(width=120, record=True)
     render_longest(result, console, "transformer")
     assert f"{row['longest']:,}" in console.export_text()
+
+
+def test_cp_that_divides_nothing_is_refused_alike_in_train_explain_and_recommend():
+    """Hand-written attention fed tokens[:, :-1] of 33 (Gemma's form): the batch's sequence
+    does not split over context and nothing else would, so cp and dp+cp are refused in one
+    line, by the trainer, by explain and by recommend (which takes dp)."""
+    from shardplug.explain import explain
+    from shardplug.recommend import recommend
+
+    batch = {"tokens": np.random.default_rng(0).integers(0, 64, (16, 33)).astype(np.int32)}
+
+    def loss_fn(m, b):
+        logits = m(b["tokens"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["tokens"][:, 1:]).mean()
+
+    def trainer(name):
+        return shardplug.Trainer(shardplug.from_nnx(HandWritten), loss_fn=loss_fn,
+                                 optimizer=optax.adam(1e-2), strategy=name, devices=8)  # fmt: skip
+
+    said = r"cp divides nothing here: no sequence of the batch splits over its \d devices " \
+        r"\(tokens of 33 positions.*call shardplug.attention"  # fmt: skip
+    for name in ("cp", "dp+cp"):
+        with pytest.raises(shardplug.ConfigError, match=said):
+            trainer(name).compile(batch)
+        with pytest.raises(shardplug.ConfigError, match=said):
+            explain(trainer(name), batch)
+
+    def compiled(name):
+        t = trainer(name)
+        t.compile(batch)
+        return t, batch
+
+    ranked = recommend(compiled, device_memory=2**34, strategies=["dp", "cp", "dp+cp"])
+    rows = {r["strategy"]: r for r in ranked["strategies"]}
+    assert ranked["recommended"] == "dp"
+    for name in ("cp", "dp+cp"):
+        assert "cp divides nothing here" in rows[name]["error"], rows[name]

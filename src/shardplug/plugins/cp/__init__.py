@@ -61,6 +61,8 @@ class ContextParallel:
         # batch leaves the run declares sequences, beyond what the model's attention reads
         self.sequence = {p.strip() for p in str(sequence).split(",") if p.strip()}
         self._leaves: set[str] = set()  # every batch leaf laid out so far, to check those
+        #: the sequences laid out, by leaf: their length and whether they split over context
+        self._sequences: dict[str, tuple[int, bool]] = {}
         self._ring_ran = False  # whether the last traced program went round the ring
 
     @hookimpl
@@ -81,6 +83,7 @@ class ContextParallel:
         # a sequence the devices do not divide (tokens of L + 1 for a model fed
         # tokens[:, :-1]) is read whole by each of them: placing an array needs even
         # blocks, attention does not (it pads), and splits the activations from there
+        self._sequences[path] = (shape[1], shape[1] % size == 0)
         return None if shape[1] % size else 1
 
     @hookimpl
@@ -102,9 +105,26 @@ class ContextParallel:
             attend = ring_attention(axis, self.balance == "zigzag", on_ring=ran)
         else:
             attend = gathered_attention(axis)
-        return Operations(attention=attend, unused=lambda _: self._unused(axis))
+        return Operations(attention=attend, unused=lambda _: self._unused(axis, mesh))
 
-    def _unused(self, axis: str) -> None:
+    def _unused(self, axis: str, mesh) -> None:
+        """The model never called :func:`shardplug.attention`: cp divides the sequence the
+        batch gives split, and nothing at all where none is (refused, in one line)."""
+        if not any(split for _, split in self._sequences.values()):
+            size = mesh.shape[axis]
+            found = ", ".join(f"{leaf} of {length}" for leaf, (length, _) in
+                              sorted(self._sequences.items()))  # fmt: skip
+            batch = (
+                f"no sequence of the batch splits over its {size} devices ({found} positions, "
+                f"which {size} do not divide: a model fed tokens[:, :-1] reads one fewer)"
+                if found else "the batch holds no sequence it splits"
+            )
+            raise ConfigError(
+                f"cp divides nothing here: {batch}, and the model never calls "
+                f"shardplug.attention, which splits the activations from there: call "
+                f"shardplug.attention(q, k, v, causal=True) in the model's attention, give "
+                f"sequences a multiple of {size} long, or leave cp out"
+            )
         said = (
             f"cp: the model never called shardplug.attention, so cp did not gather its keys "
             f"and values: attention written by hand (an einsum, or "
