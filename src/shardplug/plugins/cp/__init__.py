@@ -117,7 +117,8 @@ class ContextParallel:
             batch = (
                 f"no sequence of the batch splits over its {size} devices ({found} positions, "
                 f"which {size} do not divide: a model fed tokens[:, :-1] reads one fewer)"
-                if found else "the batch holds no sequence it splits"
+                if found
+                else "the batch holds no sequence it splits"
             )
             raise ConfigError(
                 f"cp divides nothing here: {batch}, and the model never calls "
