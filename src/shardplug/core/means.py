@@ -41,7 +41,7 @@ class Mean:
             return shardplug.Mean(jnp.sum(ce * w), jnp.sum(w))
 
     The loss is ``total / count``, and wherever the step cuts the batch (``grad_accum``,
-    ``pp``'s microbatches, a per-device program's devices) the parts' totals and counts are
+    a pipeline's microbatches, a per-device program's devices) the parts' totals and counts are
     summed before the one division, so the loss and its gradient are the whole batch's, as
     one device computes them. ``count`` is data, not a function of the parameters: no
     gradient flows through it. A part (or a batch) whose count is 0 adds nothing; a batch
