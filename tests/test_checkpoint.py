@@ -392,6 +392,8 @@ BAD = [
      "already holds checkpoints (newest: step 2); pass --resume"),
     (["--resume", "--checkpoint-dir", "{tmp}/full", "--model", "classifier"],
      "is of a different model or optimizer; different shape or dtype: params/"),
+    (["--resume", "--checkpoint-dir", "{tmp}/full", "--batch-size", "32"],
+     "the checkpoint's run read batches of shapes [[64, 16], [64, 1]], this one reads [[32, "),
 ]  # fmt: skip
 
 
@@ -422,6 +424,73 @@ def test_resuming_with_other_batch_shapes_is_refused(tmp_path):
     with pytest.raises(shardplug.BatchError, match=rf"batches of shapes \[\[{model.batch_size},"):
         trainer.fit(model.batches(half, 0, start=2), 2)
     assert trainer.fit(model.batches(model.batch_size, 0, start=2), 2)  # the same shapes: on
+
+
+def test_a_step_compiled_before_the_restore_is_checked_against_its_batch_shapes(tmp_path):
+    """The command line compiles the step before it reads the checkpoint: the restore checks
+    the compiled step's batches, and refuses them leaving the trainer as it was."""
+    model, _ = saved_run(tmp_path, steps=2)
+    _, trainer = trainer_for("mlp", checkpoint_dir=tmp_path)
+    trainer.compile(next(iter(model.batches(model.batch_size // 2, 0))))
+    with pytest.raises(shardplug.BatchError, match=rf"batches of shapes \[\[{model.batch_size},"):
+        trainer.restore()
+    assert trainer.step == 0 and trainer.restored_meta is None
+
+
+ENV_BATCH_TASK = """
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import shardplug
+
+
+def loss_fn(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def task():
+    rows = int(os.environ["BS"])
+
+    def batches():
+        rng = np.random.default_rng(0)
+        while True:
+            x = rng.normal(size=(rows, 4)).astype(np.float32)
+            yield {"x": x, "y": x[:, :1]}
+
+    adapter = shardplug.from_nnx(lambda rngs: nnx.Linear(4, 1, rngs=rngs))
+    return shardplug.Task(adapter=adapter, loss_fn=loss_fn, optimizer=optax.sgd(0.1),
+                          data=batches)
+"""
+
+
+def test_cli_resume_of_a_plain_generator_with_another_batch_size_is_refused(
+    tmp_path, capsys, monkeypatch
+):
+    """A task's data as a function returning a generator, checkpointed at 16 rows a batch and
+    resumed at 32: one line and exit 2, the checkpoints as they were; at 16 it resumes."""
+    (tmp_path / "envbs.py").write_text(ENV_BATCH_TASK)
+    ckpt = tmp_path / "ck"
+    argv = ["train", "--task", f"{tmp_path / 'envbs.py'}:task", "--checkpoint-dir", str(ckpt),
+            "--quiet"]  # fmt: skip
+    monkeypatch.setenv("BS", "16")
+    assert main([*argv, "--steps", "5"]) == 0
+    capsys.readouterr()
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in ckpt.rglob("*"))
+    monkeypatch.setenv("BS", "32")
+    assert main([*argv, "--resume", "--steps", "10"]) == 2
+    err = said(capsys.readouterr().err)
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith("shardplug: error: the checkpoint's run read batches of shapes "
+                             "[[16, 4], [16, 1]], this one reads [[32, 4], [32, 1]]: resume "
+                             "with the same batch size")  # fmt: skip
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in ckpt.rglob("*")) == before
+    monkeypatch.setenv("BS", "16")
+    assert main([*argv, "--resume", "--steps", "6"]) == 0
+    assert "from step 5" in capsys.readouterr().out
 
 
 def test_a_resume_keeps_the_experts_and_routing_the_checkpoint_was_trained_with(tmp_path, capsys):

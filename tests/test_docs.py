@@ -1,6 +1,8 @@
 """Every ``python`` block in the README and docs/ runs, in order, one namespace per page."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,47 @@ def test_code_blocks_run(page, capsys):
     for block in blocks:
         exec(compile(block, str(page), "exec"), namespace)
     assert blocks or page.name == "architecture.md"
+
+
+#: names the pages write that are entry-point groups, not attributes
+GROUPS = {"shardplug.addons", "shardplug.schedules"}
+
+DOTTED = """
+import importlib, pkgutil, sys
+
+import shardplug
+
+assert "jax" not in sys.modules, "import shardplug imported JAX"
+shardplug.stack.scan  # the issue's: before anything else has imported shardplug.stack
+assert not hasattr(shardplug, "no_such_name")
+modules = {m.name for m in pkgutil.iter_modules(shardplug.__path__)}
+assert not modules & set(shardplug.__all__), "an export shares a submodule's name"
+failed = []
+for name in sys.argv[1:]:  # each from a fresh shardplug, so none is found by another's import
+    for loaded in [m for m in sys.modules if m.split(".")[0] == "shardplug"]:
+        del sys.modules[loaded]
+    found = importlib.import_module("shardplug")
+    try:
+        for part in name.split(".")[1:]:
+            found = getattr(found, part)
+    except AttributeError as exc:
+        failed.append(f"{name}: {exc}")
+assert not failed, failed
+"""
+
+
+def test_every_dotted_name_the_pages_write_works_after_import_shardplug():
+    """``shardplug.stack.scan``, ``shardplug.data.Batches``, ``shardplug.core.hlo...``: as the
+    README and docs write them, after a plain ``import shardplug`` in a fresh interpreter."""
+    names = set()
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        names |= set(re.findall(r"\bshardplug(?:\.[A-Za-z_]\w*)+", page.read_text()))
+    names -= GROUPS
+    assert {"shardplug.stack", "shardplug.moe.routed_experts", "shardplug.core.hlo.partitioned_hlo",
+            "shardplug.plugin.RANK", "shardplug.data.Batches"} <= names  # fmt: skip
+    code = [sys.executable, "-c", DOTTED, *sorted(names)]
+    done = subprocess.run(code, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_the_architecture_page_names_every_hook_there_is():

@@ -1,7 +1,11 @@
 """shardplug.task: tasks from files and modules, on every command; and their bad input."""
 
+import importlib.machinery
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +116,75 @@ def test_a_bad_task_is_one_line_and_a_typed_error(tmp_path, capsys, monkeypatch,
     assert main(["train", "--task", spec, "--steps", "2", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def project(folder: Path, prefix: str) -> str:
+    """A task file whose model and (read lazily) data are modules beside it: its spec."""
+    folder.mkdir()
+    write(folder / f"{prefix}_model.py", TASK_HEADER)
+    write(folder / f"{prefix}_rows.py", "import numpy as np\nX = np.ones((8, 4), np.float32)\n")
+    text = f"""
+import optax
+
+import shardplug
+from {prefix}_model import adapter, loss_fn
+
+
+def batches():
+    from {prefix}_rows import X  # imported when the data is read
+
+    while True:
+        yield {{"x": X, "y": X[:, :1]}}
+
+
+task = shardplug.Task(adapter=adapter, loss_fn=loss_fn, optimizer=optax.sgd(0.1), data=batches)
+"""
+    return write(folder / "task.py", text) + ":task"
+
+
+def test_a_task_file_imports_the_modules_beside_it(tmp_path, monkeypatch, capsys):
+    """As ``python task.py`` would: the task's folder is on the import path while it is
+    imported and after (its data imports a module beside it only when read), on every
+    command, without PYTHONPATH."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    task = load_task(project(tmp_path / "project", "beside_a"))
+    assert next(iter(task.batches()))["x"].shape == (8, 4)
+    assert sys.path.count(str(tmp_path / "project")) == 1
+    assert main(["explain", "--task", project(tmp_path / "b", "beside_b"), "--json"]) == 0
+    recommend = ["recommend", "--task", project(tmp_path / "c", "beside_c"), "--device-memory"]
+    assert main([*recommend, "1GB", "--json"]) == 0
+    capsys.readouterr()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-m", "shardplug", "train", "--task", "project/task.py:task",
+         "--steps", "2", "--quiet"],
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "trained task (nnx)" in done.stdout
+
+
+def test_the_modules_beside_a_task_file_shadow_nothing(tmp_path, monkeypatch):
+    """Two task folders with a module of the same name: each task imports its own. Once a
+    task is imported its folder is searched last, so a file beside it named like an
+    installed package (optax.py) is not what a later import finds."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    specs = {}
+    for who in ("a", "b"):
+        folder = tmp_path / who
+        folder.mkdir()
+        write(folder / "beside_same.py", TASK_HEADER + f"WHO = {who!r}\n")
+        write(folder / "optax.py", "raise ImportError('the file beside the task')\n")
+        specs[who] = write(
+            folder / "task.py",
+            "import optax\nimport shardplug\nfrom beside_same import WHO, adapter, loss_fn\n\n"
+            "task = shardplug.Task(adapter, loss_fn, optax.sgd(0.1), data=[], name=WHO)\n",
+        )
+    assert [load_task(f"{specs[who]}:task").name for who in ("a", "b")] == ["a", "b"]
+    assert load_task(f"{specs['a']}:task").name == "a"  # loaded once: the same module
+    found = importlib.machinery.PathFinder.find_spec("optax")
+    assert found is not None and str(tmp_path) not in found.origin
+    assert sys.path[-2:] == [str(tmp_path / "a"), str(tmp_path / "b")]
 
 
 def test_a_task_whose_batches_change_shape_fails_at_that_step(tmp_path, capsys):

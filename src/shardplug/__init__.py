@@ -2,14 +2,17 @@
 
 Every public name is listed once, in ``_EXPORTS`` below, with the module it lives in
 (``__all__`` is derived from it). They load on first use, so that importing the package (as
-the pytest plugin does, before JAX may start) imports no JAX. Plugin authors import from
-:mod:`shardplug.plugin`.
+the pytest plugin does, before JAX may start) imports no JAX; so do the submodules
+(``shardplug.stack.scan``, ``shardplug.data.Batches`` after a plain ``import shardplug``).
+Plugin authors import from :mod:`shardplug.plugin`.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from shardplug._lazy import submodule
 
 __version__ = "0.1.0"
 
@@ -68,7 +71,7 @@ __all__ = ["__version__", *sorted(_WHERE)]
 
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
-        raise AttributeError(f"module 'shardplug' has no attribute {name!r}")
+        return submodule(__name__, name)
     value = getattr(importlib.import_module(_WHERE[name]), name)
     globals()[name] = value
     return value

@@ -7,12 +7,13 @@ reference models are tasks too (:mod:`shardplug.tasks`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import itertools
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,8 +128,10 @@ def _stateful(data: Any) -> bool:
 
 def load_task(spec: str, **sizes: Any) -> Task:
     """The task that ``spec`` names: ``path/to/file.py:NAME`` or ``package.module:NAME``
-    (``NAME`` defaults to ``task``). :class:`TaskError` with one line for a file or module
-    that is not there or fails to import, a missing ``NAME``, or one that is not a Task.
+    (``NAME`` defaults to ``task``). A file imports the modules beside it, as ``python
+    file.py`` would: its folder is on ``sys.path``, searched first while the file is imported
+    and last afterwards. :class:`TaskError` with one line for a file or module that is not
+    there or fails to import, a missing ``NAME``, or one that is not a Task.
 
     ``sizes`` (``sequence=32768``, ``batch_size=1``: what ``--sequence`` and planning at
     length give) are passed to a function ``NAME`` that takes them; one that does not is a
@@ -164,6 +167,10 @@ def load_task(spec: str, **sizes: Any) -> Task:
     return value
 
 
+#: the folders of task files this process put on ``sys.path`` (see :func:`_beside`)
+_FOLDERS: set[str] = set()
+
+
 def _import(where: str, spec: str) -> Any:
     if where.endswith(".py") or "/" in where or "\\" in where:
         path = Path(where)
@@ -176,7 +183,8 @@ def _import(where: str, spec: str) -> Any:
         module = importlib.util.module_from_spec(loader)
         sys.modules[module_name] = module
         try:
-            loader.loader.exec_module(module)
+            with _beside(path.resolve().parent):
+                loader.loader.exec_module(module)
         except Exception as exc:
             del sys.modules[module_name]
             raise TaskError(
@@ -191,6 +199,48 @@ def _import(where: str, spec: str) -> Any:
         raise TaskError(
             f"task module {where} failed to import: {type(exc).__name__}: {_line(exc)}"
         ) from exc
+
+
+@contextlib.contextmanager
+def _beside(folder: Path) -> Iterator[None]:
+    """The task file's ``folder`` on ``sys.path``, so that it imports the modules beside it
+    as ``python task.py`` would: first while the file is imported, last afterwards (its
+    modules may import more later, but nothing installed is shadowed by a file that happens
+    to share its name). A folder already on the path by the user's doing stays as it is.
+    Modules a task in another folder imported from beside it are forgotten where this folder
+    has its own of that name: two tasks' ``model.py`` are two modules."""
+    entry = str(folder)
+    if entry in sys.path and entry not in _FOLDERS:
+        yield
+        return
+    others = _FOLDERS - {entry}
+    for name, module in list(sys.modules.items()) if others else ():
+        top = folder / name.partition(".")[0]
+        if _home(name, module) in others and (top.with_suffix(".py").is_file() or top.is_dir()):
+            del sys.modules[name]
+    kept = entry in _FOLDERS
+    if entry in sys.path:  # put there by an earlier task: first again for now
+        sys.path.remove(entry)
+    sys.path.insert(0, entry)
+    try:
+        yield
+        kept = True
+    finally:
+        if entry in sys.path:
+            sys.path.remove(entry)
+        if kept:
+            sys.path.append(entry)
+            _FOLDERS.add(entry)
+
+
+def _home(name: str, module: Any) -> str | None:
+    """The folder on ``sys.path`` that the module ``name`` was imported from."""
+    file = getattr(module, "__file__", None)
+    if not isinstance(file, str):
+        return None
+    path = Path(file)
+    up = name.count(".") + (path.stem == "__init__")
+    return str(path.parents[up]) if up < len(path.parents) else None
 
 
 def _line(exc: BaseException) -> str:

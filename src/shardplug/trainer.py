@@ -207,7 +207,7 @@ class Trainer:
         if self._train is not None:
             feed.check(batch, 0, self._train.signature)
             return
-        feed.check_resumed(batch, self.restored_meta)  # the data position counts batches
+        feed.check_resumed(feed.signature(batch), self.restored_meta)  # a restore came first
         start = time.perf_counter()
         self._train = self._build(batch)
         self.compile_seconds = time.perf_counter() - start
@@ -332,10 +332,16 @@ class Trainer:
         straight into this trainer's shardings (any strategy, device count or mesh); returns
         the step restored, also :attr:`step`. A damaged checkpoint is said, moved aside to
         ``<step>.damaged`` and the one before used; :class:`CheckpointError` when none is
-        left, or for another model or optimizer (naming the arrays that differ)."""
+        left, or for another model or optimizer (naming the arrays that differ);
+        :class:`BatchError` when the step is compiled already for batches shaped otherwise
+        than the checkpoint's run read (its data position counts batches), the trainer left
+        as it was."""
         if self._saver is None:
             raise ConfigError("this Trainer has no checkpoint_dir to restore from")
-        self.state, meta = self._saver.restore(self.state, self.state_shardings, step)
+        state, meta = self._saver.restore(self.state, self.state_shardings, step)
+        if self._train is not None:  # compiled first (as the command line does): check it now
+            feed.check_resumed(self._train.signature, meta)
+        self.state = state
         self.restored_meta = self._run.resumed(meta)
         self._data_state = meta.get("data_state", SKIP)  # older checkpoints: skip to the step
         return self.step

@@ -36,11 +36,12 @@ def global_shapes(signature: Any) -> list[list[int]]:
     return [list(_global_shape(shape)) for shape, _ in signature[1]]
 
 
-def check_resumed(batch: Any, meta: dict[str, Any] | None) -> None:
+def check_resumed(batches: Any, meta: dict[str, Any] | None) -> None:
     """Refuse to resume a run from a checkpoint whose batches were shaped otherwise: its data
-    position counts batches, so other batches would not continue the same run."""
+    position counts batches, so other batches would not continue the same run. ``batches``
+    is the :func:`signature` of this run's batches, ``meta`` the checkpoint's JSON."""
     saved = (meta or {}).get("batch_shapes")
-    shapes = global_shapes(signature(batch))
+    shapes = global_shapes(batches)
     if saved is not None and saved != shapes:
         raise BatchError(
             f"the checkpoint's run read batches of shapes {saved}, this one reads {shapes}: "

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P
 
+from shardplug._lazy import submodule
 from shardplug.core import compose
 from shardplug.core.attention import attention, attention_override
 from shardplug.core.compose import Composed
@@ -134,7 +135,7 @@ class Axis(compose.Axis):
 
 
 def __getattr__(name: str) -> Any:
-    """Names of the earlier contract that moved into the built-in plugins."""
+    """Names of the earlier contract that moved into the built-in plugins; submodules."""
     if name == "sequence_parallel":
         from shardplug.plugins.cp.ring import sequence_parallel
 
@@ -147,7 +148,7 @@ def __getattr__(name: str) -> Any:
         from shardplug.moe import experts_override
 
         return experts_override
-    raise AttributeError(f"module 'shardplug.plugin' has no attribute {name!r}")
+    return submodule(__name__, name)  # shardplug.plugin.backward after import shardplug
 
 
 __all__ = [

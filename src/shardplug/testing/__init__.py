@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from shardplug._lazy import submodule
+
 __all__ = ["StrategyConformance"]
 
 
@@ -18,7 +20,7 @@ def __getattr__(name: str) -> Any:
         from shardplug.testing.conformance import StrategyConformance
 
         return StrategyConformance
-    raise AttributeError(f"module 'shardplug.testing' has no attribute {name!r}")
+    return submodule(__name__, name)
 
 
 if TYPE_CHECKING:
