@@ -48,6 +48,7 @@ from shardplug.plugin import (
 from shardplug.plugin.schedules import Schedule, Table, Unscheduled, find_schedule
 from shardplug.plugin.stages import rows_split
 from shardplug.plugin.ticks import divergent_permutes, scheduled_grads, unordered_collectives
+from shardplug.plugins.pp import blocks
 from shardplug.plugins.pp.report import pipeline_report, written_report
 
 #: the schedule pp runs where none is asked for: ``auto``, zero-bubble (interleaved 1F1B over
@@ -111,6 +112,8 @@ class PipelineParallel:
         self.written = written
         self._remat = remat
         self._plan: Pipeline | None = None
+        #: (stages, layers) where a leaf named 'layers' is not divided: said by check_layout
+        self._undivided: tuple[int, int] | None = None
         self.table: Table | None = None  # the last step's, for explain
 
     @property
@@ -138,24 +141,21 @@ class PipelineParallel:
         if not names or names[0] != LAYERS or 0 in taken:
             return None
         if shape[0] % (size * self.repeats):
-            what = f"{size} stages" if self.repeats == 1 else f"{size} stages x {self.repeats}"
-            raise ConfigError(
-                f"{what} do not divide the layer stack's {shape[0]} layers: choose a layer "
-                f"count that is a multiple of {size * self.repeats} (--layers), or another "
-                f"stage count (--mesh stage=N)"
-            )
+            self._undivided = (size, shape[0])  # said by check_layout, which sees the paths
+            return None
         return 0
 
     @hookimpl
-    def check_layout(self, paths, specs, axis):
+    def check_layout(self, paths, specs, axis, leaves, logical):
+        named = [tuple(lg)[:1] == (LAYERS,) for lg in logical]
+        undivided, self._undivided = self._undivided, None
+        said = blocks.listed(paths, leaves, named) if any(named) else None
+        if said is not None:  # a rule named each block of a list a stack
+            raise ConfigError(said)
+        if undivided is not None:
+            raise ConfigError(blocks.undivided(undivided[0], self.repeats, undivided[1]))
         if not any(len(spec) and spec[0] == axis for spec in specs):
-            raise ConfigError(
-                f"pp splits a layer stack over {axis!r}, and this model has none: build its "
-                f"blocks with shardplug.stack (nnx_layers, LinenLayers or equinox_layers); "
-                f"Equinox blocks, and Linen blocks without sharding annotations, also name "
-                f"the stack's leading dimension in the adapter's rules, e.g. "
-                f"rules={{r'blocks/.*': ('layers',)}}"
-            )
+            raise ConfigError(blocks.no_stack(axis, paths, leaves))
 
     @hookimpl
     def operations(self, axis, mesh, replicas):
@@ -166,7 +166,14 @@ class PipelineParallel:
             replicas=replicas, replica_size=math.prod(mesh.shape[a] for a in replicas),
         )  # fmt: skip
         self._plan = plan
-        return Operations(layer_stack=stack_operation(plan))
+        return Operations(layer_stack=stack_operation(plan), unused=self._never_ran)
+
+    def _never_ran(self, _: str) -> None:
+        """GPipe's program traced without its stack operation: the layers stored over the
+        stages would run in the model's own loop, every device computing every layer (the
+        written-in schedules cut the loss at the stack and say so themselves)."""
+        if self.written is None:
+            raise ConfigError(f"pp splits a layer stack, and {blocks.NEVER_RAN}")
 
     @hookimpl
     def compute_grads(self, params, model_state, batch, rng, mesh, microbatches, prepare,
