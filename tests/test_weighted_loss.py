@@ -207,3 +207,13 @@ def test_a_mean_that_is_not_two_scalars_is_one_line(loss, match):
     trainer = task.trainer(strategy="dp", devices=2)
     with pytest.raises(ConfigError, match=match):
         trainer.fit(model.batches(8, 0), steps=1)
+
+
+def test_gradients_reduced_in_bfloat16_weigh_each_shard_by_its_count():
+    """grad-bf16 computes each batch shard's gradient apart (a vmap over the shards): the first
+    step's loss is one device's exactly, the next within bfloat16's reduction."""
+    strategy = shardplug.get_strategy("dp", addons=["grad-bf16"])
+    got = rows("masked", strategy, "nnx", devices=4)
+    want = one_device("masked", "nnx")
+    assert got[0]["loss"] == pytest.approx(want[0]["loss"], rel=1e-6)
+    assert got[1]["loss"] == pytest.approx(want[1]["loss"], rel=1e-2)
