@@ -1,6 +1,7 @@
 """explain, recommend and bench: what a strategy costs, read off the compiled step."""
 
 import json
+import math
 
 import numpy as np
 import optax
@@ -184,6 +185,57 @@ def test_recommend_never_picks_a_strategy_that_divides_nothing_and_breaks_ties_p
     assert seen == [(0, 3, "tp"), (1, 3, "pmap"), (2, 3, "dp"), (3, 3, "")]
 
 
+def test_a_tied_embedding_is_gradients_not_activations_and_dp_is_recommended():
+    """An embedding tied to the output has a gradient of two parts (the lookup's and the
+    logits' product); XLA's CPU compiler all-reduces each apart, 2 x the table under dp where
+    pmap sends it once. The textbook counts the parts, so dp moves no activations, and bytes
+    compare with the gradient reduced once: dp and pmap tie, and the plainer step wins."""
+    from flax import nnx
+
+    from shardplug.recommend import recommend
+
+    class Tied(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(256, 64, rngs=rngs)
+            self.mid = nnx.Linear(64, 64, rngs=rngs)
+
+        def __call__(self, tokens):
+            return self.embed.attend(nnx.relu(self.mid(self.embed(tokens))))
+
+    def loss_fn(model, batch):
+        logits = model(batch["tokens"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    tokens = np.arange(8 * 16, dtype=np.int32).reshape(8, 16) % 256
+    batch = {"tokens": tokens, "targets": (tokens + 1) % 256}
+    trainers = {}
+
+    def compile_trainer(name):
+        trainers[name] = shardplug.Trainer(shardplug.from_nnx(Tied), loss_fn=loss_fn,
+                                           optimizer=optax.sgd(0.1), strategy=name,
+                                           allocate=False)  # fmt: skip
+        return trainers[name], batch
+
+    result = recommend(compile_trainer, 10**9, strategies=["pmap", "dp"])
+    rows = {r["strategy"]: r for r in result["strategies"]}
+    table = 256 * 64 * 4
+    # dp's compiled all-reduce holds the table twice, pmap's once
+    assert rows["dp"]["sent_bytes"] - rows["pmap"]["sent_bytes"] == wire_bytes(
+        "all-reduce", table, 8
+    ) == rows["dp"]["parts_bytes"]  # fmt: skip
+    assert rows["pmap"]["parts_bytes"] == 0
+    loss = round(wire_bytes("all-reduce", 4, 8))  # the mean loss: all either sends besides
+    assert rows["dp"]["activation_bytes"] == rows["pmap"]["activation_bytes"] == loss
+    assert result["recommended"] == "dp", result["reason"]
+    assert "moves parameters and gradients only" in result["reason"]
+    assert "activations" not in result["reason"]
+    report = explain(trainers["dp"], batch)
+    assert report.textbook_bytes() == report.collective_bytes() - 4  # all but the loss
+    (parts,) = report.gradient_parts
+    assert parts["params"] == ["embed/embedding"] and parts["parts"] == 2
+    assert any("embed/embedding (256x64) is all-reduced in 2 parts" in n for n in report.notes)
+
+
 def test_recommend_follows_the_memory(capsys):
     assert main(["recommend", "--model", "mlp", "--device-memory", "80GB", "--json"]) == 0
     roomy = json.loads(capsys.readouterr().out)
@@ -257,7 +309,7 @@ def test_explain_groups_parameters_that_share_a_layout_unless_all(capsys):
     rows = groups([report("blocks/0/wq"), report("blocks/1/wq"), report("blocks/1/wo", "P()")])
     assert [(r["path"], r["count"], r["bytes_per_device"]) for r in rows] == [
         ("blocks/*/wq", 2, 4096),
-        ("blocks/*/wo", 1, 2048),
+        ("blocks/1/wo", 1, 2048),  # a group of one keeps its path
     ]
     assert main(["explain", "--model", "transformer", "--strategy", "fsdp", "--layers", "2"]) == 0
     grouped = capsys.readouterr().out  # a layer stack: one row per stacked parameter already
@@ -265,6 +317,65 @@ def test_explain_groups_parameters_that_share_a_layout_unless_all(capsys):
     assert main(["explain", "--model", "transformer", "--strategy", "fsdp", "--all"]) == 0
     every = capsys.readouterr().out
     assert "blocks/wq" in every and "groups" not in every
+
+
+def test_explain_groups_the_numbered_blocks_of_a_linen_list_as_an_nnx_list():
+    """Linen names a list's members ``blocks_0``, ``blocks_1``, ... (Griffin its own
+    ``blocks.0``): they are grouped as an NNX list's ``blocks/0`` are; numbered siblings
+    that differ (Linen's automatic ``Dense_0`` and ``Dense_1``) are not."""
+    import flax.linen as linen
+    from flax import nnx
+
+    from shardplug.explain import ParamReport
+    from shardplug.views import groups
+
+    class LinenBlocks(linen.Module):
+        def setup(self):
+            self.blocks = [linen.Dense(16) for _ in range(4)]
+            self.head = linen.Dense(4)
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = linen.relu(block(x))
+            return self.head(x)
+
+    class NNXBlocks(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([nnx.Linear(16, 16, rngs=rngs) for _ in range(4)])
+            self.head = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = nnx.relu(block(x))
+            return self.head(x)
+
+    batch = {"x": np.ones((8, 16), np.float32), "y": np.zeros((8, 4), np.float32)}
+
+    def loss_fn(model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+    adapters = {
+        "blocks_": shardplug.from_linen(LinenBlocks(), batch["x"][:1]),
+        "blocks/": shardplug.from_nnx(NNXBlocks),
+    }
+    for prefix, adapter in adapters.items():
+        trainer = shardplug.Trainer(adapter, loss_fn=loss_fn, optimizer=optax.sgd(0.1),
+                                    strategy="dp", allocate=False)  # fmt: skip
+        rows = groups(explain(trainer, batch).params)
+        assert sorted((r["path"], r["count"]) for r in rows) == [
+            (f"{prefix}*/bias", 4), (f"{prefix}*/kernel", 4), ("head/bias", 1),
+            ("head/kernel", 1),
+        ]  # fmt: skip
+
+    def report(path, shape):
+        return ParamReport(path, shape, "float32", "P()", 4 * math.prod(shape), True, None)
+
+    named = [("blocks.0/w", (8,)), ("blocks.1/w", (8,)), ("Dense_0/kernel", (16, 32)),
+             ("Dense_1/kernel", (32, 4))]  # fmt: skip
+    rows = groups([report(path, shape) for path, shape in named])
+    assert [(r["path"], r["count"]) for r in rows] == [
+        ("blocks.*/w", 2), ("Dense_0/kernel", 1), ("Dense_1/kernel", 1),
+    ]  # fmt: skip
 
 
 DEEP = """

@@ -19,12 +19,13 @@ from jax.sharding import NamedSharding
 
 from shardplug.core.compose import order
 from shardplug.core.facts import Explained, StepFacts
-from shardplug.core.hlo import collectives, textbook_collectives
+from shardplug.core.hlo import collectives, gradient_parts, textbook_collectives
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.core.step import PRECISIONS
 from shardplug.errors import ConfigError, PluginError
 from shardplug.flops import float32_note, product_dtypes
 from shardplug.loop.feed import global_struct
+from shardplug.native import sorted_stderr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,10 @@ class Report:
     #: a composition's orders (``shardplug.core.compose.order``): ``mesh`` (its axes,
     #: outermost first) and ``claims`` (the order they claim parameter dimensions in)
     order: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    #: gradients the compiled step all-reduces in parts, one per use of a parameter used
+    #: more than once (a tied embedding): ``{"params": [paths], "dims", "parts",
+    #: "extra_bytes", "extra_wire_bytes"}`` (:func:`shardplug.core.hlo.gradient_parts`)
+    gradient_parts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -98,6 +103,11 @@ class Report:
 
     def textbook_wire_bytes(self) -> int:
         return sum(t["wire_bytes"] for t in self.textbook)
+
+    def parts_wire_bytes(self) -> int:
+        """What each device sends for the gradient parts a compiler that adds them first
+        (XLA's for GPUs) would not reduce apart: the second part of a tied embedding's."""
+        return sum(g["extra_wire_bytes"] for g in self.gradient_parts)
 
 
 def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
@@ -184,7 +194,8 @@ def explain(
     paths = leaf_paths(state.params)
     if param is not None and param not in paths:  # before compiling: a typo costs nothing
         raise ConfigError(f"no parameter {param!r}; the parameters are: {', '.join(paths)}")
-    trainer.compile(batch)
+    with sorted_stderr(trainer.strategy.name):  # XLA's own lines, said in one of ours
+        trainer.compile(batch)
     flat_params = jax.tree.leaves(state.params)
     flat_shardings = jax.tree.leaves(shardings.params)
     pairs = zip(flat_params, flat_shardings, strict=True)
@@ -237,7 +248,8 @@ def explain(
         "peak_bytes": peak_bytes(analysis),
         "device_memory_bytes": device_memory,
     }
-    found = [dataclasses.asdict(c) for c in collectives(trainer.compiled.as_text())]
+    hlo_text = trainer.compiled.as_text()
+    found = [dataclasses.asdict(c) for c in collectives(hlo_text)]
     batch_axes = _batch_axes(trainer.batch_shardings)
     batch_info = [
         {
@@ -281,7 +293,13 @@ def explain(
     stored = [x.spec for x in flat_shardings]
     used = (composition and composition.used_specs(state.params, mesh)) or stored
     shards = [p.bytes_per_device for p in params]
-    textbook = textbook_collectives(shards, stored, used, mesh, batch_axes)
+    parts = _gradient_parts(hlo_text, flat_params, used, mesh, batch_axes)
+    counts = [1] * len(params)
+    for group in parts:  # of parameters alike, which one is shared cannot be seen: the first
+        counts[group["params"][0]] += group["parts"] - len(group["params"])
+        group["params"] = [paths[i] for i in group["params"]]
+        notes.append(_parts_note(group))
+    textbook = textbook_collectives(shards, stored, used, mesh, batch_axes, counts)
     kinds = {c["kind"] for c in found}
     if "reduce-scatter" in {t["kind"] for t in textbook} - kinds:
         notes.append(
@@ -326,12 +344,45 @@ def explain(
         sequence=reports.get("sequence"),
         parallelisms=reports,
         order=order(composition.parts) if composition is not None else {},
+        gradient_parts=parts,
         axis_types={"types": trainer.axis_types, "why": trainer.axis_types_reason},
         precision={
             "compute": "bfloat16" if bf16 else "float32",
             "matmul_flops_by_dtype": dtypes.flops,
             "float32_sites": [{"where": w, "flops": f} for w, f in dtypes.float32_sites[:5]],
         },
+    )
+
+
+def _gradient_parts(hlo_text: str, params: list[Any], used: list[Any], mesh: Any,
+                    batch_axes: tuple[str, ...]) -> list[dict[str, Any]]:  # fmt: skip
+    """:func:`shardplug.core.hlo.gradient_parts` of the step: each parameter's dimensions
+    where it is used, and the batch devices its gradient is reduced over (those of the batch
+    axes it is whole on there)."""
+    dims, groups = [], []
+    for p, spec in zip(params, used, strict=True):
+        dims.append(tuple(NamedSharding(mesh, spec).shard_shape(tuple(p.shape))))
+        local = set(mesh_axes(spec))
+        groups.append(math.prod(mesh.shape[a] for a in batch_axes if a not in local))
+    return gradient_parts(hlo_text, dims, groups)
+
+
+def _parts_note(group: dict[str, Any]) -> str:
+    from shardplug.views import size
+
+    params, dims = group["params"], "x".join(map(str, group["dims"]))
+    which = (
+        f"the gradient of {params[0]} ({dims}) is"
+        if len(params) == 1
+        else f"the gradients of the {len(params)} parameters of {dims} ({', '.join(params[:2])}"
+        f"{f' and {len(params) - 2} more' if len(params) > 2 else ''}) are"
+    )
+    return (
+        f"{which} all-reduced in {group['parts']} parts of that size "
+        f"(+{size(group['extra_wire_bytes'])} sent): a parameter the step uses more than once "
+        "(an embedding tied to the output) has a gradient part per use, which XLA's CPU "
+        "compiler reduces one by one (its GPU compiler adds them first and reduces once); "
+        "the textbook figure counts the parts"
     )
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -23,6 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
+from shardplug import native
 from shardplug.errors import ConfigError
 
 GRACE_S = 60.0  # how long workers asked to stop (Ctrl-C) get to agree, save and exit
@@ -45,29 +45,25 @@ def _die_with_parent() -> None:  # runs in the child before exec (Linux)
         pass
 
 
-#: what gloo says of every connection it makes (one line per device): not the user's business
-#: (its threads write at once, so one line may hold two halves, the next the rest)
-_GLOO_CONNECTED = re.compile(
-    r"\[Gloo\] Rank \d+ is connected to|^\s*\d*\s*peer ranks\. Expected number of connected"
-)
-#: the runtime's native logging (absl/glog lines, stack frames, gRPC's detail): when one
-#: process fails, the runtime aborts the others with dozens of these
-_NATIVE = re.compile(
-    r"^([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+\]|\*\*\* Check failure stack trace|"
-    r"\s+@\s+0x[0-9a-f]+|Additional GRPC error information|:UNKNOWN:|\s*\{grpc_status)"
-)
-
-
-def _stream(rank: int, pipe: IO[str], out: IO[str], lock: threading.Lock,
-            held: list[str], said: list[bool]) -> None:  # fmt: skip
+def _stream(rank: int, pipe: IO[str], out: IO[str], lock: threading.Lock, held: list[str],
+            said: list[bool], explained: set[str] | None = None) -> None:  # fmt: skip
     """Relay a worker's lines, prefixed by its rank; its native lines go to ``held`` (shown
-    for a failed worker that said nothing itself), ``said`` notes a line of its own."""
+    for a failed worker that said nothing itself), ``said`` notes a line of its own. Gloo's
+    connections and absl's notice are dropped; XLA's SPMD rematerialization lines are held
+    and said once for the job in shardplug's words (``explained``, shared by the workers)."""
     everything = bool(os.environ.get("SHARDPLUG_TRACEBACK"))
+    explained = set() if explained is None else explained
     for line in pipe:
-        if _GLOO_CONNECTED.search(line):
+        kind = native.sort(line)
+        if kind == "gloo" or (kind == "absl" and not everything):
             continue
-        if not everything and _NATIVE.match(line):
+        if not everything and kind in ("native", "remat"):
             held.append(line)
+            if kind == "remat" and kind not in explained:
+                with lock:
+                    explained.add(kind)
+                    out.write(f"[{rank}] {native.remat_note([line])}\n")
+                    out.flush()
             continue
         if line.startswith("shardplug: "):
             said.append(True)
@@ -130,6 +126,7 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
 
     held: list[list[str]] = [[] for _ in range(nprocs)]  # each worker's native lines
     said: list[list[bool]] = [[] for _ in range(nprocs)]  # whether it said anything itself
+    explained: set[str] = set()  # the native lines said in shardplug's words, for the job
 
     blocks = gpu_blocks(nprocs, nvidia_gpus())
     port = free_port()
@@ -152,7 +149,7 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
         workers.append(proc)
         t = threading.Thread(
             target=_stream,
-            args=(rank, proc.stdout, sys.stdout, lock, held[rank], said[rank]),
+            args=(rank, proc.stdout, sys.stdout, lock, held[rank], said[rank], explained),
             daemon=True,
         )
         t.start()

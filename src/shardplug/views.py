@@ -9,20 +9,30 @@ if TYPE_CHECKING:
     from shardplug.explain import ParamReport, Report
 
 
+#: a layer's index in a path: a component that is a number (``blocks/0/wq``: a Python list
+#: of blocks in NNX or Equinox) or that ends in one after ``_`` or ``.`` (``blocks_0/wq``,
+#: as Linen names a list's members; ``blocks.0/wq``, as Griffin names its blocks)
+_INDEX = re.compile(r"(?<![^/._])\d+(?![^/.])")
+
+
 def groups(params: list[ParamReport]) -> list[dict[str, Any]]:
     """Parameters that share a layout and a reason, one row each: paths with their layer
-    indices as ``*`` (``blocks/*/wq``), the shapes and specs, how many, and the bytes."""
+    indices as ``*`` (``blocks/*/wq``, ``blocks_*/wq``), the shapes and specs, how many, and
+    the bytes. A row of one parameter keeps its own path: numbered siblings that differ
+    (Linen's ``Dense_0`` and ``Dense_1`` of other shapes) are not a group."""
     rows: dict[tuple, dict[str, Any]] = {}
     for p in params:
-        pattern = re.sub(r"(?<=/)\d+(?=/|$)|^\d+(?=/)", "*", p.path)
+        pattern = _INDEX.sub("*", p.path)
         shape = "x".join(map(str, p.shape))
         key = (pattern, shape, p.spec, p.why, p.placed_by)
         row = rows.setdefault(
-            key, {"path": pattern, "shape": shape, "spec": p.spec, "why": p.why,
+            key, {"path": p.path, "shape": shape, "spec": p.spec, "why": p.why,
                   "placed_by": p.placed_by, "count": 0, "bytes_per_device": 0},
         )  # fmt: skip
         row["count"] += 1
         row["bytes_per_device"] += p.bytes_per_device
+        if row["count"] > 1:
+            row["path"] = pattern
     return list(rows.values())
 
 

@@ -104,6 +104,46 @@ def _runs(lines: list[str]) -> dict[int, int]:
     return {i: runs(name) for i, name in owner.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class CollectiveArray:
+    """One array a collective of the step produces: the op's kind (``op``: its line in the
+    module, shared by the arrays of one op over a tuple), the array's dtype, dimensions and
+    bytes, the devices of its group, and how many times one step runs it (``times``: the
+    known trip counts of the loops around it)."""
+
+    op: int
+    kind: str
+    dtype: str
+    dims: tuple[int, ...]
+    bytes: int
+    group: int
+    times: int
+
+
+def collective_arrays(hlo_text: str) -> list[CollectiveArray]:
+    """Every array of every collective in an HLO module's text (an op over a tuple, as XLA
+    combines small all-reduces, gives one per member), results only."""
+    partitions = _PARTITIONS.search(hlo_text)
+    everyone = int(partitions.group(1)) if partitions else 1
+    lines = hlo_text.splitlines()
+    runs = _runs(lines)
+    out = []
+    for i, line in enumerate(lines):
+        match = _OP.match(line)
+        if match is None:
+            continue
+        shape, kind, started = match.groups()
+        found = _ARRAY.findall(re.sub(r"/\*.*?\*/", "", shape))
+        if started and kind != "all-reduce" and len(found) % 2 == 0:
+            found = found[len(found) // 2 :]  # async (operands, results): the results
+        group = _group_size(line, everyone)
+        for dtype, text in found:
+            dims = tuple(int(d) for d in text.split(",") if d)
+            nbytes = _BYTES[dtype] * math.prod(dims)
+            out.append(CollectiveArray(i, kind, dtype, dims, nbytes, group, runs.get(i, 1)))
+    return out
+
+
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective in an HLO module's text, grouped by kind and dtype, as one step
     runs them: an op inside a while loop of known trip count counts once per iteration.
@@ -115,28 +155,13 @@ def collectives(hlo_text: str) -> list[Collective]:
     count: collections.Counter[tuple[str, str]] = collections.Counter()
     size: collections.Counter[tuple[str, str]] = collections.Counter()
     wire: collections.Counter[tuple[str, str]] = collections.Counter()
-    partitions = _PARTITIONS.search(hlo_text)
-    everyone = int(partitions.group(1)) if partitions else 1
-    lines = hlo_text.splitlines()
-    runs = _runs(lines)
-    for i, line in enumerate(lines):
-        match = _OP.match(line)
-        if match is None:
-            continue
-        times = runs.get(i, 1)
-        shape, kind, started = match.groups()
-        arrays = _ARRAY.findall(re.sub(r"/\*.*?\*/", "", shape))
-        if started and kind != "all-reduce" and len(arrays) % 2 == 0:
-            arrays = arrays[len(arrays) // 2 :]  # async (operands, results): the results
-        seen: set[str] = set()
-        group = _group_size(line, everyone)
-        for dtype, dims in arrays:
-            nbytes = _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-            size[kind, dtype] += nbytes * times
-            wire[kind, dtype] += wire_bytes(kind, nbytes, group) * times
-            if dtype not in seen:
-                count[kind, dtype] += times
-                seen.add(dtype)
+    seen: set[tuple[int, str]] = set()
+    for a in collective_arrays(hlo_text):
+        size[a.kind, a.dtype] += a.bytes * a.times
+        wire[a.kind, a.dtype] += wire_bytes(a.kind, a.bytes, a.group) * a.times
+        if (a.op, a.dtype) not in seen:
+            count[a.kind, a.dtype] += a.times
+            seen.add((a.op, a.dtype))
     return [Collective(k, d, count[k, d], size[k, d], round(wire[k, d])) for k, d in sorted(size)]
 
 
@@ -166,7 +191,12 @@ def partitioned_hlo(lowered: Any) -> str:
 
 
 def textbook_collectives(
-    shard_bytes: list[int], stored: list[Any], used: list[Any], mesh: Any, batch_axes: Any
+    shard_bytes: list[int],
+    stored: list[Any],
+    used: list[Any],
+    mesh: Any,
+    batch_axes: Any,
+    parts: list[int] | None = None,
 ) -> list[dict[str, Any]]:
     """A strategy's collectives as the literature states them, parameter by parameter, from
     each parameter's bytes per device and its ``stored`` and ``used`` PartitionSpecs.
@@ -179,12 +209,17 @@ def textbook_collectives(
     :func:`collectives` counts them. Parameters split over axes the batch is not split on
     (tensor parallelism) add activation collectives that depend on the model's code, and
     experts add their tokens' all-to-alls: those are not modelled.
+
+    :param parts: how many parts each parameter's gradient is reduced in (default 1): a
+        parameter the step uses twice (a tied embedding) has a gradient of two parts, which
+        a compiled program may reduce one by one (:func:`gradient_parts`); each counts.
     """
     if math.prod(mesh.shape[a] for a in batch_axes) == 1:
         return []
     totals = {"all-reduce": 0, "all-gather": 0, "reduce-scatter": 0}
     wire = dict.fromkeys(totals, 0.0)
-    for shard, spec, at_use in zip(shard_bytes, stored, used, strict=True):
+    parts = parts or [1] * len(shard_bytes)
+    for shard, spec, at_use, n in zip(shard_bytes, stored, used, parts, strict=True):
         split = [a for a in mesh_axes(spec) if a in batch_axes]
         local = {a for a in mesh_axes(at_use) if a in batch_axes}
         gathered = [a for a in split if a not in local]
@@ -193,11 +228,11 @@ def textbook_collectives(
             group = math.prod(mesh.shape[a] for a in gathered)
             totals["all-gather"] += 2 * shard * group
             wire["all-gather"] += 2 * wire_bytes("all-gather", shard * group, group)
-            totals["reduce-scatter"] += shard
-            wire["reduce-scatter"] += wire_bytes("reduce-scatter", shard, group)
+            totals["reduce-scatter"] += n * shard
+            wire["reduce-scatter"] += n * wire_bytes("reduce-scatter", shard, group)
         if rest:
-            totals["all-reduce"] += shard
-            wire["all-reduce"] += wire_bytes(
+            totals["all-reduce"] += n * shard
+            wire["all-reduce"] += n * wire_bytes(
                 "all-reduce", shard, math.prod(mesh.shape[a] for a in rest)
             )
     what = {
@@ -210,3 +245,51 @@ def textbook_collectives(
         for k, b in totals.items()
         if b
     ]
+
+
+def gradient_parts(
+    hlo_text: str, dims: list[tuple[int, ...]], groups: list[int]
+) -> list[dict[str, Any]]:
+    """Gradients a compiled step all-reduces in parts: where a parameter is used more than
+    once (an embedding tied to the output: the lookup and the logits' product), its gradient
+    is the sum of one part per use, and XLA's CPU compiler reduces each part where it is made
+    and adds them after (its GPU compiler adds them first and reduces once:
+    ``AllReduceReassociate``). Found as more all-reduced arrays, outside loops, of a
+    parameter's dimensions where it is used (``dims``) over the devices its gradient is
+    reduced over (``groups``) than there are such parameters. Matrices and larger only: a
+    vector's dimensions are also those of batch statistics (BatchNorm's means, all-reduced
+    over the batch), which are activations' traffic.
+
+    :return: per dimensions and group with parts over: ``{"params": [indices], "dims",
+        "parts": arrays found, "extra_bytes", "extra_wire_bytes"}``, the extra arrays' bytes
+        per device and the bytes each device sends for them (ring).
+    """
+    wanted: dict[tuple, list[int]] = collections.defaultdict(list)
+    surplus: collections.Counter[int] = collections.Counter()  # elements, by group
+    for i, (shape, group) in enumerate(zip(dims, groups, strict=True)):
+        surplus[group] -= math.prod(shape)
+        if group > 1 and len(shape) > 1:
+            wanted[tuple(shape), group].append(i)
+    found: dict[tuple, list[CollectiveArray]] = collections.defaultdict(list)
+    for a in collective_arrays(hlo_text):
+        if a.kind == "all-reduce" and a.times == 1:
+            surplus[a.group] += math.prod(a.dims)
+            if (a.dims, a.group) in wanted:
+                found[a.dims, a.group].append(a)
+    out = []
+    for key, params in wanted.items():
+        # no more than the group's all-reduces hold beyond its gradients: a gradient that
+        # XLA reshaped to another parameter's dimensions is no part
+        extra = []
+        for a in found[key][len(params) :]:
+            if math.prod(a.dims) <= surplus[key[1]]:
+                surplus[key[1]] -= math.prod(a.dims)
+                extra.append(a)
+        if extra:
+            out.append({
+                "params": params, "dims": list(key[0]), "parts": len(params) + len(extra),
+                "extra_bytes": sum(a.bytes for a in extra),
+                "extra_wire_bytes": round(sum(wire_bytes(a.kind, a.bytes, a.group)
+                                              for a in extra)),
+            })  # fmt: skip
+    return out
