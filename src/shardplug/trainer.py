@@ -26,7 +26,7 @@ from shardplug.core.step import (
     step_key,
 )
 from shardplug.errors import ConfigError
-from shardplug.flops import warn_if_float32
+from shardplug.flops import model_flops, warn_if_float32
 from shardplug.layout import Layout
 from shardplug.loop import feed
 from shardplug.loop import program as programs
@@ -210,8 +210,19 @@ class Trainer:
         feed.check_resumed(feed.signature(batch), self.restored_meta)  # a restore came first
         start = time.perf_counter()
         self._train = self._build(batch)
+        if self.settings.flops_per_sample is None:  # counted once, as no strategy runs it
+            self._train = self._train._replace(model_flops=self._model_flops(batch))
         self.compile_seconds = time.perf_counter() - start
         warn_if_float32(self._train.jaxpr, self.precision)
+
+    def _model_flops(self, batch: Any) -> float | None:
+        """The model's FLOPs per step on ``batch`` (:func:`shardplug.flops.model_flops`);
+        None where its forward pass cannot be traced outside a strategy's program (a model
+        that needs a per-device program's axis), whose rows then count the step's."""
+        try:
+            return model_flops(self.adapter, self.loss_fn, batch, self.mesh)
+        except Exception:
+            return None
 
     def lower(self, batch: Any) -> Any:
         """The training step for batches shaped like ``batch``, lowered but not compiled: a

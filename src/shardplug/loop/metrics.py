@@ -5,8 +5,10 @@ Read once per compiled step (:class:`StepFacts`) and per logged window (:func:`d
 - ``step_tflops``: the step's FLOPs (:func:`shardplug.flops.step_flops`, every matrix
   product the traced step runs, loops and recomputation counted) per second, all devices;
 - ``model_tflops``: the model's FLOPs by the textbook count (a task's ``flops_per_sample``)
-  per second, or ``step_tflops`` without one; ``mfu``: that over the devices' peak (known
-  accelerators' bfloat16 peak, or ``peak_tflops`` given);
+  per second, or without one 3 x its forward pass's matrix products traced on no strategy
+  (:func:`shardplug.flops.model_flops`: one count for one model and batch under every
+  strategy, where the step's counts a pipeline's extra work); ``mfu``: that over the
+  devices' peak (known accelerators' bfloat16 peak, or ``peak_tflops`` given);
 - ``memory_in_use`` and ``memory_peak``: bytes on the fullest device, from the backend's
   memory statistics where it keeps them (GPU, TPU), else from the compiled step's memory
   analysis (its resident arguments, and arguments + outputs + temporaries);
@@ -47,6 +49,7 @@ class StepFacts:
     sends and accesses, and its memory analysis."""
 
     flops: float
+    model_flops: float | None  # the model's per step (Program.model_flops), None: unknown
     sent_bytes: float
     accessed_bytes: float
     argument_bytes: int | None
@@ -68,8 +71,8 @@ class StepFacts:
                 argument + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
                 + analysis.temp_size_in_bytes
             )  # fmt: skip
-        return cls(flops, float(sent), float(cost.get("bytes accessed", 0.0)) * scale, argument,
-                   peak)  # fmt: skip
+        return cls(flops, program.model_flops, float(sent),
+                   float(cost.get("bytes accessed", 0.0)) * scale, argument, peak)  # fmt: skip
 
     @property
     def comm_share(self) -> float:
@@ -90,9 +93,12 @@ def device_rows(
     row: dict[str, float] = {}
     if step_time > 0 and math.isfinite(step_time):
         row["step_tflops"] = facts.flops / step_time / 1e12
-        model = (
-            flops_per_sample * samples_per_sec / 1e12 if flops_per_sample else row["step_tflops"]
-        )
+        if flops_per_sample:
+            model = flops_per_sample * samples_per_sec / 1e12
+        elif facts.model_flops:
+            model = facts.model_flops / step_time / 1e12
+        else:
+            model = row["step_tflops"]
         row["model_tflops"] = model
         if peak:
             row["mfu"] = model / (peak * len(devices))

@@ -32,6 +32,7 @@ class Program(NamedTuple):
     batch_shardings: Any
     signature: Any  # the batches' structure, shapes and dtypes (loop.feed.signature)
     jaxpr: Any  # the traced step, for its FLOP count (shardplug.flops.step_flops)
+    model_flops: float | None = None  # the model's per step, the same under every strategy
 
 
 @dataclasses.dataclass
