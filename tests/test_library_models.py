@@ -299,3 +299,17 @@ def test_tied_embeddings_train_like_their_own_loop():
                 and not k.startswith("blocks.")]  # fmt: skip
     for name in MODELS:
         assert_like(under(name, "dp")[0], MODELS[name].own_loop())
+
+
+def test_pp_says_what_each_librarys_blocks_are_and_what_would_run_them():
+    """ESM2 stacks its layers and scans them itself; Griffin's blocks are a list of two
+    kinds: pp names each form in one line, with the change that runs it (or why none does)."""
+    said = {
+        "esm2": r"this model names none: it stores 2 layers stacked under layers/ \(each "
+        r"leaf's first dimension 2\): name that dimension in the adapter's rules",
+        "griffin": r"its blocks are a Python list of 2 \(blocks\.0 \.\.\. blocks\.1\) of 2 "
+        r"kinds: recurrent_block \(0\) and attention_block \(1\), which do not repeat",
+    }
+    for name, message in said.items():
+        with pytest.raises(shardplug.ConfigError, match=message):
+            trained(name, "pp", devices=4)
