@@ -540,3 +540,74 @@ def test_damaged_checkpoints_are_said_in_their_lines_alone(tmp_path):
     assert "a data file under its state/ folder is damaged or missing" in lines[0]
     assert lines[3].startswith("shardplug: error: no good checkpoint in ")
     assert "TensorStore" not in done.stderr and "bound method" not in done.stderr
+
+
+LATE_REFUSAL_TASK = """
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import shardplug
+from shardplug.data import Batches
+
+
+def loss_fn(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def made(data):
+    adapter = shardplug.from_nnx(lambda rngs: nnx.Linear(4, 1, rngs=rngs))
+    return shardplug.Task(adapter=adapter, loss_fn=loss_fn, optimizer=optax.sgd(0.1), data=data)
+
+
+def grain():
+    x = np.random.default_rng(int(os.environ["SEED"])).normal(size=(256, 4)).astype(np.float32)
+    return made(Batches([{"x": r, "y": r[:1]} for r in x], 16, name="rows"))
+
+
+def stream():
+    def batches(rows):
+        rng = np.random.default_rng(0)
+        while True:
+            x = rng.normal(size=(rows, 4)).astype(np.float32)
+            yield {"x": x, "y": x[:, :1]}
+
+    return made(batches(int(os.environ["BS"])))  # an iterator: compiled for in fit
+"""
+
+
+@pytest.mark.parametrize(
+    ("task", "env", "saved", "other", "message"),
+    [
+        ("grain", "SEED", "0", "1", "the checkpoint's data state is of another data set"),
+        ("stream", "BS", "16", "32",
+         "the checkpoint's run read batches of shapes [[16, 4], [16, 1]], this one reads [[32,"),
+    ],
+    ids=["another-data-set", "an-iterator-of-other-batch-shapes"],
+)  # fmt: skip
+def test_a_resume_refused_once_training_starts_leaves_the_metrics_file_as_it_was(
+    task, env, saved, other, message, tmp_path, capsys, monkeypatch
+):
+    """Refused in fit, after the restore: the interrupted run's rows past its checkpoint and
+    its half-written line stay, byte for byte; resumed with its own data, they are replaced."""
+    (tmp_path / "late.py").write_text(LATE_REFUSAL_TASK)
+    metrics = tmp_path / "m.jsonl"
+    argv = ["train", "--task", f"{tmp_path / 'late.py'}:{task}", "--quiet", "--checkpoint-dir",
+            str(tmp_path / "ck"), "--metrics-out", str(metrics)]  # fmt: skip
+    monkeypatch.setenv(env, saved)
+    assert main([*argv, "--steps", "4"]) == 0
+    with metrics.open("a") as out:  # a killed run logged past its checkpoint, the last half
+        out.write('{"step": 4, "loss": 0.5}\n{"step": 5, "lo')
+    written = metrics.read_bytes()
+    capsys.readouterr()
+    monkeypatch.setenv(env, other)
+    assert main([*argv, "--resume", "--steps", "8"]) == 2
+    err = said(capsys.readouterr().err)
+    assert len(err) == 1 and err[0].startswith(f"shardplug: error: {message}"), err
+    assert metrics.read_bytes() == written
+    monkeypatch.setenv(env, saved)
+    assert main([*argv, "--resume", "--steps", "6"]) == 0
+    assert [r["step"] for r in read_rows(metrics)] == list(range(6))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -213,11 +215,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"{args.steps - 1}, so no trace would be written; choose steps among them"
         )
     batches = _process_share(task.batches(start))
-    out = (
-        _open_metrics(args.metrics_out, resume_from=start if args.resume else None)
-        if primary
-        else None
-    )
+    out = None
+    if primary and args.metrics_out is not None:
+        out = _Metrics(args.metrics_out, resume_from=start if args.resume else None)
     board = _tensorboard(args.tensorboard) if primary and args.tensorboard else None
     try:
         with Progress(args.quiet or not primary, args.steps, start) as advance:
@@ -230,10 +230,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 )
 
             def log(rows: list[dict[str, float]]) -> None:
-                if out is not None:  # strict JSON: a NaN or infinite value is null
-                    out.writelines(json.dumps(_finite(row), allow_nan=False) + "\n"
-                                   for row in rows)  # fmt: skip
-                    out.flush()
+                if out is not None:
+                    out.write(rows)
                 if board is not None:
                     for row in rows:
                         for key, value in row.items():
@@ -386,14 +384,45 @@ def _join_or_simulate(args: argparse.Namespace, simulate: Any) -> None:
     initialize(args.coordinator, args.num_processes, args.process_id, local_cpu_devices=local)
 
 
-def _open_metrics(path: Path | None, resume_from: int | None = None) -> Any:
+class _Metrics:
+    """The --metrics-out file, rewritten when the run logs its first rows, not before: a run
+    refused once training starts (another data set, other batch shapes: refusals that come
+    in ``fit``) leaves it as it was. Whether it can be written is checked now, changing
+    nothing."""
+
+    def __init__(self, path: Path, resume_from: int | None):
+        self.path, self.resume_from, self.file = path, resume_from, None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists():
+                path.open("a").close()  # opened to append, nothing written
+            made = resume_from is not None or not path.exists()  # a resume's rewrite: made
+            if made and not os.access(path.parent, os.W_OK):  # beside it, then moved onto it
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        except OSError as exc:
+            raise _unwritable(path, exc) from None
+
+    def write(self, rows: list[dict[str, float]]) -> None:
+        """Strict JSON lines: a NaN or infinite value is null."""
+        if self.file is None:
+            self.file = _open_metrics(self.path, self.resume_from)
+        self.file.writelines(json.dumps(_finite(row), allow_nan=False) + "\n" for row in rows)
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def _unwritable(path: Path, exc: OSError) -> ConfigError:
+    return ConfigError(f"cannot write --metrics-out {path}: {exc.strerror}")
+
+
+def _open_metrics(path: Path, resume_from: int | None) -> Any:
     """The metrics file, opened for this run. Resuming from step s keeps the rows of steps
     before s (dropping those a killed run logged past its checkpoint, which are run again,
     and any half-written line) and appends."""
-    if path is None:
-        return None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         if resume_from is None or not path.exists():
             return path.open("w")
         kept = []
@@ -409,4 +438,4 @@ def _open_metrics(path: Path | None, resume_from: int | None = None) -> Any:
         partial.replace(path)
         return path.open("a")
     except OSError as exc:
-        raise ConfigError(f"cannot write --metrics-out {path}: {exc.strerror}") from None
+        raise _unwritable(path, exc) from None
