@@ -128,8 +128,8 @@ def test_an_undeclared_weighted_loss_is_averaged_over_microbatches_and_said_once
     unsay([m for m in _said() if "own losses" in m])
     with pytest.warns(
         shardplug.ShardplugWarning,
-        match=r"mean of its microbatches' own .*"
-        r"--grad-accum.*shardplug\.Mean\(sum\(l \* w\), sum\(w\)\)",
+        match=r"mean of its parts' own losses \(4 microbatches, "
+        r"--grad-accum\).*shardplug\.Mean\(sum\(l \* w\), sum\(w\)\)",
     ) as said:
         got = rows("masked", "dp", "nnx", loss_fn=undeclared, devices=4, grad_accum=4)
     assert len([w for w in said if "own losses" in str(w.message)]) == 1
@@ -147,8 +147,27 @@ def test_pp_says_so_too_and_a_row_mean_loss_is_never_told():
         rows("masked", "dp", "nnx", loss_fn=lambda m, b: model.loss_fn(m, b), devices=2,
              grad_accum=2)  # fmt: skip
     assert not [w for w in said if "own losses" in str(w.message)]
-    with pytest.warns(shardplug.ShardplugWarning, match=r"own losses \(4 of them, pp's micro"):
+    with pytest.warns(shardplug.ShardplugWarning, match=r"own losses \(4 microbatches of pp\)"):
         rows("masked", pp("zb"), "nnx", loss_fn=undeclared, devices=4)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "where"),
+    [("pmap", "each device's rows, a per-device program"),
+     (shardplug.get_strategy("dp", addons=["grad-bf16"]), "each batch shard's rows, encode_grads")],
+)  # fmt: skip
+def test_devices_averaging_their_own_means_say_so_too(strategy, where):
+    unsay([m for m in _said() if "own losses" in m])
+    with pytest.warns(shardplug.ShardplugWarning, match=f"own losses \\({where}\\)"):
+        rows("masked", strategy, "nnx", loss_fn=undeclared, devices=4)
+
+
+def test_a_bfloat16_total_is_summed_and_divided_in_float32():
+    total, count = shardplug.core.means.declared(
+        "the loss", shardplug.Mean(jnp.asarray(1001.0, jnp.bfloat16), 1001.0)
+    )
+    assert total.dtype == jnp.float32 and float(count) == 1001.0
+    assert float(total) == pytest.approx(1000.0 / 1001.0)  # bfloat16(1001) is 1000
 
 
 def _said():

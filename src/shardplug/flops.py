@@ -67,33 +67,22 @@ def model_flops(adapter: Any, loss_fn: Any, batch: Any, mesh: Any = None) -> flo
     """Model FLOPs of a training step on ``batch`` (its global shapes), for a task that
     gives no ``flops_per_sample``: 3 x the matrix products of the loss's forward pass (the
     backward does twice the forward's work), counted as :func:`step_flops` counts them, on
-    the model alone: no strategy, so no pipeline's idle ticks or extra microbatch work, no
-    recomputation, no per-device program counted once per device. One model and batch give
-    one count under every strategy (the strategy's step counts differ: the reference
-    transformer of 4 stacked layers, 16 rows, counts 0.67 GFLOP a step under dp, 2.2 under
-    pp+dp, 4.2 under pp+fsdp; this 0.67 under all three).
-
-    The forward is traced once on abstract arrays, nothing compiled (a hundredth of a
-    second for that transformer); ``mesh``: the run's, for a model whose code names its
-    axes (explicit shardings). XLA's ``cost_analysis()`` of the lowered forward would count
-    a layer stack's body once, not once per layer (0.18 GFLOP for the same step).
+    the model alone (:func:`shardplug.core.step.trace_loss`): no strategy, so no pipeline's
+    idle ticks or extra microbatch work, no recomputation, no per-device program counted once
+    per device. One model and batch give one count under every strategy (the strategy's
+    step counts differ: the reference transformer of 4 stacked layers, 16 rows, counts 0.67
+    GFLOP a step under dp, 2.2 under pp+dp, 4.2 under pp+fsdp; this 0.67 under all three).
+    XLA's ``cost_analysis()`` of the lowered forward would count a layer stack's body once,
+    not once per layer (0.18 GFLOP for the same step).
     """
-    import jax
+    from shardplug.core.step import trace_loss
 
-    from shardplug.core.step import _forward, loss_extras
+    return forward_flops(trace_loss(adapter, loss_fn, batch, mesh))
 
-    key = jax.random.key(0)
-    params, state = adapter.abstract(key)
-    extras = loss_extras(loss_fn)
 
-    def forward(params: Any, state: Any, batch: Any) -> Any:
-        return _forward(adapter, loss_fn, extras, params, state, key, batch, True)[0]
-
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-    if mesh is None:
-        return 3.0 * step_flops(jax.make_jaxpr(forward)(params, state, shapes))
-    with jax.set_mesh(mesh):
-        return 3.0 * step_flops(jax.make_jaxpr(forward)(params, state, shapes))
+def forward_flops(traced: Any) -> float:
+    """:func:`model_flops` of a loss already traced alone (``trace_loss``'s jaxpr)."""
+    return 3.0 * step_flops(traced)
 
 
 def step_flops(jaxpr: Any, axis_sizes: dict[str, int] | None = None) -> float:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import jax
 import optax
 
+from shardplug.core.means import divides_by_data
 from shardplug.core.registry import Strategy, resolve_strategy
 from shardplug.core.state import create_state
 from shardplug.core.step import (
@@ -24,9 +25,10 @@ from shardplug.core.step import (
     make_eval_step,
     make_step,
     step_key,
+    trace_loss,
 )
-from shardplug.errors import ConfigError
-from shardplug.flops import model_flops, warn_if_float32
+from shardplug.errors import ConfigError, ShardplugError
+from shardplug.flops import forward_flops, warn_if_float32
 from shardplug.layout import Layout
 from shardplug.loop import feed
 from shardplug.loop import program as programs
@@ -128,6 +130,7 @@ class Trainer:
             build=True,
         )
         self._train = self._eval = None  # the training and evaluation Programs, once built
+        self._loss_normalised = False  # the loss divides by a count of the batch (compile)
         self._said = False  # the run's first line, said by the first fit
 
     def allocate(self) -> None:
@@ -209,19 +212,22 @@ class Trainer:
             return
         feed.check_resumed(feed.signature(batch), self.restored_meta)  # a restore came first
         start = time.perf_counter()
+        traced = self._trace_loss(batch)  # the model alone: its FLOPs and its normaliser
+        if traced is not None:
+            self._loss_normalised = divides_by_data(traced.jaxpr, len(jax.tree.leaves(batch)))
         self._train = self._build(batch)
-        if self.settings.flops_per_sample is None:  # counted once, as no strategy runs it
-            self._train = self._train._replace(model_flops=self._model_flops(batch))
+        if self.settings.flops_per_sample is None and traced is not None:
+            self._train = self._train._replace(model_flops=forward_flops(traced))
         self.compile_seconds = time.perf_counter() - start
         warn_if_float32(self._train.jaxpr, self.precision)
 
-    def _model_flops(self, batch: Any) -> float | None:
-        """The model's FLOPs per step on ``batch`` (:func:`shardplug.flops.model_flops`);
-        None where its forward pass cannot be traced outside a strategy's program (a model
-        that needs a per-device program's axis), whose rows then count the step's."""
+    def _trace_loss(self, batch: Any) -> Any:
+        """The model's loss on ``batch`` traced alone (:func:`trace_loss`), once per compiled
+        step; None for a model that traces only inside a strategy's program (one that reads
+        a per-device program's axis), whose rows then count the step's FLOPs."""
         try:
-            return model_flops(self.adapter, self.loss_fn, batch, self.mesh)
-        except Exception:
+            return trace_loss(self.adapter, self.loss_fn, batch, self.mesh)
+        except (NameError, ValueError, TypeError, ShardplugError):
             return None
 
     def lower(self, batch: Any) -> Any:
@@ -241,6 +247,7 @@ class Trainer:
                 param_shardings=self.param_shardings, batch_shardings=batch_shardings,
                 skip_nonfinite=self.settings.on_nonfinite == "skip",
                 grad_accum=self.grad_accum, precision=self.precision,
+                loss_normalised=self._loss_normalised,
             )  # fmt: skip
 
         return self._on_layout(lambda: how(

@@ -15,8 +15,10 @@ weighs (the loss, or a metric returned as a :class:`Mean` too); :func:`part_sums
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -62,6 +64,8 @@ def declared(name: str, value: Any) -> tuple[jax.Array, jax.Array]:
     ``count`` float32 and without gradient, the division safe where it is 0."""
     count = jax.lax.stop_gradient(jnp.asarray(value.count)).astype(jnp.float32)
     total = jnp.asarray(value.total)
+    if jnp.issubdtype(total.dtype, jnp.floating):  # a bfloat16 total: summed and divided in f32
+        total = total.astype(jnp.promote_types(total.dtype, jnp.float32))
     for what, x in (("total", total), ("count", count)):
         if jnp.shape(x) != ():
             raise _shape_error(name, what, jnp.shape(x))
@@ -137,21 +141,6 @@ def divided(grad_sums: Any, metrics: Mapping[str, Any], parts: int) -> Any:
     return jax.tree.map(lambda g: g / _safe(count).astype(g.dtype), grad_sums)
 
 
-def microbatch_means(where: str, fn: Any, params: Any, batch: Any) -> None:
-    """Say once, where the loss ``fn(params, batch)`` (undeclared) divides by a normaliser
-    taken from the batch, that the step averages the means of its parts (``where`` says
-    which) and how such a loss is declared instead."""
-    if not normalised_by_data(fn, params, batch):
-        return
-    warn_once(
-        f"the loss divides by a count taken from the batch, and the step's loss is the mean of "
-        f"its microbatches' own losses ({where}): not the whole batch's; return "
-        "shardplug.Mean(sum(l * w), sum(w)) from the loss to have the sums and counts added "
-        "before the one division",
-        stacklevel=3,
-    )
-
-
 def _safe(count: Any) -> Any:
     """``count`` with 0 as 1 (whose total is 0 too), for numpy and JAX values alike."""
     return count + (count == 0)
@@ -177,14 +166,45 @@ def reweigh(loss: Any, metrics: Mapping[str, Any], grads: Any, axis: Any) -> tup
     return loss, metrics, grads
 
 
-def normalised_by_data(fn: Any, params: Any, batch: Any) -> bool:
-    """Whether the loss ``fn(params, batch)`` divides by a scalar computed from the batch
+#: whether the loss being traced divides by a count taken from the batch (:func:`normalised`)
+_NORMALISED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "shardplug_loss_normalised_by_data", default=False
+)
+
+
+@contextlib.contextmanager
+def normalised(by_data: bool) -> Iterator[None]:
+    """Trace the step inside knowing whether its (undeclared) loss divides by a count taken
+    from the batch (:func:`divides_by_data` of its traced forward pass)."""
+    token = _NORMALISED.set(by_data)
+    try:
+        yield
+    finally:
+        _NORMALISED.reset(token)
+
+
+def part_means(where: str) -> None:
+    """Called where the step averages the means of its parts (``where`` says which:
+    microbatches, devices, batch shards) of an undeclared loss: said once where that loss
+    divides by a count taken from the batch, with how such a loss is declared instead."""
+    if not _NORMALISED.get():
+        return
+    warn_once(
+        f"the loss divides by a count taken from the batch, and the step's loss is the mean of "
+        f"its parts' own losses ({where}): not the whole batch's; return "
+        "shardplug.Mean(sum(l * w), sum(w)) from the loss to have the sums and counts added "
+        "before the one division",
+        stacklevel=3,
+    )
+
+
+def divides_by_data(jaxpr: Any, batch: int) -> bool:
+    """Whether a traced loss (``jaxpr``: its last ``batch`` inputs the batch's leaves, those
+    before them the parameters and model state) divides by a scalar computed from the batch
     alone (``sum(ce * w) / sum(w)``): a normaliser that differs between parts of the batch,
-    where the mean of the parts' means is not the whole's. A row mean divides by a constant.
-    Traced on abstract values, nothing run."""
-    jaxpr = jax.make_jaxpr(fn)(params, batch).jaxpr
-    n = len(jax.tree.leaves(params))
-    return _divides_by_data(jaxpr, set(jaxpr.invars[:n]), set(jaxpr.invars[n:]))
+    where the mean of the parts' means is not the whole's. A row mean divides by a constant."""
+    cut = len(jaxpr.invars) - batch
+    return _divides_by_data(jaxpr, set(jaxpr.invars[:cut]), set(jaxpr.invars[cut:]))
 
 
 def _divides_by_data(jaxpr: Any, from_params: set, from_batch: set) -> bool:
@@ -194,16 +214,27 @@ def _divides_by_data(jaxpr: Any, from_params: set, from_batch: set) -> bool:
         if divisor in ins and divisor in from_batch and divisor not in from_params \
                 and not divisor.aval.shape:  # fmt: skip
             return True
-        for sub in eqn.params.values():  # a called function's body (pjit, checkpoint)
-            body = getattr(sub, "jaxpr", sub)
-            if hasattr(body, "eqns") and len(body.invars) == len(eqn.invars):
-                pairs = [(a, b) for a, b in zip(eqn.invars, body.invars, strict=True)
-                         if not hasattr(a, "val")]  # fmt: skip
-                if _divides_by_data(body, {b for a, b in pairs if a in from_params},
-                                    {b for a, b in pairs if a in from_batch}):  # fmt: skip
-                    return True
+        if any(_divides_by_data(body, *_entering(eqn, body, from_params, from_batch))
+               for body in _bodies(eqn)):  # fmt: skip
+            return True
         if any(v in from_params for v in ins):
             from_params.update(eqn.outvars)
         if any(v in from_batch for v in ins):
             from_batch.update(eqn.outvars)
     return False
+
+
+def _bodies(eqn: Any) -> list[Any]:
+    """The functions an equation calls (pjit, checkpoint, custom_vjp, scan, cond's branches)."""
+    found = [v for value in eqn.params.values()
+             for v in (value if isinstance(value, tuple) else (value,))]  # fmt: skip
+    bodies = [getattr(v, "jaxpr", v) for v in found]
+    return [b for b in bodies if hasattr(b, "eqns") and len(b.invars) <= len(eqn.invars)]
+
+
+def _entering(eqn: Any, body: Any, from_params: set, from_batch: set) -> tuple[set, set]:
+    """Which of ``body``'s inputs come from the parameters and which from the batch: its
+    inputs are the equation's last ones (a cond's operands follow its branch index)."""
+    given = eqn.invars[len(eqn.invars) - len(body.invars) :]
+    pairs = [(a, b) for a, b in zip(given, body.invars, strict=True) if not hasattr(a, "val")]
+    return {b for a, b in pairs if a in from_params}, {b for a, b in pairs if a in from_batch}

@@ -156,6 +156,7 @@ def make_step(
     skip_nonfinite: bool = False,
     grad_accum: int = 1,
     precision: Precision = "float32",
+    loss_normalised: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
     """One optimizer step on the global batch: loss, gradients, ``reduce_grads``, update.
 
@@ -176,6 +177,12 @@ def make_step(
     When the strategy or an add-on implements ``encode_grads``, the gradient reduction is
     made explicit: each device's gradient is computed, encoded, summed in the encoded dtype
     and cast back. Under ``jax.jit`` that needs the parameter and batch shardings.
+
+    A loss returned as a :class:`shardplug.Mean` is summed and counted over whatever parts
+    the step cuts the batch into, then divided once; ``loss_normalised`` (an undeclared loss
+    that divides by a count taken from the batch: :func:`trace_loss`,
+    :func:`shardplug.core.means.divides_by_data`) has the step say so where it averages its
+    parts' means.
     """
     extras = loss_extras(loss_fn)
     encodes = strategy.encodes_grads
@@ -204,15 +211,15 @@ def make_step(
 
     value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
 
-    def loss_only(params, model_state, batch, rng):  # read by the check of an undeclared loss
-        return _forward(adapter, loss_fn, extras, params, model_state, rng, batch, True)[0]
-
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        with means.normalised(loss_normalised):
+            return traced(state, batch)
+
+    def traced(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         rng = step_key(state)
         axis = batch_axis_name()  # set inside a per-device program
         plain = axis is None and not encodes  # under jit, the compiler places the reduction
-        grad_fn = _accumulate(value_and_grad, grad_accum, batch_shardings if plain else None,
-                              loss_only)  # fmt: skip
+        grad_fn = _accumulate(value_and_grad, grad_accum, batch_shardings if plain else None)
         owned = strategy.compute_grads(
             loss_and_grad=value_and_grad, params=state.params, model_state=state.model_state,
             batch=batch, rng=rng, mesh=mesh, microbatches=grad_accum,
@@ -232,6 +239,8 @@ def make_step(
             )
             if axis is not None and means.weighted(metrics):  # the devices' parts averaged
                 loss, metrics, grads = means.reweigh(loss, metrics, grads, axis)
+            elif axis is not None:
+                means.part_means("each device's rows, a per-device program")
             if encodes:
                 grads = strategy.encode_grads(grads, mesh)
         grads = strategy.reduce_grads(grads, mesh)
@@ -273,17 +282,15 @@ def _cast_floats(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(cast, tree)
 
 
-def _accumulate(
-    value_and_grad: Callable, k: int, batch_shardings: Any, loss_only: Callable
-) -> Callable:
+def _accumulate(value_and_grad: Callable, k: int, batch_shardings: Any) -> Callable:
     """``value_and_grad`` over ``k`` microbatches in turn: the mean loss, metrics and gradient.
 
     Microbatch ``i`` takes rows ``i, i+k, i+2k, ...`` of every leaf, so each microbatch is
     split over the devices as the whole batch is (``batch_shardings`` pins that under jit);
     its dropout key is the step's key folded with ``i``. The model state (batch statistics)
     passes from one microbatch to the next. A loss declared as a :class:`Mean` is summed and
-    counted over the microbatches and divided once; an undeclared one (``loss_only``, traced
-    once more) that divides by a count taken from the batch is told so, once.
+    counted over the microbatches and divided once; an undeclared one that divides by a count
+    taken from the batch is told so, once (:func:`shardplug.core.means.part_means`).
     """
     if k == 1:
         return value_and_grad
@@ -309,19 +316,15 @@ def _accumulate(
             return (total, model_state), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        parts = jax.tree.map(split, batch)
-        (total, new_state), (losses, metrics) = jax.lax.scan(
-            body, (zeros, model_state), (jnp.arange(k), parts)
+        (total, model_state), (losses, metrics) = jax.lax.scan(
+            body, (zeros, model_state), (jnp.arange(k), jax.tree.map(split, batch))
         )
         if means.weighted(metrics):  # the parts' sums and counts added, then divided once
             loss, metrics = means.combine(losses.sum(0), jax.tree.map(jnp.sum, metrics), k)
-            return (loss, (metrics, new_state)), means.divided(total, metrics, k)
-        means.microbatch_means(
-            f"{k} of them, --grad-accum", lambda p, b: loss_only(p, model_state, b, rng),
-            params, jax.tree.map(lambda x: x[0], parts),
-        )  # fmt: skip
+            return (loss, (metrics, model_state)), means.divided(total, metrics, k)
+        means.part_means(f"{k} microbatches, --grad-accum")
         grads = jax.tree.map(lambda g: g / k, total)
-        return (jnp.mean(losses), (jax.tree.map(jnp.mean, metrics), new_state)), grads
+        return (jnp.mean(losses), (jax.tree.map(jnp.mean, metrics), model_state)), grads
 
     return accumulated
 
@@ -383,6 +386,8 @@ def _per_shard_grads(grad_fn, strategy, mesh, state, batch, rng, param_shardings
         (loss, (metrics, state)), grads = grad_fn(params, model_state, rows, rng)
         if means.weighted(metrics):  # the shards' parts are averaged below
             loss, metrics, grads = means.reweigh(loss, metrics, grads, SHARD_AXIS)
+        else:
+            means.part_means("each batch shard's rows, encode_grads")
         return (loss, (metrics, state)), strategy.encode_grads(grads, mesh)
 
     with per_device_program(SHARD_AXIS):
@@ -419,6 +424,25 @@ def _without(entry: Any, axes: tuple[str, ...]) -> Any:
         return None
     kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in axes)
     return kept if len(kept) > 1 else (kept[0] if kept else None)
+
+
+def trace_loss(adapter: Any, loss_fn: LossFn, batch: Any, mesh: Any = None) -> Any:
+    """The model's loss on ``batch`` (its global shapes) traced alone: no strategy, on
+    abstract parameters, nothing run (a ``ClosedJaxpr`` whose inputs are the parameters', the
+    model state's and the batch's leaves, in that order): what the model computes, for its
+    FLOPs and its normaliser. ``mesh``: the run's, for a model whose code names its axes."""
+    key = jax.random.key(0)
+    params, state = adapter.abstract(key)
+    extras = loss_extras(loss_fn)
+
+    def forward(params: Any, state: Any, batch: Any) -> Any:
+        return _forward(adapter, loss_fn, extras, params, state, key, batch, True)[0]
+
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+    if mesh is None:
+        return jax.make_jaxpr(forward)(params, state, shapes)
+    with jax.set_mesh(mesh):
+        return jax.make_jaxpr(forward)(params, state, shapes)
 
 
 def make_eval_step(

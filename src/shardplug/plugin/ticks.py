@@ -256,11 +256,7 @@ def scheduled_grads(
     metric_avals = jax.eval_shape(lambda o: post(o, 0, message(zero_x))[1], other)
     weighted = means.weighted(metric_avals)  # a declared loss: sums added, divided once
     if not weighted:
-        means.microbatch_means(
-            f"{m_} of them, pp's microbatches",
-            lambda o_msg, b: cut.post(o_msg[0], b, rng, o_msg[1])[0],
-            (other, message(zero_x)), _pick(mbs, 0),
-        )  # fmt: skip
+        means.part_means(f"{m_} microbatches of pp")
 
     def tick(carry, row):
         st, gy, top = carry
