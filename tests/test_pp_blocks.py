@@ -189,3 +189,19 @@ def test_the_change_pp_asks_for_trains_like_one_device(model, kwargs):
     got = [r["loss"] for r in trainer(model, "pp", 4, **kwargs).fit(data, steps=2)]
     want = [r["loss"] for r in trainer(model, "dp", 1, **kwargs).fit(data, steps=2)]
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_a_stack_whose_block_has_numbered_children_is_a_stack():
+    """The reference transformer's Linen block calls its LayerNorm twice (LayerNorm_0,
+    LayerNorm_1 inside the stack): no list of blocks, and pp runs it."""
+    model = shardplug.get_model("transformer")
+    trainer = model.task("linen", layers=4).trainer(strategy="pp", devices=4)
+    trainer.compile(next(model.batches(16, 0)))
+
+
+def test_linen_layers_of_their_own_shapes_are_no_list_of_blocks():
+    """Linen's Dense_0, Dense_1, Dense_2 of an MLP: layers, not blocks; pp says to build a
+    stack, as for the same MLP in NNX."""
+    model = shardplug.get_model("mlp")
+    with pytest.raises(ConfigError, match=r"this model has none: build its blocks with "):
+        model.task("linen").trainer(strategy="pp", devices=4).compile(next(model.batches(16, 0)))

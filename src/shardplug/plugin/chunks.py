@@ -29,6 +29,13 @@ from shardplug.errors import ConfigError
 from shardplug.plugin import backward
 from shardplug.plugin.schedules import Unscheduled
 
+#: why a model that runs its stacked layers in a loop of its own cannot be cut into stages
+NEVER_RAN = (
+    "this model never called shardplug.stack: layers it applies with its own loop (a "
+    "lax.scan over its stacked leaves) cannot be cut into stages; call "
+    "shardplug.stack.scan(block, layers, x) in place of that loop"
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class StackCut:
@@ -100,12 +107,7 @@ def cut_at_stack(forward, model_state, params, batch, rng) -> StackCut:
 
     _, (_, new_state) = runner([False] * len(leaves))(capture, [], leaves, batch, rng)
     if not seen:
-        raise ConfigError(
-            "pp's schedules split a layer stack, and this model never called shardplug.stack: "
-            "layers it applies with its own loop (a lax.scan over its stacked leaves) cannot "
-            "be cut into stages; call shardplug.stack.scan(block, layers, x) in place of that "
-            "loop"
-        )
+        raise ConfigError(f"pp's schedules split a layer stack, and {NEVER_RAN}")
     old, new = jax.tree.leaves(model_state), jax.tree.leaves(new_state)
     if len(old) != len(new) or any(a is not b for a, b in zip(old, new, strict=False)):
         raise Unscheduled(

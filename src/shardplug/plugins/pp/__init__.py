@@ -45,6 +45,7 @@ from shardplug.plugin import (
     stack_operation,
     warn_once,
 )
+from shardplug.plugin.chunks import NEVER_RAN
 from shardplug.plugin.schedules import Schedule, Table, Unscheduled, find_schedule
 from shardplug.plugin.stages import rows_split
 from shardplug.plugin.ticks import divergent_permutes, scheduled_grads, unordered_collectives
@@ -173,7 +174,7 @@ class PipelineParallel:
         stages would run in the model's own loop, every device computing every layer (the
         written-in schedules cut the loss at the stack and say so themselves)."""
         if self.written is None:
-            raise ConfigError(f"pp splits a layer stack, and {blocks.NEVER_RAN}")
+            raise ConfigError(f"pp splits a layer stack, and {NEVER_RAN}")
 
     @hookimpl
     def compute_grads(self, params, model_state, batch, rng, mesh, microbatches, prepare,

@@ -65,6 +65,10 @@ def block_list(paths: list[str], leaves: list[Any]) -> BlockList | None:
     for name, members in lists.items():
         if len(members) < 2 or sorted(members) != list(range(len(members))):
             continue
+        structures = [frozenset(m.items()) for m in members.values()]
+        nested = any("/" in rest for m in members.values() for rest in m)
+        if not nested and len(set(structures)) == len(structures):
+            continue  # layers of their own shapes each (Linen's Dense_0, Dense_1): no blocks
         key = (len(members), -name.count("/"))
         if best is None or key > best[0]:
             best = (key, name, members)
@@ -116,20 +120,14 @@ def listed(paths: list[str], leaves: list[Any], named: list[bool]) -> str | None
         return None
     ours = [p for p, n in zip(paths, named, strict=True) if n]
     members = {m for m in found.members if any(p.startswith(m + "/") for p in ours)}
-    if len(members) < 2:
+    inside = all(any(p.startswith(m + "/") for m in found.members) for p in ours)
+    if len(members) < 2 or not inside:  # a stack's own children (LayerNorm_0, _1): a stack
         return None
     return (
         f"the rules name the first dimension of each of {found.span()} 'layers', but those "
         f"are {len(found.members)} separate blocks of a list, not a layer stack: "
         f"{_about_list(found)}"
     )
-
-
-NEVER_RAN = (
-    "this model never called shardplug.stack: layers it applies with its own loop (a "
-    "lax.scan over its stacked leaves) cannot be cut into stages; call "
-    "shardplug.stack.scan(block, layers, x) in place of that loop"
-)
 
 
 def no_stack(axis: str, paths: list[str], leaves: list[Any]) -> str:
