@@ -63,6 +63,7 @@ class ContextParallel:
         self._leaves: set[str] = set()  # every batch leaf laid out so far, to check those
         #: the sequences laid out, by leaf: their length and whether they split over context
         self._sequences: dict[str, tuple[int, bool]] = {}
+        self._judged = False  # whether a program of the run was judged to divide the work
         self._ring_ran = False  # whether the last traced program went round the ring
 
     @hookimpl
@@ -97,23 +98,33 @@ class ContextParallel:
         if mesh.shape[axis] == 1:
             return None
         self._ring_ran = False
+        # this program's sequences (laid out just before it is traced), for its own verdict
+        sequences, self._sequences = self._sequences, {}
 
         def ran() -> None:
             self._ring_ran = True
 
         if self.attention == "ring":
-            attend = ring_attention(axis, self.balance == "zigzag", on_ring=ran)
+            ring = ring_attention(axis, self.balance == "zigzag", on_ring=ran)
         else:
-            attend = gathered_attention(axis)
-        return Operations(attention=attend, unused=lambda _: self._unused(axis, mesh))
+            ring = gathered_attention(axis)
 
-    def _unused(self, axis: str, mesh) -> None:
+        def attend(*args, **kwargs):
+            self._judged = True  # the sequence splits from here on: cp divides the work
+            return ring(*args, **kwargs)
+
+        return Operations(attention=attend, unused=lambda _: self._unused(axis, mesh, sequences))
+
+    def _unused(self, axis: str, mesh, sequences: dict[str, tuple[int, bool]]) -> None:
         """The model never called :func:`shardplug.attention`: cp divides the sequence the
-        batch gives split, and nothing at all where none is (refused, in one line)."""
-        if not any(split for _, split in self._sequences.values()):
+        batch gives split, and nothing at all where none is: refused, in one line, for the
+        run's first program (its training step); a later one (an evaluation of other
+        lengths) is told as below."""
+        first, self._judged = not self._judged, True
+        if first and not any(split for _, split in sequences.values()):
             size = mesh.shape[axis]
             found = ", ".join(f"{leaf} of {length}" for leaf, (length, _) in
-                              sorted(self._sequences.items()))  # fmt: skip
+                              sorted(sequences.items()))  # fmt: skip
             batch = (
                 f"no sequence of the batch splits over its {size} devices ({found} positions, "
                 f"which {size} do not divide: a model fed tokens[:, :-1] reads one fewer)"
