@@ -22,7 +22,6 @@ from shardplug.cli._common import (
 )
 from shardplug.cli.watch import Progress, check_memory
 from shardplug.errors import CheckpointError, ConfigError
-from shardplug.native import sorted_stderr
 
 DEFAULTS = {"model": "transformer", "adapter": "nnx", "seed": 0}
 
@@ -184,8 +183,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer.data_timeout = args.data_timeout
     first = first_batch(task, args.data_timeout)
     if first is not None:  # a batch that does not split fails here, before any output
-        with sorted_stderr(trainer.strategy.name):  # XLA's own lines, said in one of ours
-            trainer.compile(first if _reads_own_rows(task.batches()) else _own_rows(first))
+        trainer.compile(first if _reads_own_rows(task.batches()) else _own_rows(first))
         if not args.skip_memory_check:
             check_memory(trainer)
     began = time.perf_counter()
