@@ -205,3 +205,26 @@ def test_linen_layers_of_their_own_shapes_are_no_list_of_blocks():
     model = shardplug.get_model("mlp")
     with pytest.raises(ConfigError, match=r"this model has none: build its blocks with "):
         model.task("linen").trainer(strategy="pp", devices=4).compile(next(model.batches(16, 0)))
+
+
+def test_a_stacks_block_of_auto_named_layers_is_a_stack():
+    """A Linen block of Dense_0 ... Dense_6 (the test Llama's), stacked: layers inside a
+    block, not a list of blocks, whatever their shapes."""
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for width in (WIDTH, 2 * WIDTH, 2 * WIDTH, WIDTH):
+                x = nn.Dense(width)(x)
+            return x
+
+    class Stacked(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = shardplug.stack.LinenLayers(Mlp, 4, name="layers")(nn.Dense(WIDTH)(x))
+            return nn.Dense(1)(x)
+
+    gpipe = shardplug.get_strategy("pp", schedule="gpipe")
+    got = [r["loss"] for r in trainer(Stacked(), gpipe, 4, **RULES).fit([batch()] * 2, steps=2)]
+    want = [r["loss"] for r in trainer(Stacked(), "dp", 1, **RULES).fit([batch()] * 2, steps=2)]
+    np.testing.assert_allclose(got, want, rtol=1e-5)

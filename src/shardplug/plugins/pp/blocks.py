@@ -43,7 +43,8 @@ class BlockList:
 
 
 def block_list(paths: list[str], leaves: list[Any]) -> BlockList | None:
-    """The longest list of numbered sibling blocks (two or more) among ``paths``, outermost
+    """The longest list of numbered sibling blocks (two or more, each holding layers of its
+    own, not arrays: ``layer_0/attn/q``, not ``Dense_0/kernel``) among ``paths``, outermost
     among equals; None when the parameters hold none."""
     lists: dict[str, dict[int, dict[str, Any]]] = defaultdict(lambda: defaultdict(dict))
     labels: dict[tuple[str, int], str] = {}
@@ -65,10 +66,8 @@ def block_list(paths: list[str], leaves: list[Any]) -> BlockList | None:
     for name, members in lists.items():
         if len(members) < 2 or sorted(members) != list(range(len(members))):
             continue
-        structures = [frozenset(m.items()) for m in members.values()]
-        nested = any("/" in rest for m in members.values() for rest in m)
-        if not nested and len(set(structures)) == len(structures):
-            continue  # layers of their own shapes each (Linen's Dense_0, Dense_1): no blocks
+        if not all("/" in rest for m in members.values() for rest in m):
+            continue  # layers holding arrays (Linen's Dense_0, Dense_1 in a block): no blocks
         key = (len(members), -name.count("/"))
         if best is None or key > best[0]:
             best = (key, name, members)
