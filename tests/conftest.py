@@ -73,6 +73,21 @@ SLOW = (
     "tests/test_explain.py::test_explain_prints_a_300_parameter_model",
     "tests/test_pipeline.py::test_pp_checkpoints_resume_under_fsdp",
     "tests/test_conformance_mutants.py::test_a_plugin_of_the_earlier_contract_splitting",
+    # the published libraries' models under every strategy but dp (dp's rows, with their
+    # weighted losses, in both), and the weighted loss's compositions beyond one cut of each
+    # kind (microbatches, devices, a schedule of each engine, pp+dp in both)
+    "tests/test_library_models.py::test_a_library_model_trains_like_its_own_loop[fsdp-esm2]",
+    "tests/test_library_models.py::test_a_library_model_trains_like_its_own_loop[fsdp-griffin]",
+    "tests/test_library_models.py::test_a_library_model_trains_like_its_own_loop[tp-esm2]",
+    "tests/test_library_models.py::test_a_library_model_trains_like_its_own_loop[tp-griffin]",
+    "tests/test_library_models.py::test_a_library_model_trains_like_its_own_loop[fsdp+tp-esm2]",
+    "tests/test_library_models.py::test_a_library_model_trains_like_its_own_loop[fsdp+tp-griffin]",
+    "tests/test_library_models.py::test_a_library_model_trains_like_its_own_loop[dp+fsdp-esm2]",
+    "tests/test_library_models.py::test_a_library_model_trains_like_its_own_loop[dp+fsdp-griffin]",
+    "tests/test_weighted_loss.py::test_a_masked_lm_loss_is_the_whole_batchs_wherever_the_batch_is_cut[pmap+grad-accum]",
+    "tests/test_weighted_loss.py::test_a_masked_lm_loss_is_the_whole_batchs_wherever_the_batch_is_cut[pp-interleaved]",
+    "tests/test_weighted_loss.py::test_a_masked_lm_loss_is_the_whole_batchs_wherever_the_batch_is_cut[pp+fsdp+tp]",
+    "tests/test_weighted_loss.py::test_a_masked_lm_loss_is_the_whole_batchs_wherever_the_batch_is_cut[fsdp+tp]",
 )
 #: matrices whose Linen and Equinox rows are slow (their NNX rows run in both)
 SLOW_ROWS = (
@@ -82,6 +97,7 @@ SLOW_ROWS = (
     "tests/test_pipeline.py::test_pipeline_trains_like_one_device",
     "tests/test_users_models.py::test_a_gqa_llama_fed_tokens_minus_one",
     "tests/test_schedules.py::test_every_schedule_trains_like_one_device",
+    "tests/test_weighted_loss.py::test_a_weighted_loss_is_the_whole_batchs_in_every_framework",
 )
 
 
