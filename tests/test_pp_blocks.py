@@ -207,9 +207,11 @@ def test_linen_layers_of_their_own_shapes_are_no_list_of_blocks():
         model.task("linen").trainer(strategy="pp", devices=4).compile(next(model.batches(16, 0)))
 
 
-def test_a_stacks_block_of_auto_named_layers_is_a_stack():
-    """A Linen block of Dense_0 ... Dense_6 (the test Llama's), stacked: layers inside a
-    block, not a list of blocks, whatever their shapes."""
+@pytest.mark.parametrize("schedule", ["gpipe", "zb"])
+def test_a_stacks_block_of_auto_named_layers_is_a_stack(schedule):
+    """A Linen block of Dense_0 ... Dense_3 of two widths, stacked: layers inside a block,
+    not a list of blocks, whatever their shapes; it trains like one device under GPipe and
+    zero-bubble (whose B and W once traced its pullback apart, B handing W 4 values of 5)."""
 
     class Mlp(nn.Module):
         @nn.compact
@@ -224,7 +226,7 @@ def test_a_stacks_block_of_auto_named_layers_is_a_stack():
             x = shardplug.stack.LinenLayers(Mlp, 4, name="layers")(nn.Dense(WIDTH)(x))
             return nn.Dense(1)(x)
 
-    gpipe = shardplug.get_strategy("pp", schedule="gpipe")
-    got = [r["loss"] for r in trainer(Stacked(), gpipe, 4, **RULES).fit([batch()] * 2, steps=2)]
+    pp = shardplug.get_strategy("pp", schedule=schedule)
+    got = [r["loss"] for r in trainer(Stacked(), pp, 4, **RULES).fit([batch()] * 2, steps=2)]
     want = [r["loss"] for r in trainer(Stacked(), "dp", 1, **RULES).fit([batch()] * 2, steps=2)]
     np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -224,6 +224,10 @@ class Chunk:
             g = g if self.cut.aux is not None else g[0]
             return jax.tree.unflatten(self.pull["tree"], leaves)(g)
 
+        # traced on the given gradient's shape alone, as W has it: B's tracer (of the
+        # region's mesh) and W's bare shape gave the pullback other equations, and B's stash
+        # another length than W reads
+        given = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape, g.dtype), given)
         return backward.cut(pullback, leaves, given)[0]
 
 
