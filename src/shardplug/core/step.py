@@ -23,7 +23,6 @@ from jax.sharding import PartitionSpec as P
 from shardplug.core import means
 from shardplug.core.context import batch_axis_name, computing_in, manual_axes, per_device_program
 from shardplug.core.layer_gather import layer_specs
-from shardplug.core.means import Mean, declared, weight_key
 from shardplug.core.registry import Strategy
 from shardplug.core.sharding import lay_out, leading_axes
 from shardplug.errors import ConfigError
@@ -77,8 +76,8 @@ def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array], Any]:
             "loss_fn must return a loss, (loss, dict of metrics) or (loss, metrics, new state)"
         )
     loss, counts = parts[0], {}
-    if isinstance(loss, Mean):
-        loss, counts[weight_key()] = declared("the loss", loss)
+    if isinstance(loss, means.Mean):
+        loss, counts[means.weight_key()] = means.declared("the loss", loss)
     if not hasattr(loss, "shape") and not isinstance(loss, int | float):
         raise ConfigError(
             f"loss_fn must return a scalar array as the loss, got {type(loss).__name__}"
@@ -89,8 +88,8 @@ def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array], Any]:
         )
     metrics = dict(parts[1]) if len(parts) > 1 else {}
     for name, value in list(metrics.items()):
-        if isinstance(value, Mean):
-            value, counts[weight_key(name)] = declared(f"metric {name!r}", value)
+        if isinstance(value, means.Mean):
+            value, counts[means.weight_key(name)] = means.declared(f"metric {name!r}", value)
             metrics[name] = value
         if not hasattr(value, "shape") and not isinstance(value, int | float):
             raise ConfigError(f"metric {name!r} is a {type(value).__name__}: give a scalar array")
