@@ -41,7 +41,7 @@ def test_read_ahead_is_bounded_by_bytes_and_planning_reads_batch_zero_alone(monk
     """Grain's default read 500 batches ahead on 16 threads: 32 GB of 1M-token rows, and a
     first batch 38 s late behind them. Read-ahead now holds at most 256 MB (16 small
     batches), and planning's first batch is read with no iterator at all."""
-    from shardplug.cli._common import read_first
+    from shardplug.cli.config import read_first
     from shardplug.data import READ_AHEAD_BYTES
 
     small = Batches(RECORDS, 8, seed=1)

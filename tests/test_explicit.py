@@ -186,7 +186,7 @@ def test_explain_says_the_mode_and_who_placed_each_parameter():
 
 
 def test_the_command_line_offers_the_same_axis_types():
-    from shardplug.cli._common import AXIS_TYPES
+    from shardplug.cli.parser import AXIS_TYPES
     from shardplug.core.mesh import AXIS_TYPES as CORE
 
     assert AXIS_TYPES == CORE

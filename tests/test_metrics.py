@@ -24,8 +24,8 @@ def stacks():
         trainer = shardplug.Trainer(
             TRANSFORMER.adapter("nnx", layers=layers), loss_fn=TRANSFORMER.loss_fn,
             optimizer=optax.adam(1e-3), strategy="fsdp", log_every=3,
+            flops_per_sample=TRANSFORMER.flops_per_sample(layers=layers), peak_tflops=0.5,
         )  # fmt: skip
-        trainer.flops_per_sample = TRANSFORMER.flops_per_sample(layers=layers)
         made[layers] = trainer
     return made
 
@@ -48,8 +48,7 @@ def test_the_step_count_follows_the_depth_where_xla_counts_a_loop_once(stacks):
 
 
 def test_rows_carry_flops_mfu_memory_and_communication(stacks):
-    trainer = stacks[2]
-    trainer.peak_tflops = 0.5
+    trainer = stacks[2]  # made with peak_tflops=0.5
     rows = trainer.fit(TRANSFORMER.batches(32), steps=3)
     row = rows[-1]
     facts = StepFacts.of(trainer.program, 8)

@@ -115,12 +115,7 @@ class Settings:
         object.__setattr__(self, "config", dict(self.config))
 
 
-def reads(owner: str, name: str, doc: str = "", settable: bool = False) -> property:
+def reads(owner: str, name: str, doc: str = "") -> property:
     """A property that reads ``name`` of the value held in attribute ``owner`` (None while
-    that is None); ``settable``: a setter that replaces it in the frozen ``settings``."""
-
-    def set_(self: Any, value: Any) -> None:
-        self.settings = dataclasses.replace(self.settings, **{name: value})
-
-    getter = lambda self: getattr(getattr(self, owner), name, None)  # noqa: E731
-    return property(getter, set_ if settable else None, doc=doc)
+    that is None)."""
+    return property(lambda self: getattr(getattr(self, owner), name, None), doc=doc)

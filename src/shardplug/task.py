@@ -80,13 +80,14 @@ class Task:
             trainer = task.trainer(strategy="fsdp", precision="bf16")
             trainer.fit(task.batches(), steps=100)
 
-        The one way every command, the benchmark and the conformance suite build a trainer.
+        The one way every command (through ``shardplug.cli.config.trainer_for``), ``bench``
+        and the conformance suite build a trainer; it is ``shardplug.Trainer(task.adapter,
+        loss_fn=task.loss_fn, optimizer=task.optimizer, flops_per_sample=...)``.
         """
         from shardplug.trainer import Trainer
 
-        trainer = Trainer(self.adapter, loss_fn=self.loss_fn, optimizer=self.optimizer, **options)
-        trainer.flops_per_sample = self.flops_per_sample
-        return trainer
+        options = {"flops_per_sample": self.flops_per_sample, **options}
+        return Trainer(self.adapter, loss_fn=self.loss_fn, optimizer=self.optimizer, **options)
 
     def batches(self, start: int = 0) -> Iterable[Any]:
         """The training batches from batch 0 (a stateful ``Batches`` is positioned by the

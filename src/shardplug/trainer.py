@@ -72,7 +72,8 @@ class Trainer:
 
     The other keyword arguments (``seed``, ``log_every``, ``checkpoint_dir``,
     ``checkpoint_every``, ``keep``, ``config``, ``on_nonfinite``, ``grad_accum``,
-    ``profile_dir``, ``profile_steps``, ``axis_types``) say how the run goes:
+    ``profile_dir``, ``profile_steps``, ``axis_types``, ``data_timeout``,
+    ``flops_per_sample``, ``peak_tflops``) say how the run goes:
     they are its :class:`~shardplug.settings.Settings`, validated once and documented there.
     """
 
@@ -99,6 +100,9 @@ class Trainer:
         profile_steps: range = range(3, 6),
         allocate: bool = True,
         axis_types: AxisTypes | None = None,
+        data_timeout: float | None = None,
+        flops_per_sample: float | None = None,
+        peak_tflops: float | None = None,
     ):
         check_parts(adapter, loss_fn, optimizer, ConfigError, "Trainer")
         if precision == "auto":  # bfloat16 compute where the devices have the units for it
@@ -111,6 +115,7 @@ class Trainer:
             checkpoint_every=checkpoint_every, keep=keep, config=config or {},
             on_nonfinite=on_nonfinite, grad_accum=grad_accum, precision=precision,
             profile_dir=profile_dir, profile_steps=profile_steps, axis_types=axis_types,
+            data_timeout=data_timeout, flops_per_sample=flops_per_sample, peak_tflops=peak_tflops,
         )  # fmt: skip
         self._saver = RunCheckpoints.at(self.settings, lambda run: run_meta(
             self.strategy, self.mesh, self.config, self._train, self._data, run))  # fmt: skip
@@ -163,9 +168,9 @@ class Trainer:
     grad_accum = reads("settings", "grad_accum")
     precision = reads("settings", "precision")
     config = reads("settings", "config")
-    data_timeout = reads("settings", "data_timeout", "Seconds to wait for a batch.", True)
-    flops_per_sample = reads("settings", "flops_per_sample", "FLOPs per sample (MFU).", True)
-    peak_tflops = reads("settings", "peak_tflops", "Peak TFLOP/s of an unknown device.", True)
+    data_timeout = reads("settings", "data_timeout", "Seconds to wait for a batch.")
+    flops_per_sample = reads("settings", "flops_per_sample", "FLOPs per sample (MFU).")
+    peak_tflops = reads("settings", "peak_tflops", "Peak TFLOP/s of an unknown device.")
     history = reads("_run", "history", "The rows of every ``fit``.")
     skipped_steps = reads("_run", "skipped", "Steps skipped for a non-finite loss or gradient.")
     step = reads("_run", "step", "Steps taken (a restored checkpoint's too): the data position.")

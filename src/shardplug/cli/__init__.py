@@ -17,8 +17,8 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from shardplug.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, parse_options
-from shardplug.cli.parser import build_parser
+from shardplug.cli.config import parse_options
+from shardplug.cli.parser import EXIT_BAD_INPUT, EXIT_FAILED, build_parser
 from shardplug.cli.plan import cmd_bench, cmd_explain, cmd_recommend
 from shardplug.cli.tools import cmd_export, cmd_launch, cmd_plot, cmd_strategies
 from shardplug.cli.train import cmd_train

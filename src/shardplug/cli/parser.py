@@ -1,22 +1,233 @@
-"""The argument parser of every command."""
+"""The argument parser of every command: each flag defined once, here, in the group of the
+commands that take it (what to train, how, the training loop's, each command's own)."""
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
 from pathlib import Path
+from typing import Any, NoReturn
 
-from shardplug.cli._common import (
-    AXIS_TYPES,
-    AXIS_TYPES_HELP,
-    _memory,
-    _model_arguments,
-    _Parser,
-    _positive,
-    _step_range,
-    model_options_arguments,
-    seed,
-    task_arguments,
-)
+EXIT_FAILED = 1  # training failed (a non-finite loss)
+EXIT_BAD_INPUT = 2
+AXIS_TYPES = ("auto", "explicit")  # core.mesh.AXIS_TYPES, without importing JAX here
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line that points to ``--help``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"shardplug: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def seed(text: str) -> int:
+    """A seed for ``jax.random.key`` and NumPy: a whole number from 0 to 2**32 - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 4294967295, got {text}")
+    return value
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def _memory(text: str) -> int:
+    """``80GB``, ``512MiB``, ``1.5e9``: a size in bytes."""
+    match = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 80GB or 512MiB, got {text!r}")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return int(value)
+
+
+def _step_range(text: str) -> range:
+    try:
+        start, stop = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B (steps A to B-1), got {text!r}") from None
+    if not 0 <= start < stop:
+        raise argparse.ArgumentTypeError(f"expected 0 <= A < B, got {text!r}")
+    return range(start, stop)
+
+
+def _what(parser: Any) -> None:
+    """What to train: ``--task``, ``--init-from`` or a reference ``--model`` and its shape."""
+    add = parser.add_argument
+    add("--task", default=None, metavar="FILE.py:NAME",
+        help="your task: a shardplug.Task (or a function returning one) in a file or a module "
+        "(package.module:NAME), instead of a reference --model")  # fmt: skip
+    add("--model", default=None,
+        help="reference model: mlp, classifier, transformer or cnn (default: "
+        "transformer)")  # fmt: skip
+    add("--adapter", default=None, help="the reference model's framework: nnx, linen or equinox")
+    add("--init-from", default=None, metavar="DIR",
+        help="start from a pretrained checkpoint in Hugging Face's format (config.json and "
+        "safetensors: Llama, Mistral, Qwen2/3, Gemma 3, Mixtral), read straight into the "
+        "strategy's layout, instead of a reference --model")  # fmt: skip
+    add("--param-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+        help="with --init-from: the parameters' dtype (default: as the checkpoint stores "
+        "them)")  # fmt: skip
+    add("--data", default=None, metavar="text:FILE_OR_GLOB",
+        help="with --init-from: fine-tune on your text (a .jsonl file's lines or any other "
+        "file each one document), tokenized by the checkpoint's tokenizer and packed into "
+        "rows of --sequence tokens")  # fmt: skip
+    add("--tokenizer", default=None, metavar="DIR",
+        help="with --data text:...: the directory of the tokenizer.json to use (default: the "
+        "--init-from checkpoint's)")  # fmt: skip
+    add("--layers", type=_positive(int), default=None, metavar="N",
+        help="the transformer's depth, as one layer stack (default 2)")  # fmt: skip
+    add("--remat", choices=("none", "dots", "full"), default=None,
+        help="what each transformer block recomputes in the backward pass (default "
+        "none)")  # fmt: skip
+    add("--experts", type=_positive(int), default=None, metavar="E",
+        help="make each transformer MLP a routed mixture of E experts")  # fmt: skip
+    add("--top-k", type=_positive(int), default=None, metavar="K",
+        help="the experts each token runs (default 2)")  # fmt: skip
+    add("--capacity-factor", type=_positive(float), default=None, metavar="F",
+        help="each expert takes at most F x its even share of the tokens; the rest are "
+        "dropped (default: none dropped)")  # fmt: skip
+    add("--capacity-groups", type=_positive(int), default=None, metavar="G",
+        help="count capacity in G equal groups of consecutive tokens (GShard); G = the "
+        "batch's devices keeps ep's all-to-alls at F x the tokens' bytes (default 1: the "
+        "whole batch)")  # fmt: skip
+    add("--bias-rate", type=_positive(float), default=None, metavar="U",
+        help="auxiliary-loss-free balancing (DeepSeek-V3): each step every expert's routing "
+        "bias moves by U toward an even load (e.g. 0.001)")  # fmt: skip
+    add("--sequence", type=_positive(int), default=None, metavar="N",
+        help="the sequence length: the reference transformer's (default 32), or a --task "
+        "function's that takes a sequence")  # fmt: skip
+    add("--batch-size", type=_positive(int), default=None,
+        help="global batch size (a --task function's, if it takes batch_size)")  # fmt: skip
+    add("--seed", type=seed, default=None, help="(default 0, or the checkpoint's)")
+    add("--devices", type=_positive(int), default=None,
+        help="devices to use (default: every GPU or TPU; without one, 8 simulated CPU "
+        "devices)")  # fmt: skip
+
+
+def _how(parser: Any, speed: Any) -> None:
+    """How to train it: the strategy, its options and add-ons, the mesh, the step's
+    microbatches and precision (the latter two in the ``speed`` group)."""
+    add = parser.add_argument
+    add("--strategy", default="dp",
+        help="a strategy or parallelisms joined by '+', e.g. fsdp+tp (default: dp)")  # fmt: skip
+    add("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+        help="a strategy option, e.g. -o min_size=0 for fsdp (repeatable)")  # fmt: skip
+    add("--addon", action="append", default=[], metavar="NAME",
+        help="an add-on plugin that wraps the strategy's hooks (repeatable)")  # fmt: skip
+    add("--mesh", default=None,
+        help="axis sizes, e.g. data=2,model=4 (a composition sizes the axes left out)")  # fmt: skip
+    add("--axis-name", action="append", default=[], metavar="ROLE=NAME",
+        help="name a composition's mesh axis as your model does, e.g. model=tp "
+        "(repeatable)")  # fmt: skip
+    add("--axis-types", choices=AXIS_TYPES, default=None,
+        help="the mesh's axis types: explicit for a model that reshards or gives its einsums "
+        "out_sharding (default: chosen for the model; explain says which and why)")  # fmt: skip
+    speed.add_argument(
+        "--grad-accum", type=_positive(int), default=1, metavar="K",
+        help="microbatches per step, inside the compiled step: the update of the whole batch "
+        "with the activation memory of 1/K of it (default 1)",
+    )  # fmt: skip
+    speed.add_argument(
+        "--precision", choices=("auto", "float32", "bf16"), default="auto",
+        help="bf16: bfloat16 forward and backward, float32 parameters and optimizer state; "
+        "auto (the default): bf16 where the devices have bfloat16 matrix units (TPU, NVIDIA "
+        "A100 and later), float32 elsewhere (CPU)",
+    )  # fmt: skip
+
+
+def _train(parser: Any, speed: Any) -> None:
+    """The training loop's flags: its length, outputs, profile, checkpoints, processes."""
+    add = parser.add_argument
+    add("--steps", type=_positive(int), default=100,
+        help="train to this step; with --resume, counting the steps already taken "
+        "(default 100)")  # fmt: skip
+    add("--lr", type=_positive(float), default=None, help="Adam learning rate")
+    add("--log-every", type=_positive(int), default=10)
+    add("--skip-memory-check", action="store_true",
+        help="start even when the compiled step's peak is more than the devices (or, for "
+        "simulated CPU devices, the host) have")  # fmt: skip
+    add("--data-timeout", type=_positive(float), default=None, metavar="SECONDS",
+        help="give up when the data produces no batch for this long (default: wait, saying "
+        "so after 30 s)")  # fmt: skip
+    add("--plot", type=Path, default=None, metavar="FILE.png",
+        help="at the end, a PNG of the loss (and held-out loss) against step")  # fmt: skip
+    add("--metrics-out", type=Path, default=None,
+        help="JSON lines, one per step (appended to with --resume)")  # fmt: skip
+    add("--tensorboard", type=Path, default=None, metavar="DIR",
+        help="also write the rows as TensorBoard event files into DIR")  # fmt: skip
+    add("--eval-every", type=_positive(int), default=None, metavar="K",
+        help="evaluate on the task's held-out data every K steps (rows get eval_*)")  # fmt: skip
+    add("--peak-tflops", type=_positive(float), default=None, metavar="X",
+        help="each device's peak TFLOP/s, for MFU where the device is not a known one")  # fmt: skip
+    add("--quiet", action="store_true", help="no progress bar")
+    speed.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                       help="write a profiler trace of --profile-steps here (TensorBoard, "
+                       "Perfetto)")  # fmt: skip
+    speed.add_argument("--profile-steps", type=_step_range, default=range(3, 6), metavar="A:B",
+                       help="the steps to trace, from A to B-1 (default 3:6)")  # fmt: skip
+    ckpt = parser.add_argument_group("checkpoints")
+    ckpt.add_argument("--checkpoint-dir", type=Path, default=None,
+                      help="save checkpoints here (asynchronously, each device its own "
+                      "shards); SIGINT/SIGTERM then save and stop")  # fmt: skip
+    ckpt.add_argument("--checkpoint-every", type=_positive(int), default=None,
+                      help="steps between checkpoints (default: only at the end)")  # fmt: skip
+    ckpt.add_argument("--keep", type=_positive(int), default=None,
+                      help="checkpoints to keep (default 3)")  # fmt: skip
+    ckpt.add_argument("--resume", action="store_true",
+                      help="continue from the newest good checkpoint in --checkpoint-dir, with "
+                      "the checkpoint's model, adapter, seed and batch size unless given; the "
+                      "strategy, devices and mesh may differ")  # fmt: skip
+    ckpt.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                      help="a NaN/inf loss: stop with the step and last good checkpoint named "
+                      "(default), or skip the update and count it")  # fmt: skip
+    multi = parser.add_argument_group(
+        "multi-process (jax.distributed)",
+        "Join a job of many processes, one global mesh: give all three, or --distributed to "
+        "read them from the cluster's environment (SLURM, Open MPI, Cloud TPU). --devices is "
+        "then the job's total; each process feeds its own rows of every batch.",
+    )
+    multi.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="process 0's address")  # fmt: skip
+    multi.add_argument("--num-processes", type=_positive(int), default=None)
+    multi.add_argument("--process-id", type=int, default=None)
+    multi.add_argument("--distributed", action="store_true",
+                       help="join the job the environment describes "
+                       "(jax.distributed.initialize())")  # fmt: skip
+
+
+def _output(parser: Any, plot: str | None, memory: str | None = None) -> None:
+    """A planning command's outputs: ``--json``, and ``--plot`` and ``--device-memory``
+    where it takes them."""
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    if plot is not None:
+        parser.add_argument("--plot", type=Path, default=None, metavar="FILE", help=plot)
+    if memory is not None:
+        parser.add_argument("--device-memory", type=_memory, default=None, metavar="SIZE",
+                            help=memory)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,197 +236,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     strategies = sub.add_parser("strategies", help="list the installed strategies")
     strategies.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    strategies.add_argument(
-        "--all",
-        action="store_true",
-        help="also add-ons and plugins that failed to load, with hooks and errors",
-    )
+    strategies.add_argument("--all", action="store_true",
+                            help="also add-ons, schedules and plugins that failed to load, "
+                            "with hooks and errors")  # fmt: skip
 
     train = sub.add_parser(
-        "train",
-        help="train a reference model with a strategy",
-        description="Train a reference model on simulated or real devices. "
-        "With no options: the transformer LM, data parallel, on every GPU (or TPU), or on 8 "
-        "simulated CPU devices where there is none.",
-    )
-    train.add_argument(
-        "--strategy", default="dp",
-        help="a strategy or parallelisms joined by '+', e.g. fsdp+tp (default: dp)",
+        "train", help="train a reference model with a strategy",
+        description="Train a reference model on simulated or real devices. With no options: "
+        "the transformer LM, data parallel, on every GPU (or TPU), or on 8 simulated CPU "
+        "devices where there is none.",
     )  # fmt: skip
-    train.add_argument(
-        "-o",
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a strategy option, e.g. -o min_size=0 for fsdp (repeatable)",
-    )
-    train.add_argument(
-        "--addon",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="an add-on plugin that wraps the strategy's hooks (repeatable)",
-    )
-    task_arguments(train)
-    model_options_arguments(train)
-    train.add_argument(
-        "--steps",
-        type=_positive(int),
-        default=100,
-        help="train to this step; with --resume, counting the steps already taken (default 100)",
-    )
-    train.add_argument(
-        "--batch-size", type=_positive(int), default=None,
-        help="global batch size (a --task function's, if it takes batch_size)",
-    )  # fmt: skip
-    train.add_argument(
-        "--devices",
-        type=_positive(int),
-        default=None,
-        help="devices to use (default: every GPU or TPU; without one, 8 simulated CPU devices)",
-    )
-    train.add_argument(
-        "--mesh",
-        default=None,
-        help="axis sizes, e.g. data=2,model=4 (a composition sizes the axes left out)",
-    )
-    train.add_argument(
-        "--axis-name", action="append", default=[], metavar="ROLE=NAME",
-        help="name a composition's mesh axis as your model does, e.g. model=tp (repeatable)",
-    )  # fmt: skip
-    train.add_argument("--axis-types", choices=AXIS_TYPES, default=None, help=AXIS_TYPES_HELP)
-    train.add_argument("--seed", type=seed, default=None, help="(default 0, or the checkpoint's)")
-    train.add_argument("--lr", type=_positive(float), default=None, help="Adam learning rate")
-    train.add_argument("--log-every", type=_positive(int), default=10)
-    train.add_argument(
-        "--skip-memory-check", action="store_true",
-        help="start even when the compiled step's peak is more than the devices (or, for "
-        "simulated CPU devices, the host) have",
-    )  # fmt: skip
-    train.add_argument(
-        "--data-timeout", type=_positive(float), default=None, metavar="SECONDS",
-        help="give up when the data produces no batch for this long (default: wait, saying "
-        "so after 30 s)",
-    )  # fmt: skip
-    train.add_argument(
-        "--plot", type=Path, default=None, metavar="FILE.png",
-        help="at the end, a PNG of the loss (and held-out loss) against step",
-    )  # fmt: skip
-    train.add_argument(
-        "--metrics-out",
-        type=Path,
-        default=None,
-        help="JSON lines, one per step (appended to with --resume)",
-    )
-    train.add_argument(
-        "--tensorboard", type=Path, default=None, metavar="DIR",
-        help="also write the rows as TensorBoard event files into DIR",
-    )  # fmt: skip
-    train.add_argument(
-        "--eval-every", type=_positive(int), default=None, metavar="K",
-        help="evaluate on the task's held-out data every K steps (rows get eval_*)",
-    )  # fmt: skip
-    train.add_argument(
-        "--peak-tflops", type=_positive(float), default=None, metavar="X",
-        help="each device's peak TFLOP/s, for MFU where the device is not a known one",
-    )  # fmt: skip
-    train.add_argument("--quiet", action="store_true", help="no progress bar")
     speed = train.add_argument_group("speed")
-    speed.add_argument(
-        "--grad-accum",
-        type=_positive(int),
-        default=1,
-        metavar="K",
-        help="microbatches per step, inside the compiled step: the update of the whole "
-        "batch with the activation memory of 1/K of it (default 1)",
-    )
-    speed.add_argument(
-        "--precision",
-        choices=("auto", "float32", "bf16"),
-        default="auto",
-        help="bf16: bfloat16 forward and backward, float32 parameters and optimizer state; "
-        "auto (the default): bf16 where the devices have bfloat16 matrix units (TPU, "
-        "NVIDIA A100 and later), float32 elsewhere (CPU)",
-    )
-    speed.add_argument(
-        "--profile",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="write a profiler trace of --profile-steps here (TensorBoard, Perfetto)",
-    )
-    speed.add_argument(
-        "--profile-steps",
-        type=_step_range,
-        default=range(3, 6),
-        metavar="A:B",
-        help="the steps to trace, from A to B-1 (default 3:6)",
-    )
-    ckpt = train.add_argument_group("checkpoints")
-    ckpt.add_argument(
-        "--checkpoint-dir",
-        type=Path,
-        default=None,
-        help="save checkpoints here (asynchronously, each device its own shards); "
-        "SIGINT/SIGTERM then save and stop",
-    )
-    ckpt.add_argument(
-        "--checkpoint-every",
-        type=_positive(int),
-        default=None,
-        help="steps between checkpoints (default: only at the end)",
-    )
-    ckpt.add_argument(
-        "--keep", type=_positive(int), default=None, help="checkpoints to keep (default 3)"
-    )
-    ckpt.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest good checkpoint in --checkpoint-dir, with the "
-        "checkpoint's model, adapter, seed and batch size unless given; the strategy, "
-        "devices and mesh may differ",
-    )
-    ckpt.add_argument(
-        "--on-nonfinite",
-        choices=("stop", "skip"),
-        default="stop",
-        help="a NaN/inf loss: stop with the step and last good checkpoint "
-        "named (default), or skip the update and count it",
-    )
-
-    multi = train.add_argument_group(
-        "multi-process (jax.distributed)",
-        "Join a job of many processes, one global mesh: give all three, or --distributed to "
-        "read them from the cluster's environment (SLURM, Open MPI, Cloud TPU). --devices is "
-        "then the job's total; each process feeds its own rows of every batch.",
-    )
-    multi.add_argument(
-        "--coordinator", default=None, metavar="HOST:PORT", help="process 0's address"
-    )
-    multi.add_argument("--num-processes", type=_positive(int), default=None)
-    multi.add_argument("--process-id", type=int, default=None)
-    multi.add_argument(
-        "--distributed",
-        action="store_true",
-        help="join the job the environment describes (jax.distributed.initialize())",
-    )
+    _what(train)
+    _how(train, speed)
+    _train(train, speed)
 
     launch = sub.add_parser(
-        "launch",
-        help="run a command as N processes of one job on this machine",
+        "launch", help="run a command as N processes of one job on this machine",
         description="Start N processes with a coordinator on a free loopback port, each "
         "with its share of the devices, as one jax.distributed job; output prefixed by rank. "
         "Example: shardplug launch --nprocs 2 --devices-per-proc 4 -- train --strategy fsdp",
-    )
+    )  # fmt: skip
     launch.add_argument("--nprocs", type=_positive(int), required=True, help="processes to start")
-    launch.add_argument(
-        "--devices-per-proc",
-        type=_positive(int),
-        default=4,
-        help="simulated CPU devices per process (default 4); on a machine with NVIDIA GPUs "
-        "each process gets an equal block of them instead",
-    )
+    launch.add_argument("--devices-per-proc", type=_positive(int), default=4,
+                        help="simulated CPU devices per process (default 4); on a machine with "
+                        "NVIDIA GPUs each process gets an equal block of them instead")  # fmt: skip
     launch.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- train ...")
 
     explain = sub.add_parser(
@@ -225,21 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
         "parameter's layout, the bytes per device (from the compiled step's memory analysis), "
         "the collectives per step next to the textbook figures, and pictures of the layout.",
     )
-    _model_arguments(explain)
-    explain.add_argument(
-        "--strategy", default="dp", help="a strategy or parallelisms joined by '+' (default: dp)"
-    )
+    _what(explain)
+    _how(explain, explain)
+    _output(explain, "PNG picture", "the device's memory, e.g. 80GB, to compare the peak against")
     explain.add_argument("--param", default=None, help="parameter to picture (default: largest)")
-    explain.add_argument(
-        "--all", action="store_true",
-        help="a row for every parameter (default: one per layout and reason, layers as *)",
-    )  # fmt: skip
-    explain.add_argument(
-        "--device-memory", type=_memory, default=None, metavar="SIZE",
-        help="the device's memory, e.g. 80GB, to compare the peak against",
-    )  # fmt: skip
-    explain.add_argument("--plot", type=Path, default=None, metavar="FILE", help="PNG picture")
-    explain.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    explain.add_argument("--all", action="store_true", help="a row for every parameter "
+                         "(default: one per layout and reason, layers as *)")  # fmt: skip
 
     recommend = sub.add_parser(
         "recommend",
@@ -248,22 +284,17 @@ def build_parser() -> argparse.ArgumentParser:
         "peak memory per device and its communication per step, and recommend: of those that "
         "fit, one that moves only parameters and gradients, then the fewest bytes sent.",
     )
-    _model_arguments(recommend)
-    recommend.add_argument(
-        "--device-memory", type=_memory, default=None, metavar="SIZE",
-        help="each device's memory, e.g. 80GB or 512MiB (default: what a GPU's backend gives "
-        "this process; needed on CPUs)",
-    )  # fmt: skip
-    recommend.add_argument(
-        "--strategies", default=None, metavar="A,B",
-        help="the strategies to compare (default: every installed one and composition)",
-    )  # fmt: skip
-    recommend.add_argument(
-        "--longest-sequence", action="store_true",
-        help="instead: the longest sequence each strategy fits, one sample per data-parallel "
-        "device (the task at other lengths: --sequence, or its function's sequence=)",
-    )  # fmt: skip
-    recommend.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _what(recommend)
+    _how(recommend, recommend)
+    _output(recommend, None, "each device's memory, e.g. 80GB or 512MiB (default: what a "
+            "GPU's backend gives this process; needed on CPUs)")  # fmt: skip
+    recommend.add_argument("--strategies", default=None, metavar="A,B",
+                           help="the strategies to compare (default: every installed one and "
+                           "composition)")  # fmt: skip
+    recommend.add_argument("--longest-sequence", action="store_true",
+                           help="instead: the longest sequence each strategy fits, one sample "
+                           "per data-parallel device (the task at other lengths: --sequence, "
+                           "or its function's sequence=)")  # fmt: skip
 
     bench = sub.add_parser(
         "bench",
@@ -272,44 +303,34 @@ def build_parser() -> argparse.ArgumentParser:
         "(jax.jit with the same shardings), of Flax's nnx.jit loop and of one device: compile "
         "time, median step, throughput, peak memory, and the ratio shardplug / hand-written.",
     )
-    _model_arguments(bench, trainer_options=False)
-    bench.add_argument(
-        "--strategies",
-        default="dp,fsdp,2d,pmap",
-        help="comma-separated strategies or compositions with a hand-written twin "
-        "(default: dp,fsdp,2d,pmap)",
-    )
+    _what(bench)
+    _output(bench, "PNG of the bars")
+    bench.add_argument("--strategies", default="dp,fsdp,2d,pmap",
+                       help="comma-separated strategies or compositions with a hand-written "
+                       "twin (default: dp,fsdp,2d,pmap)")  # fmt: skip
     bench.add_argument("--steps", type=_positive(int), default=20, help="steps per round")
     bench.add_argument("--rounds", type=_positive(int), default=7, help="interleaved rounds")
-    bench.add_argument("--plot", type=Path, default=None, metavar="FILE", help="PNG of the bars")
-    bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     export = sub.add_parser(
-        "export",
-        help="write a checkpoint's weights to an .npz for inference",
+        "export", help="write a checkpoint's weights to an .npz for inference",
         description="Write the full parameters and model state of a checkpoint to a NumPy "
         ".npz file (load it with shardplug.load_model).",
-    )
+    )  # fmt: skip
     export.add_argument("--checkpoint-dir", type=Path, required=True)
     export.add_argument("--out", type=Path, required=True,
                         help="the .npz file to write (with --format hf: a directory)")  # fmt: skip
-    export.add_argument(
-        "--format", choices=("npz", "hf"), default="npz",
-        help="npz, or hf: config.json and model.safetensors in the pretrained family's names "
-        "and shapes (a run started --init-from; loadable by Hugging Face transformers)",
-    )  # fmt: skip
-    export.add_argument(
-        "--init-from", default=None, metavar="DIR",
-        help="with --format hf: the checkpoint the run started from (default: the one it "
-        "recorded)",
-    )  # fmt: skip
-    export.add_argument(
-        "--step", type=_positive(int), default=None, help="which checkpoint (default: newest)"
-    )
-    export.add_argument(
-        "--task", default=None, metavar="FILE.py:NAME",
-        help="the task the checkpoint trained: load the exported weights back into its model",
-    )  # fmt: skip
+    export.add_argument("--format", choices=("npz", "hf"), default="npz",
+                        help="npz, or hf: config.json and model.safetensors in the pretrained "
+                        "family's names and shapes (a run started --init-from; loadable by "
+                        "Hugging Face transformers)")  # fmt: skip
+    export.add_argument("--init-from", default=None, metavar="DIR",
+                        help="with --format hf: the checkpoint the run started from (default: "
+                        "the one it recorded)")  # fmt: skip
+    export.add_argument("--step", type=_positive(int), default=None,
+                        help="which checkpoint (default: newest)")  # fmt: skip
+    export.add_argument("--task", default=None, metavar="FILE.py:NAME",
+                        help="the task the checkpoint trained: load the exported weights back "
+                        "into its model")  # fmt: skip
 
     plot = sub.add_parser(
         "plot",

@@ -8,52 +8,51 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from shardplug.cli._common import (
-    _console,
-    _plan_batch,
-    _planning_trainer,
-    _prepare,
-    cli_strategy,
-    cli_task,
-    plot_path,
-    task_at,
+from shardplug.cli.config import (
+    RunConfig,
+    check_what,
+    plan_batch,
+    strategy_of,
+    task_of,
+    trainer_for,
 )
 from shardplug.errors import ConfigError
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    cli_strategy(args)  # an unknown name or option is one line, before anything else
-    args.plot = plot_path(args.plot)
-    _prepare(args)
+    config = RunConfig.of(args)
+    strategy = strategy_of(config)  # an unknown name or option is one line, before anything
+    task = _prepare(config)
     from shardplug.explain import explain
     from shardplug.views import plot, render
 
-    trainer, batch = _planning_trainer(args, args.strategy, allocate=False)
+    trainer = trainer_for(config, task, strategy, allocate=False)
+    batch = plan_batch(task)
     report = explain(trainer, batch, device_memory=args.device_memory, param=args.param)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
         render(report, _console(), every_row=args.all)
-    if args.plot is not None:
-        plot(report, str(args.plot))
+    if config.plot is not None:
+        plot(report, str(config.plot))
         if not args.json:
-            print(f"shardplug: wrote {args.plot}")
+            print(f"shardplug: wrote {config.plot}")
     return 0
 
 
 def cmd_recommend(args: argparse.Namespace) -> int:
-    _prepare(args)
+    config = RunConfig.of(args)
+    task = _prepare(config)
     import jax
 
     from shardplug.core.devices import select_devices
     from shardplug.core.registry import get_strategy
     from shardplug.explain import backend_memory
-    from shardplug.recommend import candidates, longest_sequences, recommend
+    from shardplug.recommend import candidates, recommend
 
-    devices = select_devices(args.devices)
-    if args.device_memory is None:
-        args.device_memory = backend_memory(devices[0])
-    if args.device_memory is None:
+    devices = select_devices(config.devices)
+    memory = args.device_memory or backend_memory(devices[0])
+    if memory is None:
         raise ConfigError(
             f"--device-memory: the {jax.default_backend().upper()} backend gives no memory "
             "limit; say how much each device has, e.g. --device-memory 80GB"
@@ -65,49 +64,55 @@ def cmd_recommend(args: argparse.Namespace) -> int:
             get_strategy(name)  # an unknown (or no) name fails here, before anything compiles
     from shardplug.views import render_longest, render_recommend, size
 
-    title = f"{_title(args)} on {len(devices)} devices of {size(args.device_memory)}"
+    title = f"{task.name} ({task.adapter.framework}) on {len(devices)} devices of {size(memory)}"
+    batch = plan_batch(task)  # one batch for every strategy planned
+
+    def planned(name: str, options: Any = None, task: Any = task, batch: Any = batch) -> Any:
+        strategy = strategy_of(config, name, options)
+        return trainer_for(config, task, strategy, allocate=False), batch
+
     if args.longest_sequence:
-        if args.batch_size is not None:
-            raise ConfigError(
-                f"--batch-size {args.batch_size}: --longest-sequence plans one sample per "
-                "batch-splitting device (the longest a single sample can be): drop --batch-size"
-            )
-        start = _sequence_of(_plan_batch(cli_task(args)))
-
-        def compile_at(name: str, sequence: int, rows: int | None):
-            task = cli_task(args) if sequence == start and rows is None else \
-                task_at(args, sequence, rows)  # fmt: skip
-            return _planning_trainer(args, name, allocate=False, task=task)
-
-        result = longest_sequences(
-            compile_at, args.device_memory, strategies or candidates(), start
-        )
-        refused = [r for r in result["strategies"] if "error" in r]
-        if len(refused) == len(result["strategies"]):
-            first = refused[0]
-            raise ConfigError(
-                f"--longest-sequence: every strategy was refused this model ({len(refused)}); "
-                f"{first['strategy']}: {first['error']}"
-            )
+        result = _longest(config, planned, batch, memory, strategies or candidates())
         if args.json:
             print(json.dumps(result, indent=1))
         else:
             render_longest(result, _console(), title)
         return 0
     with _candidates_progress() as progress:
-        result = recommend(
-            lambda name, options=None: _planning_trainer(
-                args, name, allocate=False, options=options
-            ),
-            args.device_memory,
-            strategies,
-            progress=progress,
-        )
+        result = recommend(planned, memory, strategies, progress=progress)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
     render_recommend(result, _console(), title)
     return 0
+
+
+def _longest(config: RunConfig, planned: Callable, batch: Any, memory: int,
+             strategies: list[str]) -> dict[str, Any]:  # fmt: skip
+    """``recommend --longest-sequence``: the longest sequence each strategy fits."""
+    from shardplug.recommend import longest_sequences
+
+    if config.batch_size is not None:
+        raise ConfigError(
+            f"--batch-size {config.batch_size}: --longest-sequence plans one sample per "
+            "batch-splitting device (the longest a single sample can be): drop --batch-size"
+        )
+    start = _sequence_of(batch)
+
+    def compile_at(name: str, sequence: int, rows: int | None):
+        if sequence == start and rows is None:
+            return planned(name)
+        other = task_of(config, sequence, rows).task
+        return planned(name, task=other, batch=plan_batch(other))
+
+    result = longest_sequences(compile_at, memory, strategies, start)
+    refused = [r for r in result["strategies"] if "error" in r]
+    if len(refused) == len(result["strategies"]):
+        raise ConfigError(
+            f"--longest-sequence: every strategy was refused this model ({len(refused)}); "
+            f"{refused[0]['strategy']}: {refused[0]['error']}"
+        )
+    return result
 
 
 @contextlib.contextmanager
@@ -163,34 +168,51 @@ def _sequence_of(batch: Any) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from shardplug.core.registry import get_strategy
 
+    config = RunConfig.of(args)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    args.plot = plot_path(args.plot)
     if not strategies:
         raise ConfigError("--strategies names no strategy: give e.g. dp,fsdp")
     for name in strategies:
         get_strategy(name)  # an unknown name fails here, before anything compiles
-    _prepare(args)
+    task = _prepare(config)
     from shardplug.bench import bench
     from shardplug.views import plot_bench, render_bench
 
     console = _console()
     quiet = args.json
     report = bench(
-        strategies, devices=args.devices, steps=args.steps, rounds=args.rounds, seed=args.seed,
-        task=cli_task(args),
+        strategies, devices=config.devices, steps=args.steps, rounds=args.rounds,
+        seed=config.seed or 0, task=task,
         progress=None if quiet else lambda text: console.print(f"[dim]{text}[/dim]"),
     )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         render_bench(report, console)
-    if args.plot is not None:
-        plot_bench(report, str(args.plot))
+    if config.plot is not None:
+        plot_bench(report, str(config.plot))
         if not quiet:
-            print(f"shardplug: wrote {args.plot}")
+            print(f"shardplug: wrote {config.plot}")
     return 0
 
 
-def _title(args: argparse.Namespace) -> str:
-    task = cli_task(args)
-    return f"{task.name} ({task.adapter.framework})"
+def _prepare(config: RunConfig) -> Any:
+    """Check the flags, give JAX its simulated devices, then load the task (whose file may
+    use JAX as it is imported)."""
+    from shardplug.core.devices import simulate_cpu_devices
+
+    check_what(config)
+    if config.mesh:
+        from shardplug.core.mesh import parse_mesh
+
+        parse_mesh(config.mesh)
+    simulate_cpu_devices(config.devices)
+    return task_of(config).task
+
+
+def _console():
+    import shutil
+
+    from rich.console import Console
+
+    return Console(width=max(100, shutil.get_terminal_size().columns))

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from shardplug.cli._common import _quiet_orbax
+from shardplug.cli.watch import quiet_orbax
 from shardplug.errors import ConfigError
 
 
@@ -68,7 +68,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    _quiet_orbax()
+    quiet_orbax()
     from shardplug.export import export_checkpoint, load_exported, load_model
     from shardplug.task import load_task
 

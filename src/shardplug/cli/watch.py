@@ -135,3 +135,10 @@ class Progress:
     def __exit__(self, *exc):
         if not self.quiet and self.bar is not None:
             self.bar.stop()
+
+
+def quiet_orbax() -> None:
+    """Orbax reports routine events as absl warnings; the command line prints its own."""
+    import absl.logging
+
+    absl.logging.set_verbosity(absl.logging.ERROR)

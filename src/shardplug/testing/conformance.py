@@ -89,12 +89,10 @@ def _explicit_losses(strategy, devices, mesh, steps, seed, experts=False) -> lis
     import shardplug
     from shardplug.testing import explicit
 
-    trainer = shardplug.Trainer(
-        shardplug.from_nnx(explicit.ExpertNet if experts else explicit.ResidualNet),
-        loss_fn=explicit.loss_fn,
-        optimizer=optax.adam(3e-3), strategy=strategy, devices=devices, mesh=mesh,
-        axis_types="explicit", seed=seed, precision="float32",
-    )  # fmt: skip
+    net = explicit.ExpertNet if experts else explicit.ResidualNet
+    task = shardplug.Task(shardplug.from_nnx(net), explicit.loss_fn, optax.adam(3e-3), data=())
+    trainer = task.trainer(strategy=strategy, devices=devices, mesh=mesh,
+                           axis_types="explicit", seed=seed, precision="float32")  # fmt: skip
     data = itertools.islice(explicit.batches(seed), steps)
     return [r["loss"] for r in trainer.fit(data, steps=steps)]
 
@@ -272,14 +270,9 @@ class StrategyConformance:
         ]
 
         def losses(strategy, devices, mesh):
-            trainer = shardplug.Trainer(
-                shardplug.from_nnx(Uneven),
-                loss_fn=loss_fn,
-                optimizer=optax.adam(1e-2),
-                strategy=strategy,
-                devices=devices,
-                mesh=mesh,
-                precision="float32",
+            task = shardplug.Task(shardplug.from_nnx(Uneven), loss_fn, optax.adam(1e-2), data=())
+            trainer = task.trainer(
+                strategy=strategy, devices=devices, mesh=mesh, precision="float32"
             )
             return [r["loss"] for r in trainer.fit(batches, steps=4)]
 

@@ -1,0 +1,395 @@
+"""A command's run, as one typed, frozen value: :class:`RunConfig`, made once from the
+command line (:meth:`RunConfig.of`) and, on ``--resume``, merged once with the checkpoint's
+(:func:`resumed`); and what is made from it, each by one function: the strategy
+(:func:`strategy_of`), the task (:func:`task_of`) and the Trainer (:func:`trainer_for`).
+
+The command functions read a ``RunConfig``; the parsed arguments are read once, here."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from shardplug.errors import CheckpointError, ConfigError, MeshError, StrategyOptionError
+
+#: the reference transformer's shape and routing (``shardplug.models.TRANSFORMER_OPTIONS``)
+MODEL_OPTIONS = ("layers", "remat", "sequence", "experts", "top_k", "capacity_factor",
+                 "capacity_groups", "bias_rate")  # fmt: skip
+#: what only a reference model takes: a task brings its own
+MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", "experts", "top_k", "capacity_factor",
+              "capacity_groups", "bias_rate")  # fmt: skip
+PRETRAINED_TAKES = ("adapter", "remat", "lr")  # a pretrained model's options from the CLI
+SIZES = ("sequence", "batch_size")  # the reference model's, or a task function's that takes them
+#: taken from the checkpoint on --resume (a reference model's run; a task's keeps its --task)
+RESUMED = ("model", "adapter", "seed", "batch_size", "lr", "layers", "remat", "sequence",
+           "experts", "top_k", "capacity_factor", "capacity_groups", "bias_rate")  # fmt: skip
+#: what shapes the model or its routing: on --resume a flag that disagrees is refused
+SHAPING = ("layers", "experts", "top_k", "capacity_factor", "capacity_groups", "bias_rate")
+#: a run --init-from a checkpoint's, taken from the checkpoint on --resume
+RESUMED_PRETRAINED = ("init_from", "adapter", "seed", "batch_size", "lr", "param_dtype",
+                      "sequence", "data", "tokenizer")  # fmt: skip
+DEFAULTS = {"model": "transformer", "adapter": "nnx", "seed": 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a command line says about a run; None where a flag was not given (and
+    the command does not define it). Made by :meth:`of`, never changed:
+    :func:`resumed` returns another."""
+
+    command: str = "train"
+    # what to train: a task, a pretrained checkpoint, or a reference model and its shape
+    task: str | None = None
+    model: str | None = None
+    adapter: str | None = None
+    init_from: str | None = None
+    param_dtype: str | None = None
+    data: str | None = None
+    tokenizer: str | None = None
+    layers: int | None = None
+    remat: str | None = None
+    sequence: int | None = None
+    experts: int | None = None
+    top_k: int | None = None
+    capacity_factor: float | None = None
+    capacity_groups: int | None = None
+    bias_rate: float | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    seed: int | None = None
+    # how: the strategy and the devices
+    strategy: str = "dp"
+    option: tuple[str, ...] = ()
+    addon: tuple[str, ...] = ()
+    axis_name: tuple[str, ...] = ()
+    devices: int | None = None
+    mesh: str | None = None
+    axis_types: str | None = None
+    grad_accum: int = 1
+    precision: str = "auto"
+    # train: the loop, its outputs and its checkpoints (bench: steps per round)
+    steps: int | None = None
+    log_every: int = 10
+    skip_memory_check: bool = False
+    data_timeout: float | None = None
+    peak_tflops: float | None = None
+    eval_every: int | None = None
+    quiet: bool = False
+    plot: Path | None = None
+    metrics_out: Path | None = None
+    tensorboard: Path | None = None
+    profile: Path | None = None
+    profile_steps: range = range(3, 6)
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int | None = None
+    keep: int | None = None
+    resume: bool = False
+    on_nonfinite: str = "stop"
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    distributed: bool = False
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> RunConfig:
+        """The run that parsed arguments describe: each field from the flag of its name."""
+        given = {}
+        for field in dataclasses.fields(cls):
+            if hasattr(args, field.name):
+                value = getattr(args, field.name)
+                given[field.name] = tuple(value) if isinstance(value, list) else value
+        if given.get("plot") is not None:
+            given["plot"] = _png(given["plot"])
+        return cls(**given)
+
+    def model_options(self) -> dict[str, Any]:
+        """The reference model's options given (``layers``, ``remat``, the experts'...): the
+        one path to them (checked, stored in the checkpoint's config, given to the model)."""
+        given = {k: getattr(self, k) for k in MODEL_OPTIONS}
+        return {k: v for k, v in given.items() if v}
+
+    def sizes(self) -> dict[str, Any]:
+        """``--sequence`` and ``--batch-size`` as given, for a task function that takes them."""
+        return {k: getattr(self, k) for k in SIZES if getattr(self, k) is not None}
+
+    def recorded(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this run, for ``--resume`` and ``export`` to read."""
+        if self.task is not None:
+            return {"task": self.task, "seed": self.seed}
+        if self.init_from is not None:
+            return {
+                "init_from": str(Path(self.init_from).resolve()), "adapter": self.adapter,
+                "seed": self.seed, "batch_size": self.batch_size, "lr": self.lr,
+                "param_dtype": self.param_dtype, "sequence": self.sequence, "data": self.data,
+                "tokenizer": str(Path(self.tokenizer).resolve()) if self.tokenizer else None,
+            }  # fmt: skip
+        from shardplug.models import get_model
+
+        model = get_model(self.model)
+        record = {
+            "model": self.model, "adapter": self.adapter, "seed": self.seed,
+            "batch_size": self.batch_size or model.batch_size,
+            "lr": self.lr or model.learning_rate, **self.model_options(),
+        }  # fmt: skip
+        if record.get("experts"):
+            record.setdefault("top_k", 2)  # recorded, so that a resume can hold to it
+        return record
+
+
+def check_what(config: RunConfig) -> None:
+    """A task brings its own model, data and optimizer: refuse the reference model's flags;
+    a pretrained checkpoint its own shape: refuse those that would change it; a reference
+    model's options checked against it. Before JAX starts, so a typo costs nothing."""
+    data, tokenizer, init_from = config.data, config.tokenizer, config.init_from
+    if data is not None and not data.startswith("text:"):
+        raise ConfigError(f"--data {data}: give text:FILE_OR_GLOB (a file, directory or glob)")
+    if tokenizer is not None and data is None:
+        raise ConfigError("--tokenizer tokenizes --data text:...: give the text too")
+    if data is not None and init_from is None:
+        raise ConfigError(
+            "--data text:... fine-tunes a pretrained checkpoint on your text: give "
+            "--init-from DIR (a --task brings its own data)"
+        )
+    if init_from is not None:
+        if config.task is not None:
+            raise ConfigError("--init-from and --task both say what to train: give one")
+        shape = [_flag(k) for k in MODEL_ONLY
+                 if k not in PRETRAINED_TAKES and getattr(config, k) is not None]  # fmt: skip
+        if shape:
+            raise ConfigError(
+                f"{', '.join(shape)} shape the reference model; --init-from {init_from} "
+                f"takes its shape from the checkpoint's config.json: drop "
+                f"{'them' if len(shape) > 1 else 'it'}"
+            )
+        return
+    if config.param_dtype is not None:
+        raise ConfigError("--param-dtype casts a checkpoint's parameters: give --init-from DIR")
+    if config.task is not None:
+        given = [_flag(k) for k in MODEL_ONLY if getattr(config, k) is not None]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} set the reference model; --task {config.task} brings its "
+                f"own model, optimizer and data: drop {'them' if len(given) > 1 else 'it'}"
+            )
+        return
+    from shardplug.models import check_adapter, get_model
+
+    get_model(config.model or DEFAULTS["model"]).check_options(**config.model_options())
+    check_adapter(config.adapter or DEFAULTS["adapter"])
+
+
+def saved_run(config: RunConfig) -> dict[str, Any]:
+    """Check the checkpoint flags; the saved run's configuration on ``--resume`` (else {})."""
+    from shardplug.checkpoint import complete_steps, saved_config
+
+    directory = config.checkpoint_dir
+    if directory is None:
+        for flag, value in (("--resume", config.resume or None),
+                            ("--checkpoint-every", config.checkpoint_every),
+                            ("--keep", config.keep)):  # fmt: skip
+            if value is not None:
+                raise ConfigError(f"{flag} needs --checkpoint-dir")
+        return {}
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"--checkpoint-dir {directory} is a file: name a directory")
+    complete = complete_steps(directory)
+    if config.resume:
+        if not directory.exists():
+            raise CheckpointError(f"--resume: checkpoint directory {directory} does not exist")
+        if not complete:
+            raise CheckpointError(
+                f"--resume: {directory} holds no complete checkpoint (it is empty, or every "
+                f"save was cut short); train without --resume to start"
+            )
+        return saved_config(directory, complete[-1])
+    if complete:
+        raise ConfigError(
+            f"--checkpoint-dir {directory} already holds checkpoints (newest: step "
+            f"{complete[-1]}); pass --resume to continue that run, or choose an empty directory"
+        )
+    return {}
+
+
+def resumed(config: RunConfig, saved: Mapping[str, Any]) -> RunConfig:
+    """``config`` with what it leaves unsaid taken from the checkpoint's run (``saved``, {}
+    for a new run), checked: the one merge of the two. A new run gets the defaults."""
+    if saved.get("init_from") and config.task is None and config.model is None:
+        return _filled(config, {k: saved.get(k) for k in RESUMED_PRETRAINED}, saved)
+    if config.task is None and saved.get("task") and config.model is None:
+        config = dataclasses.replace(config, task=saved["task"])  # resuming a task's run
+    if config.task is not None or config.init_from is not None:
+        return _filled(config, {"seed": saved.get("seed", DEFAULTS["seed"])}, saved)
+    was_run = saved.get("model") or (saved.get("task") and f"task {saved['task']}")
+    if was_run and config.model is not None and config.model != saved.get("model"):
+        raise ConfigError(
+            f"--checkpoint-dir {config.checkpoint_dir} holds a run of {was_run!s}, not of "
+            f"--model {config.model}: drop --model to resume it, or choose an empty directory"
+        )
+    fill = {}
+    for name in RESUMED:
+        given, was = getattr(config, name), saved.get(name, DEFAULTS.get(name))
+        if name == "top_k" and was is None and saved.get("experts"):
+            was = 2  # the default, which checkpoints before top_k was recorded ran
+        if saved and name in SHAPING and given is not None and given != was:
+            had = f"{name} {was}" if was is not None else f"no {name.replace('_', ' ')}"
+            raise ConfigError(
+                f"{_flag(name)} {given}: the run in {config.checkpoint_dir} was trained with "
+                f"{had}, and a resumed run keeps the model it saved: drop {_flag(name)}, or "
+                f"train anew in another --checkpoint-dir"
+            )
+        fill[name] = was
+    return _filled(config, fill, saved)
+
+
+def _filled(config: RunConfig, values: Mapping[str, Any], saved: Mapping[str, Any]) -> RunConfig:
+    """``config`` with ``values`` where it says nothing, then checked."""
+    config = dataclasses.replace(
+        config, **{k: v for k, v in values.items() if getattr(config, k) is None}
+    )
+    if config.seed is None:
+        config = dataclasses.replace(config, seed=DEFAULTS["seed"])
+    check_what(config)
+    return config
+
+
+def strategy_of(config: RunConfig, name: str | None = None,
+                options: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
+    r"""The :class:`~shardplug.core.registry.Strategy` of the command line: ``--strategy``
+    with its ``-o`` options, or ``name`` (a candidate to compare) with ``options``; each
+    with the ``--addon``\s and ``--axis-name``\s. An unknown name or option is one line."""
+    from shardplug.core.registry import get_strategy
+
+    if name is None or (name == config.strategy and not options):
+        name, options = config.strategy, parse_options(config.strategy, config.option)
+    return get_strategy(name, addons=list(config.addon), axis_names=axis_names(config.axis_name),
+                        **(options or {}))  # fmt: skip
+
+
+def parse_options(strategy: str, pairs: Sequence[str]) -> dict[str, Any]:
+    """``["min_size=0"]`` into ``{"min_size": 0}``, typed by the strategy's own signature
+    (:meth:`shardplug.StrategyOption.parse`)."""
+    from shardplug.core.registry import strategy_options
+
+    known = {o.name: o for o in strategy_options(strategy)}
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise StrategyOptionError(f"strategy option {pair!r} is not KEY=VALUE")
+        if key not in known and key.partition(".")[::2] in {(strategy, o) for o in known}:
+            key = key.partition(".")[2]  # -o pp.schedule=zb for pp alone, as in a composition
+        if key not in known:
+            takes = ", ".join(sorted(known)) or "none"
+            raise StrategyOptionError(
+                f"strategy {strategy!r} has no option {key!r}; its options: {takes}"
+            )
+        options[key] = known[key].parse(text)
+    return options
+
+
+def axis_names(pairs: Sequence[str]) -> dict[str, str]:
+    """``["model=tp"]`` into ``{"model": "tp"}``."""
+    names: dict[str, str] = {}
+    for pair in pairs:
+        role, sep, name = (part.strip() for part in pair.partition("="))
+        if not sep or not role.isidentifier() or not name.isidentifier():
+            raise MeshError(f"--axis-name {pair!r} is not ROLE=NAME, e.g. model=tp")
+        names[role] = name
+    return names
+
+
+class What(NamedTuple):
+    """What a run trains: the task, and the pretrained checkpoint it was made of (if one)."""
+
+    task: Any
+    pretrained: Any = None
+
+
+def task_of(config: RunConfig, sequence: int | None = None,
+            batch_size: int | None = None) -> What:  # fmt: skip
+    """The :class:`shardplug.Task` the command line names: the ``--task``, a pretrained
+    checkpoint's fine-tuning, or the reference ``--model``; at another ``sequence`` (and
+    global ``batch_size``) where given, for planning at other lengths. After the devices
+    are set: a task file may use JAX as it is imported."""
+    sizes = config.sizes()
+    if sequence is not None:
+        sizes = {"sequence": sequence, "batch_size": batch_size or config.batch_size}
+        sizes = {k: v for k, v in sizes.items() if v is not None}
+    if config.task is not None:
+        from shardplug.task import load_task
+
+        return What(load_task(config.task, **sizes))
+    if config.init_from is not None:
+        from shardplug import pretrained
+
+        loaded = pretrained.load(config.init_from, dtype=config.param_dtype)
+        return What(loaded.task(
+            config.adapter or DEFAULTS["adapter"], batch_size=config.batch_size,
+            seed=config.seed or 0, sequence=config.sequence, learning_rate=config.lr,
+            remat=config.remat or "none", tokenizer=config.tokenizer,
+            text=config.data.removeprefix("text:") if config.data else None,
+        ), loaded)  # fmt: skip
+    from shardplug.models import get_model
+
+    options = {**config.model_options(), **sizes}
+    return What(get_model(config.model or DEFAULTS["model"]).task(
+        config.adapter or DEFAULTS["adapter"], seed=config.seed or 0, learning_rate=config.lr,
+        **options,
+    ))  # fmt: skip
+
+
+def trainer_for(config: RunConfig, task: Any, strategy: Any, *, allocate: bool = True) -> Any:
+    """The one Trainer a command builds: ``task``'s (:meth:`shardplug.Task.trainer`) with
+    ``strategy`` (:func:`strategy_of`) and every setting the command line gave."""
+    run = {}
+    if config.command == "train":  # the loop's settings, the checkpoints'
+        run = dict(
+            log_every=config.log_every, checkpoint_dir=config.checkpoint_dir,
+            checkpoint_every=config.checkpoint_every, keep=config.keep or 3,
+            config=config.recorded(), on_nonfinite=config.on_nonfinite,
+            profile_dir=config.profile, profile_steps=config.profile_steps,
+            data_timeout=config.data_timeout, peak_tflops=config.peak_tflops,
+        )  # fmt: skip
+    return task.trainer(
+        strategy=strategy, devices=config.devices, mesh=config.mesh, seed=config.seed or 0,
+        grad_accum=config.grad_accum, precision=config.precision, axis_types=config.axis_types,
+        allocate=allocate, **run,
+    )  # fmt: skip
+
+
+def read_first(data: Any, limit_s: float | None = None) -> Any:
+    """The first batch of ``data`` (None if it has none), the wait announced and bounded;
+    a :class:`shardplug.data.Batches`'s read alone, with no read-ahead beside it."""
+    from shardplug.data import Batches
+    from shardplug.loop.waits import DataWait
+
+    with DataWait(limit_s) as wait, wait.on("the first batch"):
+        return data.first() if isinstance(data, Batches) else next(iter(data), None)
+
+
+def plan_batch(task: Any) -> Any:
+    """The task's first batch, to plan (compile, not train) for."""
+    batch = read_first(task.batches())
+    if batch is None:
+        raise ConfigError(f"task {task.name}: its data gave no batch to plan for")
+    return batch
+
+
+def _png(path: Path) -> Path:
+    """Where ``--plot`` draws: refused at once when it names a folder; ``.png`` added when
+    it has no suffix (as matplotlib would); its missing folders made."""
+    if path.is_dir():
+        raise ConfigError(f"--plot {path} is a folder: name the .png file to write in it")
+    path = path if path.suffix else path.with_suffix(".png")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--plot {path}: cannot make its folder ({e.strerror})") from None
+    return path
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
