@@ -6,7 +6,6 @@ to the loop (:func:`shardplug.loop.run.run`)."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -14,28 +13,18 @@ from typing import Any, Literal
 import jax
 import optax
 
-from shardplug.core.means import divides_by_data
 from shardplug.core.registry import Strategy, resolve_strategy
 from shardplug.core.state import create_state
-from shardplug.core.step import (
-    LossFn,
-    Precision,
-    TrainState,
-    auto_precision,
-    make_eval_step,
-    make_step,
-    step_key,
-    trace_loss,
-)
-from shardplug.errors import ConfigError, ShardplugError
-from shardplug.flops import forward_flops, warn_if_float32
+from shardplug.core.step import LossFn, Precision, TrainState, auto_precision, step_key
+from shardplug.errors import ConfigError
+from shardplug.flops import warn_if_float32
 from shardplug.layout import Layout
 from shardplug.loop import feed
 from shardplug.loop import program as programs
-from shardplug.loop.evaluate import check_eval, evaluate
+from shardplug.loop.evaluate import evaluate, periodic
 from shardplug.loop.position import SKIP, Tracked, stateful
 from shardplug.loop.program import Program, RunState
-from shardplug.loop.run import compiled_on_first, run
+from shardplug.loop.run import compiled_on_first, run, say_devices
 from shardplug.loop.saving import RunCheckpoints, run_meta
 from shardplug.models.adapter import Adapter, check_parts
 from shardplug.settings import AxisTypes, OnNonFinite, Settings, reads
@@ -56,60 +45,37 @@ class Trainer:
     :param strategy: a strategy name (``"dp"``, ``"fsdp"``, ``"2d"``, ``"pmap"`` or an
         installed plugin's) or a :class:`Strategy` from :func:`shardplug.get_strategy`.
     :param devices: how many of the default backend's devices to use (all for None), or the
-        devices themselves.
-    :param mesh: the mesh's axis sizes, as ``"data=2,model=4"`` or a dict; the strategy's
-        default for None (a composition sizes the axes left out).
-    :param axis_names: renames a composition's mesh axes to the names the model uses, e.g.
-        ``{"model": "tp"}`` for a model whose partition specs say ``"tp"``.
+        devices themselves; ``mesh``: the axis sizes, ``"data=2,model=4"`` or a dict (None:
+        the strategy's; a composition sizes the axes left out); ``axis_names``: a
+        composition's axes renamed as the model names them, e.g. ``{"model": "tp"}``.
     :param allocate: False plans without allocating: the state is only shapes and shardings
         (``jax.ShapeDtypeStruct``), so the step can be compiled and explained
-        (:func:`shardplug.explain.explain`) for a model larger than this machine's memory,
-        but not run.
+        (:func:`shardplug.explain.explain`) for a model larger than this machine's memory.
     :param precision: ``"auto"`` (the default): ``"bf16"`` where the devices have bfloat16
-        matrix units (a TPU, an NVIDIA GPU from the A100 on), ``"float32"`` elsewhere (a
-        CPU); or either, as :class:`~shardplug.settings.Settings` documents.
+        matrix units (a TPU, an NVIDIA GPU from the A100 on), ``"float32"`` elsewhere;
         ``trainer.precision`` and ``trainer.precision_reason`` say which and why.
 
-    The other keyword arguments (``seed``, ``log_every``, ``checkpoint_dir``,
-    ``checkpoint_every``, ``keep``, ``config``, ``on_nonfinite``, ``grad_accum``,
-    ``profile_dir``, ``profile_steps``, ``axis_types``, ``data_timeout``,
-    ``flops_per_sample``, ``peak_tflops``) say how the run goes:
-    they are its :class:`~shardplug.settings.Settings`, validated once and documented there.
+    The other keyword arguments say how the run goes: they are its
+    :class:`~shardplug.settings.Settings`, validated once and documented there.
     """
 
     def __init__(
-        self,
-        adapter: Adapter,
-        *,
-        loss_fn: LossFn,
-        optimizer: optax.GradientTransformation,
-        strategy: str | Strategy = "dp",
-        devices: int | Sequence[Any] | None = None,
+        self, adapter: Adapter, *, loss_fn: LossFn, optimizer: optax.GradientTransformation,
+        strategy: str | Strategy = "dp", devices: int | Sequence[Any] | None = None,
         mesh: str | Mapping[str, int] | None = None,
-        axis_names: Mapping[str, str] | None = None,
-        seed: int = 0,
-        log_every: int = 10,
-        checkpoint_dir: str | os.PathLike | None = None,
-        checkpoint_every: int | None = None,
-        keep: int = 3,
-        config: Mapping[str, Any] | None = None,
-        on_nonfinite: OnNonFinite = "stop",
-        grad_accum: int = 1,
+        axis_names: Mapping[str, str] | None = None, seed: int = 0, log_every: int = 10,
+        checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
+        keep: int = 3, config: Mapping[str, Any] | None = None,
+        on_nonfinite: OnNonFinite = "stop", grad_accum: int = 1,
         precision: Precision | Literal["auto"] = "auto",
-        profile_dir: str | os.PathLike | None = None,
-        profile_steps: range = range(3, 6),
-        allocate: bool = True,
-        axis_types: AxisTypes | None = None,
-        data_timeout: float | None = None,
-        flops_per_sample: float | None = None,
+        profile_dir: str | os.PathLike | None = None, profile_steps: range = range(3, 6),
+        allocate: bool = True, axis_types: AxisTypes | None = None,
+        data_timeout: float | None = None, flops_per_sample: float | None = None,
         peak_tflops: float | None = None,
-    ):
+    ):  # fmt: skip
         check_parts(adapter, loss_fn, optimizer, ConfigError, "Trainer")
-        if precision == "auto":  # bfloat16 compute where the devices have the units for it
-            chosen = jax.devices()[0] if not isinstance(devices, Sequence) else devices[0]
-            precision, self.precision_reason = auto_precision(chosen)
-        else:
-            self.precision_reason = "as asked"
+        chosen = jax.devices()[0] if not isinstance(devices, Sequence) else devices[0]
+        precision, self.precision_reason = auto_precision(chosen, precision)
         self.settings = Settings(
             seed=seed, log_every=log_every, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, keep=keep, config=config or {},
@@ -124,16 +90,14 @@ class Trainer:
         self.adapter, self.loss_fn, self.optimizer = adapter, loss_fn, optimizer
         self.strategy = strategy = resolve_strategy(strategy, axis_names)
         self.compile_seconds: float | None = None
-        self._data: Any = None  # the data's position (loop.position.Tracked), when it has one
-        self._data_state: Any = None  # a restored checkpoint's data state, not yet applied
+        # the data's position (loop.position.Tracked); a restored data state not yet applied
+        self._data = self._data_state = None
         rng = jax.random.key(seed)
         self.layout = Layout.decide(strategy, adapter, optimizer, devices=devices, mesh=mesh,
                                     axis_types=axis_types, rng=rng)  # fmt: skip
         self.allocated = allocate
-        self.state = self._on_layout(
-            lambda: create_state(adapter, optimizer, self.state_shardings, rng, allocate=allocate),
-            build=True,
-        )
+        self.state = self._on_layout(lambda: create_state(adapter, optimizer,
+            self.state_shardings, rng, allocate=allocate), build=True)  # fmt: skip
         self._train = self._eval = None  # the training and evaluation Programs, once built
         self._loss_normalised = False  # the loss divides by a count of the batch (compile)
         self._said = False  # the run's first line, said by the first fit
@@ -143,11 +107,9 @@ class Trainer:
         same shardings, keeping any step it compiled: plan, check the plan, then train."""
         if self.allocated:
             return
-        rng = jax.random.key(self.settings.seed)
-        state = self._on_layout(lambda: create_state(
-            self.adapter, self.optimizer, self.state_shardings, rng, allocate=True))  # fmt: skip
-        self.allocated = True
-        self.state = state
+        state = self._on_layout(lambda: create_state(self.adapter, self.optimizer,
+            self.state_shardings, jax.random.key(self.settings.seed), allocate=True))  # fmt: skip
+        self.allocated, self.state = True, state  # in this order: the setter reads allocated
 
     def _on_layout(self, fn: Callable[[], Any], *, build: bool = False) -> Any:
         """``fn()`` on the run's layout; when the model's code turns out to need explicit mesh
@@ -217,23 +179,14 @@ class Trainer:
             return
         feed.check_resumed(feed.signature(batch), self.restored_meta)  # a restore came first
         start = time.perf_counter()
-        traced = self._trace_loss(batch)  # the model alone: its FLOPs and its normaliser
-        if traced is not None:
-            self._loss_normalised = divides_by_data(traced.jaxpr, len(jax.tree.leaves(batch)))
+        # the model alone, traced: its normaliser and its FLOPs
+        self._loss_normalised, flops = programs.loss_facts(self.adapter, self.loss_fn, batch,
+                                                           self.mesh)  # fmt: skip
         self._train = self._build(batch)
-        if self.settings.flops_per_sample is None and traced is not None:
-            self._train = self._train._replace(model_flops=forward_flops(traced))
+        if self.settings.flops_per_sample is None and flops is not None:
+            self._train = self._train._replace(model_flops=flops)
         self.compile_seconds = time.perf_counter() - start
         warn_if_float32(self._train.jaxpr, self.precision)
-
-    def _trace_loss(self, batch: Any) -> Any:
-        """The model's loss on ``batch`` traced alone (:func:`trace_loss`), once per compiled
-        step; None for a model that traces only inside a strategy's program (one that reads
-        a per-device program's axis), whose rows then count the step's FLOPs."""
-        try:
-            return trace_loss(self.adapter, self.loss_fn, batch, self.mesh)
-        except (NameError, ValueError, TypeError, ShardplugError):
-            return None
 
     def lower(self, batch: Any) -> Any:
         """The training step for batches shaped like ``batch``, lowered but not compiled: a
@@ -244,21 +197,16 @@ class Trainer:
         """The training (or evaluation) step for batches like ``batch``, built ``how`` says,
         on the layout it can run on (read again after a move to explicit axes)."""
 
-        def step_for(batch_shardings: Any) -> Callable:
-            if not train:
-                return make_eval_step(self.adapter, self.loss_fn, self.strategy, self.mesh)
-            return make_step(
+        def built() -> Any:
+            step_for = programs.step_maker(
                 self.adapter, self.loss_fn, self.optimizer, self.strategy, self.mesh,
-                param_shardings=self.param_shardings, batch_shardings=batch_shardings,
-                skip_nonfinite=self.settings.on_nonfinite == "skip",
-                grad_accum=self.grad_accum, precision=self.precision,
-                loss_normalised=self._loss_normalised,
+                self.settings, self.param_shardings, self._loss_normalised, train,
             )  # fmt: skip
+            return how(step_for, batch, strategy=self.strategy, mesh=self.mesh, run=self._run,
+                       state_shardings=self.state_shardings,
+                       microbatches=self.grad_accum if train else 1)  # fmt: skip
 
-        return self._on_layout(lambda: how(
-            step_for, batch, strategy=self.strategy, mesh=self.mesh, run=self._run,
-            state_shardings=self.state_shardings, microbatches=self.grad_accum if train else 1,
-        ))  # fmt: skip
+        return self._on_layout(built)
 
     def evaluate(self, batches: Iterable[Any], steps: int | None = None) -> dict[str, float]:
         """The mean loss and metrics over ``batches``, the model in evaluation mode
@@ -273,15 +221,11 @@ class Trainer:
         return self._eval
 
     def fit(
-        self,
-        batches: Iterable[Any],
-        steps: int,
-        *,
+        self, batches: Iterable[Any], steps: int, *,
         callback: Callable[[list[dict[str, float]]], None] | None = None,
         eval_data: Iterable[Any] | Callable[[], Iterable[Any]] | None = None,
-        eval_every: int | None = None,
-        eval_steps: int | None = None,
-    ) -> list[dict[str, float]]:
+        eval_every: int | None = None, eval_steps: int | None = None,
+    ) -> list[dict[str, float]]:  # fmt: skip
         """Train for ``steps`` steps on ``batches``, continuing from any earlier ``fit``.
 
         :param batches: an iterable of batches (pytrees of arrays); ``steps`` of them are
@@ -303,46 +247,20 @@ class Trainer:
         if self._saver is not None and self._run.saved_step is None:
             self._saver.refuse_existing()
         self._runs("train")
-        check_eval(eval_data, eval_every)
+        evaluating = periodic(eval_data, eval_every, eval_steps, self.evaluate)
         iterator = iter(batches)
         if stateful(iterator):  # Grain's: its state goes into every checkpoint
             iterator = self._data = Tracked.resumed(iterator, self.step, self._data_state)
             self._data_state = None
-        evaluating = None
-        if eval_every is not None:
-            fresh = eval_data if callable(eval_data) else lambda: eval_data
-            evaluating = (eval_every, lambda: self.evaluate(fresh(), steps=eval_steps))
-        self._say_devices()
+        if not self._said:  # the run's first line, once
+            self._said = say_devices(self.strategy.name, self.mesh, self.precision,
+                                     self.precision_reason)  # fmt: skip
         if self._train is None:  # compile on the first batch, in this thread
             iterator = compiled_on_first(iterator, self.compile, steps)
             if iterator is None:
                 return []
         return run(self.settings, self._train, self._run, iterator, steps, mesh=self.mesh,
                    checkpoints=self._saver, callback=callback, evaluate=evaluating)  # fmt: skip
-
-    def _say_devices(self) -> None:
-        """The run's first line (standard error, process 0, once): how many devices it uses
-        and why, so that one CPU device is never a surprise."""
-        if self._said or jax.process_index() != 0:
-            return
-        self._said = True
-        mesh, count = self.mesh, self.mesh.size
-        platform, there = mesh.devices.flat[0].platform, len(jax.devices())
-        processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-        where = ",".join(f"{k}={v}" for k, v in mesh.shape.items())
-        if count < there:
-            why = f"{count} of the {there} JAX has, as asked"
-        elif count == 1 and platform == "cpu":
-            why = ("the one device JAX has; shardplug.simulate_cpu_devices(8), called before "
-                   "JAX makes an array, gives 8 simulated CPU devices")  # fmt: skip
-        else:
-            why = "every device JAX has"
-        plural = "s" if count != 1 else ""
-        precision = ("bf16 compute, float32 parameters and optimizer state"
-                     if self.precision in ("bf16", "bfloat16") else "float32")  # fmt: skip
-        print(f"shardplug: {self.strategy.name} on {count} {platform} device{plural}{processes} "
-              f"({where}): {why}; {precision} ({self.precision_reason})", file=sys.stderr,
-              flush=True)  # fmt: skip
 
     def save(self) -> str:
         """Checkpoint the current state now (in the background); returns its path."""
@@ -352,13 +270,11 @@ class Trainer:
 
     def restore(self, step: int | None = None) -> int:
         """Continue from the newest good checkpoint in ``checkpoint_dir`` (or ``step``), read
-        straight into this trainer's shardings (any strategy, device count or mesh); returns
-        the step restored, also :attr:`step`. A damaged checkpoint is said, moved aside to
-        ``<step>.damaged`` and the one before used; :class:`CheckpointError` when none is
-        left, or for another model or optimizer (naming the arrays that differ);
-        :class:`BatchError` when the step is compiled already for batches shaped otherwise
-        than the checkpoint's run read (its data position counts batches), the trainer left
-        as it was."""
+        into this trainer's shardings (any strategy, device count or mesh); returns the step,
+        also :attr:`step`. A damaged checkpoint is said, set aside (``<step>.damaged``) and
+        the one before used; :class:`CheckpointError` when none is left or for another model
+        (naming the arrays that differ); :class:`BatchError` for a step compiled already for
+        batches shaped otherwise than the checkpoint's run read, the trainer as it was."""
         if self._saver is None:
             raise ConfigError("this Trainer has no checkpoint_dir to restore from")
         state, meta = self._saver.restore(self.state, self.state_shardings, step)
@@ -381,4 +297,4 @@ class Trainer:
         return None if self._saver is None else self._saver.last(self._run)
 
 
-__all__ = ["TrainState", "Trainer", "make_step"]
+__all__ = ["Trainer"]

@@ -122,11 +122,13 @@ NONFINITE = "_nonfinite"
 PRECISIONS = {"float32": None, "fp32": None, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
 
-def auto_precision(device: Any) -> tuple[str, str]:
-    """``(precision, why)`` for ``device`` when none was asked for: ``"bf16"`` (bfloat16
-    compute, float32 parameters and optimizer state) where it has bfloat16 matrix units (a
-    TPU; an NVIDIA GPU of compute capability 8.0 or more: A100, H100 and later), else
-    ``"float32"``."""
+def auto_precision(device: Any, asked: str = "auto") -> tuple[str, str]:
+    """``(precision, why)``: ``asked``, or for ``"auto"`` what ``device`` computes best in:
+    ``"bf16"`` (bfloat16 compute, float32 parameters and optimizer state) where it has
+    bfloat16 matrix units (a TPU; an NVIDIA GPU of compute capability 8.0 or more: A100,
+    H100 and later), else ``"float32"``."""
+    if asked != "auto":
+        return asked, "as asked"
     platform = getattr(device, "platform", "cpu")
     if platform == "tpu":
         return "bf16", "a TPU's bfloat16 matrix units"

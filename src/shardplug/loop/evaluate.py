@@ -30,6 +30,17 @@ def check_eval(eval_data: Any, eval_every: int | None) -> None:
         raise ConfigError(ONE_SHOT)
 
 
+def periodic(eval_data: Any, eval_every: int | None, eval_steps: int | None,
+             evaluate: Callable[..., dict[str, float]]) -> tuple[int, Callable] | None:  # fmt: skip
+    """``(every, run)`` for the loop: ``evaluate`` on a fresh read of ``eval_data`` (a
+    function is called again) every ``eval_every`` steps, checked now; None without."""
+    check_eval(eval_data, eval_every)
+    if eval_every is None:
+        return None
+    fresh = eval_data if callable(eval_data) else lambda: eval_data
+    return eval_every, lambda: evaluate(fresh(), steps=eval_steps)
+
+
 ONE_SHOT = (
     "eval_data is a one-shot iterator (a generator?), used up by the first evaluation: pass "
     "a list, a shardplug.data.Batches, or a function returning a fresh iterable (with "

@@ -20,8 +20,17 @@ import jax
 
 from shardplug.core import ops
 from shardplug.core.compose import implemented
-from shardplug.core.step import key_impl, unwrap_keys, wrap_keys
-from shardplug.errors import PluginError, TraceAgain, unsay
+from shardplug.core.means import divides_by_data
+from shardplug.core.step import (
+    key_impl,
+    make_eval_step,
+    make_step,
+    trace_loss,
+    unwrap_keys,
+    wrap_keys,
+)
+from shardplug.errors import PluginError, ShardplugError, TraceAgain, unsay
+from shardplug.flops import forward_flops
 from shardplug.loop import feed
 
 
@@ -207,3 +216,36 @@ def place(program: Program, batch: Any, index: int) -> Any:
     if jax.process_count() == 1:
         return batch
     return feed.put(batch, program.batch_shardings)
+
+
+def loss_facts(adapter: Any, loss_fn: Any, batch: Any, mesh: Any) -> tuple[bool, Any]:
+    """What the model's loss on ``batch``, traced alone (:func:`trace_loss`, once per
+    compiled step), says: whether it divides by a count taken from the batch, and its
+    forward FLOPs; ``(False, None)`` for a model that traces only inside a strategy's
+    program (one that reads a per-device program's axis), whose rows then count the
+    step's FLOPs."""
+    try:
+        traced = trace_loss(adapter, loss_fn, batch, mesh)
+    except (NameError, ValueError, TypeError, ShardplugError):
+        return False, None
+    return divides_by_data(traced.jaxpr, len(jax.tree.leaves(batch))), forward_flops(traced)
+
+
+def step_maker(adapter: Any, loss_fn: Any, optimizer: Any, strategy: Any, mesh: Any,
+               settings: Any, param_shardings: Any, loss_normalised: bool,
+               train: bool = True) -> Callable[[Any], Callable]:  # fmt: skip
+    """``step_for(batch_shardings)``: the traced training step (:func:`make_step`) of a
+    run's parts and :class:`~shardplug.settings.Settings`, or with ``train=False`` the
+    evaluation step, for :func:`build` to compile."""
+
+    def step_for(batch_shardings: Any) -> Callable:
+        if not train:
+            return make_eval_step(adapter, loss_fn, strategy, mesh)
+        return make_step(
+            adapter, loss_fn, optimizer, strategy, mesh, param_shardings=param_shardings,
+            batch_shardings=batch_shardings, skip_nonfinite=settings.on_nonfinite == "skip",
+            grad_accum=settings.grad_accum, precision=settings.precision,
+            loss_normalised=loss_normalised,
+        )  # fmt: skip
+
+    return step_for

@@ -6,6 +6,7 @@ import collections
 import itertools
 import math
 import signal
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -221,3 +222,27 @@ def _rows(
         row.update(hardware)
         rows.append(row)
     return rows
+
+
+def say_devices(strategy: str, mesh: Any, precision: str, reason: str) -> bool:
+    """The run's first line (standard error, process 0): how many devices it uses and why,
+    so that one CPU device is never a surprise. True: said (or left to process 0)."""
+    if jax.process_index() != 0:
+        return True
+    count = mesh.size
+    platform, there = mesh.devices.flat[0].platform, len(jax.devices())
+    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    where = ",".join(f"{k}={v}" for k, v in mesh.shape.items())
+    if count < there:
+        why = f"{count} of the {there} JAX has, as asked"
+    elif count == 1 and platform == "cpu":
+        why = ("the one device JAX has; shardplug.simulate_cpu_devices(8), called before "
+               "JAX makes an array, gives 8 simulated CPU devices")  # fmt: skip
+    else:
+        why = "every device JAX has"
+    plural = "s" if count != 1 else ""
+    compute = ("bf16 compute, float32 parameters and optimizer state"
+               if precision in ("bf16", "bfloat16") else "float32")  # fmt: skip
+    print(f"shardplug: {strategy} on {count} {platform} device{plural}{processes} ({where}): "
+          f"{why}; {compute} ({reason})", file=sys.stderr, flush=True)  # fmt: skip
+    return True
