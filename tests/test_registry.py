@@ -430,3 +430,54 @@ def test_a_run_has_one_plugin_manager_holding_each_plugin_once(monkeypatch):
     assert sorted(names) == sorted(
         ["shardplug.core.fallbacks", "dp", "fsdp", "tp", "dp+fsdp+tp (composition)", "grad-bf16"]
     )
+
+
+RAISING = textwrap.dedent(
+    '''
+    import jax
+    from shardplug.plugin import RANK, Axis, Operations, hookimpl, warn_once
+
+    def attend(query, key, value, *, causal, bias, mask, scale):
+        warn_once("raising attends once")
+        return jax.shard_map(lambda q: q, in_specs=jax.P(jax.P.UNCONSTRAINED),
+                             out_specs=jax.P())(query)
+
+    class Raising:
+        """Attention that fails inside JAX, as a plugin's own code does."""
+
+        @hookimpl
+        def parallel_axis(self):
+            return Axis("heads", rank=RANK["model"] + 1)
+
+        @hookimpl
+        def operations(self, axis):
+            return Operations(attention=attend)
+    '''
+)
+
+
+def test_an_error_in_a_plugins_own_code_names_its_package_and_keeps_the_cause(
+    tmp_path, monkeypatch, fresh_registry, capsys
+):
+    install(tmp_path, monkeypatch, "raising-plug", "0.2", {"raising": "raisingplug:Raising"},
+            {"raisingplug": RAISING})  # fmt: skip
+    from shardplug.cli import main
+    from shardplug.errors import one_line, unsay
+
+    assert main(["explain", "--strategy", "dp+raising", "--mesh", "data=4,heads=2"]) == 1
+    err = capsys.readouterr().err  # (a refused program's warnings are dropped with it)
+    assert err.count("\n") == 1, err
+    assert "the plugin raising (package raising-plug) raised ValueError: shard_map" in err
+    assert "in_specs refers to UNCONSTRAINED" in err  # JAX's cause, from its later lines
+    assert "raisingplug.py:7 in attend" in err
+    unsay(["raising attends once"])
+    plugin = __import__("raisingplug")
+    warned = pytest.warns(shardplug.plugin.ShardplugWarning, match="raising attends")
+    with warned as said, pytest.raises(ValueError, match="context mesh") as raised:
+        plugin.attend(np.ones((2, 4, 1, 1)), None, None, causal=False, bias=None, mask=None,
+                      scale=None)  # fmt: skip
+    assert said[0].filename == str(tmp_path / "raisingplug.py")  # its own line, not core's
+    noted = f"{raised.value}\n{'-' * 20}\nFor simplicity, JAX has removed its internal frames"
+    assert one_line(ValueError(noted)) == (  # JAX's note on its frames is no cause: dropped
+        "The context mesh cannot be empty. Use `jax.set_mesh(mesh)` to enter into a mesh context"
+    )

@@ -7,8 +7,14 @@ Python callers can catch the base class or a specific one.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterable
+from pathlib import Path
+
+_HERE = str(Path(__file__).resolve().parent) + "/"
+#: lines JAX adds to an exception's message that say nothing of its cause
+_NOISE = ("For simplicity, JAX has removed its internal frames", "-" * 20)
 
 
 class ShardplugError(Exception):
@@ -126,8 +132,25 @@ def unsay(messages: Iterable[str]) -> None:
 
 
 def warn_once(message: str, stacklevel: int = 2) -> None:
-    """A :class:`ShardplugWarning` said once per process, however often its cause recurs
-    (``stacklevel`` counted from the caller of this function)."""
+    """A :class:`ShardplugWarning` said once per process, however often its cause recurs.
+    Called from shardplug's own code, it is attributed ``stacklevel`` frames up from the
+    caller (the user's call that led to it); called from a plugin's (or any other) code,
+    to that call itself, the plugin's own line."""
     if message not in _SAID:
         _SAID.add(message)
+        if not str(Path(sys._getframe(1).f_code.co_filename).resolve()).startswith(_HERE):
+            stacklevel = 1
         warnings.warn(message, ShardplugWarning, stacklevel=stacklevel + 1)
+
+
+def one_line(exc: BaseException, limit: int = 800) -> str:
+    """``exc``'s message as one line, its cause kept: every line of it joined (a sentence
+    closed where a line did not end in punctuation), JAX's note about its removed frames
+    dropped; at most ``limit`` characters."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    text = ""
+    for line in (line for line in lines if line and not line.startswith(_NOISE)):
+        if text and text[-1] not in ".:;,!?(":
+            text += "."
+        text += (" " if text else "") + line
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"

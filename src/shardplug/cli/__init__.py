@@ -27,6 +27,7 @@ from shardplug.errors import (
     ShardplugError,
     ShardplugWarning,
     TrainingInterrupted,
+    one_line,
 )
 
 __all__ = ["build_parser", "main", "parse_options"]
@@ -97,29 +98,58 @@ def _run(args, errors: list[str]) -> int:
             print("shardplug: interrupted", file=sys.stderr)
             return 130
         except Exception as exc:
-            where = _in_users_code(exc)
-            if where is None or os.environ.get("SHARDPLUG_TRACEBACK"):
-                raise  # shardplug's own failure, or asked for: the whole traceback
+            part, where = who_raised(exc)
+            if part.startswith("shardplug") or os.environ.get("SHARDPLUG_TRACEBACK"):
+                if part.startswith("shardplug"):  # shardplug's own failure: a bug to report
+                    print(f"shardplug: error: {part} raised {type(exc).__name__} ({where}), "
+                          "a bug in shardplug; its traceback follows", file=sys.stderr)  # fmt: skip
+                raise
             error(
-                f"the task's code raised {type(exc).__name__}: "
-                f"{(str(exc).splitlines() or [''])[0]} ({where}); "
+                f"{part} raised {type(exc).__name__}: {one_line(exc)} ({where}); "
                 f"SHARDPLUG_TRACEBACK=1 shows the traceback"
             )
             return EXIT_FAILED
 
 
-def _in_users_code(exc: BaseException) -> str | None:
-    """``file:line in function`` of the innermost frame of the traceback that is the user's
-    code (not shardplug's, an installed library's or the standard library's); None if none."""
+def who_raised(exc: BaseException) -> tuple[str, str]:
+    """Which part raised ``exc``, and where (``file:line in function``): the innermost frame
+    of its traceback that is not an installed library's or the standard library's. An
+    installed plugin's package is ``the plugin NAME (package DIST)``, shardplug's own code
+    ``shardplug's core`` (or ``shardplug's built-in plugin NAME``), any other ``the task's
+    code``."""
     paths = sysconfig.get_paths()
-    libraries = (str(Path(__file__).resolve().parents[1]), *(
+    libraries = tuple(
         str(Path(paths[k]).resolve()) for k in ("stdlib", "platstdlib", "purelib", "platlib")
-    ))  # fmt: skip
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        path = str(Path(frame.filename).resolve())
-        if not frame.filename.startswith("<") and not path.startswith(libraries):
-            return f"{os.path.relpath(path)}:{frame.lineno} in {frame.name}"
-    return None
+    )
+    plugins = _plugin_packages()
+    for frame, line in reversed(list(traceback.walk_tb(exc.__traceback__))):
+        code, module = frame.f_code, str(frame.f_globals.get("__name__", ""))
+        path = str(Path(code.co_filename).resolve())
+        where = f"{os.path.relpath(path)}:{line} in {code.co_name}"
+        top = module.partition(".")[0]
+        if top in plugins:
+            return plugins[top], where
+        if top == "shardplug":
+            builtin = module.startswith("shardplug.plugins.")
+            name = f"built-in plugin {module.split('.')[2]}" if builtin else "core"
+            return f"shardplug's {name}", where
+        if not code.co_filename.startswith("<") and not path.startswith(libraries):
+            return "the task's code", where
+    return "shardplug's core", "no frame of its own"
+
+
+def _plugin_packages() -> dict[str, str]:
+    """The top-level module of each installed plugin (entry-point group ``shardplug``),
+    and how to name it."""
+    import importlib.metadata
+
+    named = {}
+    for entry in importlib.metadata.entry_points(group="shardplug"):
+        top = entry.value.partition(":")[0].partition(".")[0]
+        if top != "shardplug":
+            package = entry.dist.name if entry.dist is not None else top
+            named[top] = f"the plugin {entry.name} (package {package})"
+    return named
 
 
 if __name__ == "__main__":
