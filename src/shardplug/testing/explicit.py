@@ -1,5 +1,6 @@
 """A model written for JAX's explicit sharding mode, for the conformance suite: a stack of
-residual blocks over a sequence (attention through :func:`shardplug.attention`, then an MLP)
+residual blocks over a sequence (attention of :data:`HEADS` heads through
+:func:`shardplug.attention`, then an MLP)
 whose products say where their results go (``jnp.einsum(...,
 out_sharding=shardplug.sharding_of(...))``), so it fails on ``Auto`` mesh axes and runs on
 ``Explicit`` ones under any strategy: its blocks are a layer stack (``pp`` splits it) and its
@@ -20,9 +21,21 @@ from shardplug import moe, stack
 from shardplug.core.attention import attention
 from shardplug.core.context import sharding_of
 
-DEPTH, HIDDEN, LAYERS, ROWS, LENGTH = 16, 64, 8, 16, 16
+DEPTH, HIDDEN, LAYERS, ROWS, LENGTH, HEADS = 16, 64, 8, 16, 16, 4
 EXPERTS, TOP_K = 4, 2
 _init = nnx.initializers.lecun_normal()
+
+
+def _norm(x: jax.Array) -> jax.Array:
+    """RMS normalisation of each token (pre-norm: the residual stream stays in scale)."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _attend(x: jax.Array) -> jax.Array:
+    """Causal self-attention of the sequence's (normalised) tokens, in :data:`HEADS` heads
+    (a parallelism that splits heads has several to split)."""
+    heads = _norm(x).reshape(*x.shape[:2], HEADS, DEPTH // HEADS)
+    return attention(heads, heads, heads, causal=True).reshape(x.shape)
 
 
 class Block(nnx.Module):
@@ -32,10 +45,9 @@ class Block(nnx.Module):
         self.down = nnx.Param(nnx.with_partitioning(_init, down)(rngs.params(), (HIDDEN, DEPTH)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        heads = x[:, :, None, :]  # one head: the tokens attend to those before them
-        x = x + attention(heads, heads, heads, causal=True)[:, :, 0, :]
+        x = x + _attend(x)
         hidden = sharding_of(("batch", "length", "mlp"))
-        h = jnp.einsum("bld,df->blf", x, self.up[...], out_sharding=hidden)
+        h = jnp.einsum("bld,df->blf", _norm(x), self.up[...], out_sharding=hidden)
         out = sharding_of(("batch", "length", None))
         return x + jnp.einsum("blf,fd->bld", jax.nn.relu(h), self.down[...], out_sharding=out)
 
@@ -58,9 +70,8 @@ class ExpertBlock(nnx.Module):
         self.down = param(("expert", "mlp", "embed"), (EXPERTS, HIDDEN, DEPTH))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, moe.Tally]:
-        heads = x[:, :, None, :]
-        x = x + attention(heads, heads, heads, causal=True)[:, :, 0, :]
-        rows = x.reshape(-1, DEPTH)
+        x = x + _attend(x)
+        rows = _norm(x).reshape(-1, DEPTH)
         logits = jnp.einsum("td,de->te", rows, self.router[...], out_sharding=sharding_of(
             ("batch", None)))  # fmt: skip
         routing = moe.route(logits, TOP_K)
