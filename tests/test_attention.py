@@ -10,7 +10,8 @@ import pytest
 import shardplug
 import shardplug.errors
 from shardplug.core import attention as attention_module
-from shardplug.core.attention import attention_override, choose
+from shardplug.core.attention import choose
+from shardplug.core.ops import Operations, supplying
 from shardplug.flops import step_flops
 
 B, T, N, H = 2, 32, 4, 16
@@ -57,7 +58,7 @@ def test_a_parallelism_replaces_its_inside():
         return jnp.zeros_like(query)
 
     q, k, v = qkv()
-    with attention_override(ring):
+    with supplying([("ring", Operations(attention=ring))]):
         out = jax.jit(lambda q, k, v: shardplug.attention(q, k, v, causal=True))(q, k, v)
     assert seen == [((B, T, N, H), True)] and not out.any()
     assert shardplug.attention(q, k, v).any()  # outside, its own again

@@ -181,14 +181,14 @@ def test_bad_compositions_on_the_command_line_are_one_line(args, message, capsys
 
 
 SAME_AXIS = '''
-from shardplug.plugin import Axis, hookimpl
+from shardplug.plugin import RANK, Axis, hookimpl
 
 class Replicas:
     """Replicas: another parallelism on the `data` axis."""
 
     @hookimpl
     def parallel_axis(self):
-        return Axis("data", rank=Axis.DATA, batch=True)
+        return Axis("data", rank=RANK["data"], batch=True)
 
 class Rows:
     """Splits every parameter's first dimension over `rows`."""

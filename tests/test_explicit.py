@@ -192,18 +192,28 @@ def test_the_command_line_offers_the_same_axis_types():
     assert AXIS_TYPES == CORE
 
 
-def test_a_hook_inside_a_hook_leaves_with_sharding_constraint_laying_out():
-    from shardplug.core.sharding import constraints_lay_out
+def test_a_hook_sees_jax_s_own_with_sharding_constraint():
+    """Core patches no JAX function around a hook: on explicit axes a hook lays arrays out
+    with shardplug.plugin.lay_out, and JAX's with_sharding_constraint (an assert there) fails
+    with a line that says so."""
+    from shardplug.core.registry import Strategy, StrategyInfo
+    from shardplug.plugin import P, hookimpl
 
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    seen = []
+
+    class Looks:
+        @hookimpl
+        def gather_params(self, params):
+            seen.append(jax.lax.with_sharding_constraint)
+            return jax.tree.map(lambda p: jax.lax.with_sharding_constraint(p, P()), params)
+
     original = jax.lax.with_sharding_constraint
-    with jax.set_mesh(mesh), constraints_lay_out():
-        outer = jax.lax.with_sharding_constraint
-        with constraints_lay_out():
-            pass
-        assert jax.lax.with_sharding_constraint is outer
-        assert outer is not original
-    assert jax.lax.with_sharding_constraint is original
+    strategy = Strategy(StrategyInfo("looks", "l", "tests", "0"), Looks())
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    split = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=NamedSharding(mesh, P("data")))
+    with jax.set_mesh(mesh), pytest.raises(shardplug.PluginError, match=r"asserts.*lay_out"):
+        jax.jit(lambda p: strategy.gather_params(p, mesh)).trace(split)
+    assert seen == [original]
 
 
 @pytest.mark.parametrize(

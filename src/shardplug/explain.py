@@ -26,6 +26,7 @@ from shardplug.errors import ConfigError, PluginError
 from shardplug.flops import float32_note, product_dtypes
 from shardplug.loop.feed import global_struct
 from shardplug.native import sorted_stderr
+from shardplug.units import size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,8 +369,6 @@ def _gradient_parts(hlo_text: str, params: list[Any], used: list[Any], mesh: Any
 
 
 def _parts_note(group: dict[str, Any]) -> str:
-    from shardplug.views import size
-
     params, dims = group["params"], "x".join(map(str, group["dims"]))
     which = (
         f"the gradient of {params[0]} ({dims}) is"

@@ -32,7 +32,7 @@ from typing import Any
 from shardplug.core.registry import list_strategies
 from shardplug.errors import ShardplugError
 from shardplug.explain import explain
-from shardplug.views import size
+from shardplug.units import size
 
 
 def candidates() -> list[str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from shardplug.units import size
+
 if TYPE_CHECKING:
     from shardplug.explain import ParamReport, Report
 
@@ -242,16 +244,6 @@ def plot(report: Report, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def size(n: float | None) -> str:
-    """``1234567`` as ``1.2 MB`` (powers of 1000)."""
-    if n is None:
-        return "unknown"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def render_bench(report: dict[str, Any], console: Any) -> None:

@@ -13,7 +13,6 @@ the model's code does not change between strategies.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -114,11 +113,3 @@ def _platform() -> str:
 
 def _say_once(why: str) -> None:
     warn_once(f"shardplug.attention: {why}", stacklevel=3)
-
-
-def attention_override(implementation: Callable[..., jax.Array]) -> Any:
-    """Trace the code inside with ``implementation`` in place of :func:`attention`'s own:
-    ``implementation(query, key, value, *, causal, bias, mask, scale)``. A parallelism
-    supplies it through its ``operations`` hook instead (``Operations(attention=...)``);
-    this context manager stays for plugins written before that hook."""
-    return ops.override("attention", implementation)

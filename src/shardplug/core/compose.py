@@ -36,10 +36,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core import declared, fallbacks, hookspecs, ops
-from shardplug.core.hookspecs import hookimpl
+from shardplug.core.hookspecs import Axis, hookimpl
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh, is_explicit
-from shardplug.core.sharding import constraints_lay_out, lay_out, leaf_paths, mesh_axes
+from shardplug.core.sharding import lay_out, lay_out_hint, leaf_paths, mesh_axes
 from shardplug.errors import CompositionError, ConfigError, MeshError, PluginError, ShardplugError
 
 #: hooks of the step a parallelism may also implement; one per composition.
@@ -50,29 +50,6 @@ STEP_HOOKS = (
     "compile_step",
     "shard_model_state",
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Axis:
-    """The mesh axis a parallelism owns, as its ``parallel_axis`` hook declares it.
-
-    :param name: the axis's role and default name (``--axis-name ROLE=NAME`` renames it).
-    :param rank: its place in the order: lower is further out in the mesh and claims
-        parameter dimensions later (:data:`shardplug.plugin.RANK` gives the built-ins'; a
-        new parallelism picks a number between them).
-    :param batch: whether the batch's leading dimension (its rows) splits over this axis,
-        the default of :func:`~shardplug.core.hookspecs.split_batch`.
-    :param logical: logical activation names this axis splits (``shardplug.constrain``).
-    :param lends: whether a parameter this parallelism leaves whole may be stored split over
-        its axis by another (one that gathers it at use); replicas keep whole copies and do
-        not lend.
-    """
-
-    name: str
-    rank: int
-    batch: bool = False
-    logical: tuple[str, ...] = ()
-    lends: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,19 +76,19 @@ class Part:
         """``hook`` asked of this parallelism alone (core's fallback where it has none)."""
         others = [p for p in self.pm.get_plugins() if p is not self.plugin and p is not fallbacks]
         try:
-            with constraints_lay_out():
-                return self.pm.subset_hook_caller(hook, remove_plugins=others)(**kwargs)
+            return self.pm.subset_hook_caller(hook, remove_plugins=others)(**kwargs)
         except ShardplugError:
             raise
         except Exception as exc:
             raise PluginError(
                 f"parallelism {self.name!r}: hook {hook} failed: {type(exc).__name__}: {exc}"
+                f"{lay_out_hint(exc)}"
             ) from exc
 
 
 def _is_sequence(leaf: Any, sequences: tuple[int, ...] | None) -> bool | None:
     """Whether ``leaf``'s second dimension is a sequence, as far as the lengths the model's
-    attention read say (:func:`~shardplug.core.parallel_hooks.split_batch`'s ``sequence``)."""
+    attention read say (:func:`~shardplug.core.hookspecs.split_batch`'s ``sequence``)."""
     if leaf.ndim < 2:
         return False
     if sequences:  # tokens fed as tokens[:, :-1] are one longer than what attention reads
@@ -294,15 +271,13 @@ class CompositionPlugin:
 
     def part_contexts(self, mesh: Any) -> list[Any]:
         """The context managers entered around every traced program: the parallelisms'
-        operations (:mod:`shardplug.core.ops`), and the contexts of plugins that still
-        install theirs from ``trace_context``."""
+        operations (:mod:`shardplug.core.ops`)."""
         split = {a for key, specs in self._stored.items() if key[1] == id(mesh)
                  for spec in specs for a in mesh_axes(spec)}  # fmt: skip
         replicas = tuple(a for a in self.batch_axes if split and a not in split)
         asked = dict(mesh=mesh, replicas=replicas, batch_axes=self.batch_axes)
         records = [(p.name, p.call("operations", axis=p.axis.name, **asked)) for p in self.parts]
-        found = [p.call("trace_context", axis=p.axis.name, **asked) for p in self.parts]
-        return [ops.supplying(records), *(c for c in found if c is not None)]
+        return [ops.supplying(records)]
 
     def _spec(
         self, path: str, shape: tuple[int, ...], logical: P, mesh: Any, fixed: dict[int, Any]

@@ -18,6 +18,9 @@ from shardplug.core.hookspecs import hookimpl
 from shardplug.core.mesh import build_mesh
 
 NAME = "shardplug.core.fallbacks"
+#: the one axis of the mesh of a run without a strategy: every device on it, the batch's rows
+#: split over it, so that the run is data parallel
+AXIS = "data"
 
 
 def new_manager() -> pluggy.PluginManager:
@@ -33,7 +36,7 @@ def new_manager() -> pluggy.PluginManager:
 def make_mesh(devices, mesh_shape):
     if mesh_shape is not None:
         return build_mesh(devices, mesh_shape, default=mesh_shape)
-    return build_mesh(devices, None, default={"data": -1})
+    return build_mesh(devices, None, default={AXIS: -1})
 
 
 @hookimpl(trylast=True)

@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import importlib.metadata
 import inspect
-import json
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 import pluggy
 
 from shardplug.core import compose, declared, fallbacks, hookspecs
+from shardplug.core.strategy import BUILTIN_PACKAGE, StrategyInfo, StrategyOption
 from shardplug.core.strategy import Strategy as Strategy  # re-exported: the run's manager
 from shardplug.errors import (
     CompositionError,
@@ -35,75 +35,7 @@ from shardplug.errors import (
 
 GROUP = "shardplug"
 ADDON_GROUP = "shardplug.addons"
-BUILTIN_PACKAGE = "shardplug"
 SELECT_ENV = "SHARDPLUG_PLUGINS"
-
-
-@dataclasses.dataclass(frozen=True)
-class StrategyOption:
-    """One keyword a strategy accepts through ``get_strategy(name, **options)``."""
-
-    name: str
-    type: str
-    default: Any
-
-    def parse(self, text: str) -> Any:
-        """The option's value from text (``-o KEY=VALUE``), typed by its annotation (of a
-        union, the first of its plain types the text is: ``none``, bool, int, float, str)."""
-        kind = self.type
-        if "|" in kind:
-            kinds = [k.strip() for k in kind.split("|")]
-            if "None" in kinds and text.lower() == "none":
-                return None
-            for plain in ("bool", "int", "float", "str"):
-                if plain in kinds:
-                    try:
-                        return dataclasses.replace(self, type=plain).parse(text)
-                    except StrategyOptionError:
-                        continue
-            raise StrategyOptionError(f"option {self.name}={text!r} is not a valid {kind}")
-        try:
-            if kind == "bool":
-                if text.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(text)
-                return text.lower() in ("true", "1")
-            if kind in ("int", "float", "str"):
-                return {"int": int, "float": float, "str": str}[kind](text)
-            if kind.startswith(("Sequence", "tuple")):
-                return tuple(part.strip() for part in text.split(",") if part.strip())
-            return json.loads(text)
-        except ValueError:
-            raise StrategyOptionError(
-                f"option {self.name}={text!r} is not a valid {kind}"
-            ) from None
-
-
-@dataclasses.dataclass(frozen=True)
-class StrategyInfo:
-    """What the registry knows of one installed strategy (or add-on), before it is used."""
-
-    name: str
-    description: str
-    package: str
-    version: str
-    options: tuple[StrategyOption, ...] = ()
-    hooks: tuple[str, ...] = ()
-    #: "parallelism" (composes with others on one mesh), "strategy" (runs alone) or
-    #: "composition" (a name for parallelisms composed, declared with ``Composed``)
-    kind: str = "strategy"
-    #: for a composition, the parallelisms it composes (``"a+b"``)
-    parts: str | None = None
-    #: why it cannot be used (failed import, hooks that do not fit the specs, a name two
-    #: packages claim), or None when it loaded.
-    error: str | None = None
-
-    @property
-    def builtin(self) -> bool:
-        return self.package == BUILTIN_PACKAGE
-
-    @property
-    def source(self) -> str:
-        return "built-in" if self.builtin else f"{self.package} {self.version}"
 
 
 def _describe(plugin: Any) -> str:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -15,30 +14,18 @@ from jax.sharding import PartitionSpec as P
 from shardplug.core.mesh import is_explicit
 from shardplug.errors import BatchError, PluginError
 
-_CONSTRAIN = jax.lax.with_sharding_constraint  # JAX's own, whatever a plugin's hook sees
 
-
-@contextlib.contextmanager
-def constraints_lay_out() -> Iterator[None]:
-    """Inside, on explicit mesh axes, ``jax.lax.with_sharding_constraint`` lays arrays out
-    (:func:`lay_out`) instead of asserting: a plugin's hooks written for auto axes run
-    unchanged on explicit ones. Core enters it around every hook call; it changes nothing
-    outside a program traced on explicit axes."""
-    if not is_explicit(jax.sharding.get_abstract_mesh()):
-        yield
-        return
-
-    def constrain(x, shardings):
-        if isinstance(shardings, (P, NamedSharding)):
-            return jax.tree.map(lambda leaf: lay_out(leaf, shardings), x)
-        return jax.tree.map(lay_out, x, shardings)
-
-    previous = jax.lax.with_sharding_constraint  # ours, when hooks call hooks
-    jax.lax.with_sharding_constraint = constrain
-    try:
-        yield
-    finally:
-        jax.lax.with_sharding_constraint = previous
+def lay_out_hint(exc: BaseException) -> str:
+    """What to add to the error of a hook that failed because, on explicit mesh axes,
+    ``jax.lax.with_sharding_constraint`` only asserts (JAX's own: core patches nothing); ""
+    for any other error."""
+    if "acts as an assert" not in str(exc):
+        return ""
+    return (
+        " (on explicit mesh axes with_sharding_constraint only asserts: lay arrays out with "
+        "shardplug.plugin.lay_out or jax.sharding.reshard, or declare 'explicit-axes' "
+        "unsupported)"
+    )
 
 
 def lay_out(x: Any, where: P | NamedSharding) -> Any:
@@ -52,7 +39,7 @@ def lay_out(x: Any, where: P | NamedSharding) -> Any:
     if mesh.empty and isinstance(where, NamedSharding):
         mesh = where.mesh
     if not is_explicit(mesh):
-        return _CONSTRAIN(x, where)
+        return jax.lax.with_sharding_constraint(x, where)
     if any(entry is P.UNCONSTRAINED for entry in spec):
         have = tuple(jax.typeof(x).sharding.spec) + (None,) * len(spec)
         spec = P(*(have[i] if e is P.UNCONSTRAINED else e for i, e in enumerate(spec)))

@@ -1,10 +1,14 @@
 """One run's strategy: a pluggy manager holding core's fallbacks and the plugin (or a
-composition of parallelisms), whose answers it checks."""
+composition of parallelisms), whose answers it checks; and the records it is made from, what
+the registry (:mod:`shardplug.core.registry`) knows of an installed strategy and its
+options."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +17,78 @@ import pluggy
 from shardplug.core import compose, declared, fallbacks
 from shardplug.core.context import activation_rules, splitting_rows
 from shardplug.core.mesh import retyped
-from shardplug.core.sharding import check_batch, constraints_lay_out, to_named
-from shardplug.errors import ConfigError, PluginError, ShardplugError
-
-if TYPE_CHECKING:
-    from shardplug.core.registry import StrategyInfo
+from shardplug.core.sharding import check_batch, lay_out_hint, to_named
+from shardplug.errors import ConfigError, PluginError, ShardplugError, StrategyOptionError
 
 FALLBACKS = fallbacks.NAME
+BUILTIN_PACKAGE = "shardplug"
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyOption:
+    """One keyword a strategy accepts through ``get_strategy(name, **options)``."""
+
+    name: str
+    type: str
+    default: Any
+
+    def parse(self, text: str) -> Any:
+        """The option's value from text (``-o KEY=VALUE``), typed by its annotation (of a
+        union, the first of its plain types the text is: ``none``, bool, int, float, str)."""
+        kind = self.type
+        if "|" in kind:
+            kinds = [k.strip() for k in kind.split("|")]
+            if "None" in kinds and text.lower() == "none":
+                return None
+            for plain in ("bool", "int", "float", "str"):
+                if plain in kinds:
+                    try:
+                        return dataclasses.replace(self, type=plain).parse(text)
+                    except StrategyOptionError:
+                        continue
+            raise StrategyOptionError(f"option {self.name}={text!r} is not a valid {kind}")
+        try:
+            if kind == "bool":
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(text)
+                return text.lower() in ("true", "1")
+            if kind in ("int", "float", "str"):
+                return {"int": int, "float": float, "str": str}[kind](text)
+            if kind.startswith(("Sequence", "tuple")):
+                return tuple(part.strip() for part in text.split(",") if part.strip())
+            return json.loads(text)
+        except ValueError:
+            raise StrategyOptionError(
+                f"option {self.name}={text!r} is not a valid {kind}"
+            ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyInfo:
+    """What the registry knows of one installed strategy (or add-on), before it is used."""
+
+    name: str
+    description: str
+    package: str
+    version: str
+    options: tuple[StrategyOption, ...] = ()
+    hooks: tuple[str, ...] = ()
+    #: "parallelism" (composes with others on one mesh), "strategy" (runs alone) or
+    #: "composition" (a name for parallelisms composed, declared with ``Composed``)
+    kind: str = "strategy"
+    #: for a composition, the parallelisms it composes (``"a+b"``)
+    parts: str | None = None
+    #: why it cannot be used (failed import, hooks that do not fit the specs, a name two
+    #: packages claim), or None when it loaded.
+    error: str | None = None
+
+    @property
+    def builtin(self) -> bool:
+        return self.package == BUILTIN_PACKAGE
+
+    @property
+    def source(self) -> str:
+        return "built-in" if self.builtin else f"{self.package} {self.version}"
 
 
 def _same_shapes(tree: Any, like: Any) -> bool:
@@ -105,20 +174,13 @@ class Strategy:
     def _call(self, hook: str, **kwargs: Any) -> Any:
         caller: Callable[..., Any] = getattr(self.pm.hook, hook)
         try:
-            with constraints_lay_out():
-                return caller(**kwargs)
+            return caller(**kwargs)
         except ShardplugError:
             raise
         except Exception as exc:
-            hint = ""
-            if "acts as an assert" in str(exc):  # with_sharding_constraint, explicit axes
-                hint = (
-                    " (on explicit mesh axes with_sharding_constraint only asserts: lay "
-                    "arrays out with shardplug.plugin.lay_out or jax.sharding.reshard, or "
-                    "declare 'explicit-axes' unsupported)"
-                )
             raise PluginError(
-                f"strategy {self.name!r}: hook {hook} failed: {type(exc).__name__}: {exc}{hint}"
+                f"strategy {self.name!r}: hook {hook} failed: {type(exc).__name__}: {exc}"
+                f"{lay_out_hint(exc)}"
             ) from exc
 
     def make_mesh(

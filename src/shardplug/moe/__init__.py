@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -227,12 +227,6 @@ def _counts(chosen: jax.Array, experts_count: int) -> jax.Array:
     return jnp.zeros(experts_count, jnp.float32).at[chosen].add(1.0)
 
 
-def experts_override(implementation: Callable[..., Any]) -> Any:
-    """Trace the code inside with ``implementation`` as the experts operation (for plugins
-    written before the ``operations`` hook: ``Operations(experts=...)`` says it now)."""
-    return ops.override("experts", implementation)
-
-
 def _stats(kept: jax.Array, assignments: int) -> Stats:
     load = kept / jnp.maximum(kept.sum(), 1.0)
     return Stats(load, 1.0 - kept.sum() / assignments, kept)
@@ -244,7 +238,6 @@ __all__ = [
     "Tally",
     "balance_bias",
     "capacity",
-    "experts_override",
     "load_balancing_loss",
     "route",
     "routed_experts",

@@ -12,7 +12,7 @@ A composable parallelism::
 
 and a whole strategy implements ``make_mesh``, ``shard_params`` and ``shard_batch`` with
 :func:`build_mesh` and the rules below. The hook specifications, with an example each, are
-in :mod:`shardplug.core.hookspecs` and :mod:`shardplug.core.parallel_hooks`;
+in :mod:`shardplug.core.hookspecs`, grouped by the phase of a run that calls them;
 docs/plugins.md walks through a published package, and examples/cp_gather is a context
 parallelism written from this namespace alone.
 
@@ -25,14 +25,10 @@ backward pass in: their tables (:mod:`.schedules`), the tick loop that runs one
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P
 
-from shardplug._lazy import submodule
-from shardplug.core import compose
-from shardplug.core.attention import attention, attention_override
+from shardplug.core.attention import attention
 from shardplug.core.compose import Composed
 from shardplug.core.context import (
     batch_axes,
@@ -46,7 +42,7 @@ from shardplug.core.context import (
 )
 from shardplug.core.declared import Capability
 from shardplug.core.facts import Explained, StepFacts
-from shardplug.core.hookspecs import hookimpl, hookspec
+from shardplug.core.hookspecs import Axis, hookimpl, hookspec
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh, describe, parse_mesh
 from shardplug.core.ops import Operations
@@ -122,35 +118,6 @@ RANK: dict[str, int] = {
 }
 
 
-class Axis(compose.Axis):
-    """The mesh axis a parallelism owns (:class:`shardplug.core.compose.Axis`), with the
-    built-ins' ranks as constants, as plugins written before :data:`RANK` use them."""
-
-    DATA: ClassVar[int] = RANK["data"]
-    STAGE: ClassVar[int] = RANK["stage"]
-    FSDP: ClassVar[int] = RANK["fsdp"]
-    EXPERT: ClassVar[int] = RANK["expert"]
-    CONTEXT: ClassVar[int] = RANK["context"]
-    MODEL: ClassVar[int] = RANK["model"]
-
-
-def __getattr__(name: str) -> Any:
-    """Names of the earlier contract that moved into the built-in plugins; submodules."""
-    if name == "sequence_parallel":
-        from shardplug.plugins.cp.ring import sequence_parallel
-
-        return sequence_parallel
-    if name == "expert_parallel":
-        from shardplug.plugins.ep.exchange import expert_parallel
-
-        return expert_parallel
-    if name == "experts_override":
-        from shardplug.moe import experts_override
-
-        return experts_override
-    return submodule(__name__, name)  # shardplug.plugin.backward after import shardplug
-
-
 __all__ = [
     "LAYERS",
     "RANK",
@@ -176,7 +143,6 @@ __all__ = [
     "TraceAgain",
     "Unscheduled",
     "attention",
-    "attention_override",
     "batch_axes",
     "batch_axis_name",
     "build_mesh",

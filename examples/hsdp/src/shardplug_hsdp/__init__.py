@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardplug
 from shardplug.core.mesh import build_mesh
-from shardplug.core.sharding import per_parameter, shard_largest_dim
+from shardplug.core.sharding import lay_out, per_parameter, shard_largest_dim
 
 
 class HybridShardedDataParallel:
@@ -63,4 +63,4 @@ class HybridShardedDataParallel:
     @shardplug.hookimpl
     def gather_params(self, params, mesh):
         whole = NamedSharding(mesh, P())
-        return jax.tree.map(lambda p: jax.lax.with_sharding_constraint(p, whole), params)
+        return jax.tree.map(lambda p: lay_out(p, whole), params)

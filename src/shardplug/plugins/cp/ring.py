@@ -25,14 +25,12 @@ axes, and the keys and values are gathered there.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 
-from shardplug.plugin import P, attention_override, lay_out
+from shardplug.plugin import P, lay_out
 from shardplug.plugin.attention import (
     pad_sequence,
     softmax_end,
@@ -46,7 +44,7 @@ _U = P.UNCONSTRAINED
 
 
 def gathered_attention(axis: str):
-    """An attention function for :func:`attention_override`: keys and values whole along
+    """An attention function (cp's ``Operations(attention=...)``): keys and values whole along
     the sequence (gathered over ``axis``), queries and output split over it."""
 
     def attend(query, key, value, *, causal, bias, mask, scale):
@@ -71,7 +69,7 @@ def gathered_attention(axis: str):
 
 
 def ring_attention(axis: str, balance: bool = True, on_ring=None):
-    r"""An attention function for :func:`attention_override`: each device keeps its block of
+    r"""An attention function (cp's ``Operations(attention=...)``): each device keeps its block of
     queries, keys and values, and the key/value blocks go round the ring over ``axis``
     (``C - 1`` ``ppermute``\s), each met with an online softmax (running maximum, sum and
     output in float32), so no device ever holds more than one other block, nor scores of
@@ -194,15 +192,3 @@ def _deal(x, axis: str, size: int, back: bool = False):
         jax.lax.ppermute(even_chunk, axis, [(b, a) for a, b in evens]),
         jax.lax.ppermute(odd_chunk, axis, [(b, a) for a, b in odds]),
     ], 1)  # fmt: skip
-
-
-@contextlib.contextmanager
-def sequence_parallel(
-    axis: str, name: str, scheme: str = "ring", balance: bool = True
-) -> Iterator[None]:
-    """Trace the code inside with :func:`shardplug.attention` attending over the sequence
-    split on ``axis`` (the earlier contract's way; a parallelism now returns
-    ``Operations(attention=...)`` from its ``operations`` hook)."""
-    attend = ring_attention(axis, balance) if scheme == "ring" else gathered_attention(axis)
-    with attention_override(attend):
-        yield

@@ -19,7 +19,6 @@ textbook's bytes.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -27,7 +26,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from shardplug.moe import experts_override
 from shardplug.plugin import (
     ConfigError,
     P,
@@ -110,10 +108,3 @@ def _exchange(x, experts_of, weights_of, w_in, w_out, *gate, axis, batch, size, 
     y = jnp.zeros_like(x).at[token].add((mine * weight[:, None]).astype(x.dtype))
     computed = jnp.zeros(experts, jnp.float32).at[expert].add(ok.astype(jnp.float32))
     return y, jax.lax.psum(computed, batch)  # each expert's kept assignments
-
-
-def expert_parallel(axis: str, batch_axes: tuple[str, ...]) -> contextlib.AbstractContextManager:
-    """Trace the code inside with the experts split over ``axis`` and exchanged (the earlier
-    contract's way; a parallelism now returns ``Operations(experts=...)`` from its
-    ``operations`` hook)."""
-    return experts_override(exchange(axis, tuple(batch_axes)))
