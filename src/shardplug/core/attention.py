@@ -55,15 +55,39 @@ def attention(
     override = ops.supplied("attention")
     if override is not None:
         return override(query, key, value, causal=causal, bias=bias, mask=mask, scale=scale)
+    return attention_kernel(query, key, value, causal=causal, bias=bias, mask=mask,
+                            scale=scale, implementation=implementation)  # fmt: skip
+
+
+def attention_kernel(
+    query: jax.Array, key: jax.Array, value: jax.Array, *, causal: bool = False,
+    bias: jax.Array | None = None, mask: jax.Array | None = None, scale: float | None = None,
+    lengths: jax.Array | None = None, implementation: Implementation | None = None,
+) -> jax.Array:  # fmt: skip
+    """:func:`attention` on the arrays as they are, no parallelism's in its place: the fused
+    kernel where the devices and inputs qualify, XLA's otherwise. A parallelism's own
+    attention (``Operations(attention=...)``) calls it on the blocks it has gathered or
+    dealt, so it runs cuDNN's fused attention where :func:`attention` would; ``lengths``
+    (one per row) masks the keys past each row's length, as padding to split a sequence
+    evenly needs (``jax.nn.dot_product_attention``'s ``key_value_seq_lengths``).
+
+    Example, attention over keys and values gathered whole along a sequence axis::
+
+        def attend(query, key, value, *, causal, bias, mask, scale):
+            whole = P(P.UNCONSTRAINED, None, P.UNCONSTRAINED, P.UNCONSTRAINED)
+            key, value = lay_out(key, whole), lay_out(value, whole)
+            return attention_kernel(query, key, value, causal=causal, bias=bias, mask=mask,
+                                    scale=scale)
+    """
     if implementation is None:
         implementation, why = choose(query, key, value, platform=_platform())
         if why is not None:
             _say_once(why)
         if implementation == "cudnn":
-            implementation = _try_cudnn(query, key, value, bias, mask, scale, causal)
+            implementation = _try_cudnn(query, key, value, bias, mask, scale, causal, lengths)
     return jax.nn.dot_product_attention(
         query, key, value, bias=bias, mask=mask, scale=scale, is_causal=causal,
-        implementation=implementation,
+        key_value_seq_lengths=lengths, implementation=implementation,
     )  # fmt: skip
 
 
@@ -87,14 +111,14 @@ def choose(query: Any, key: Any, value: Any, *, platform: str) -> tuple[Implemen
     return "cudnn", None
 
 
-def _try_cudnn(query, key, value, bias, mask, scale, causal) -> Implementation:
+def _try_cudnn(query, key, value, bias, mask, scale, causal, lengths) -> Implementation:
     """``"cudnn"`` if cuDNN accepts these inputs when traced, ``"xla"`` (said once) if not:
     its wrapper may refuse inputs whose explicit shardings it has no rule for."""
     try:
         jax.eval_shape(
             lambda q, k, v: jax.nn.dot_product_attention(
                 q, k, v, bias=bias, mask=mask, scale=scale, is_causal=causal,
-                implementation="cudnn",
+                key_value_seq_lengths=lengths, implementation="cudnn",
             ),
             query, key, value,
         )  # fmt: skip
@@ -112,4 +136,4 @@ def _platform() -> str:
 
 
 def _say_once(why: str) -> None:
-    warn_once(f"shardplug.attention: {why}", stacklevel=3)
+    warn_once(f"shardplug.attention: {why}", stacklevel=4)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core.attention import attention
+from shardplug.core.attention import attention, attention_kernel
 from shardplug.core.compose import Composed
 from shardplug.core.context import (
     batch_axes,
@@ -143,6 +143,7 @@ __all__ = [
     "TraceAgain",
     "Unscheduled",
     "attention",
+    "attention_kernel",
     "batch_axes",
     "batch_axis_name",
     "build_mesh",

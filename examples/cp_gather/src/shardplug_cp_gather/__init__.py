@@ -25,6 +25,7 @@ from shardplug.plugin import (
     Operations,
     P,
     ShardplugWarning,
+    attention_kernel,
     hookimpl,
     lay_out,
     pad_sequence,
@@ -43,9 +44,9 @@ def gathered_attention(axis: str):
         split, whole = P(_U, axis, _U, _U), P(_U, None, _U, _U)
         query, key, value = lay_out(query, split), lay_out(key, whole), lay_out(value, whole)
         padded = query.shape[1] != length
-        out = jax.nn.dot_product_attention(
-            query, key, value, bias=bias, mask=mask, scale=scale, is_causal=causal,
-            key_value_seq_lengths=jnp.full(query.shape[:1], length) if padded else None,
+        out = attention_kernel(  # shardplug's: cuDNN's fused attention where it qualifies
+            query, key, value, bias=bias, mask=mask, scale=scale, causal=causal,
+            lengths=jnp.full(query.shape[:1], length) if padded else None,
         )  # fmt: skip
         return lay_out(out, split)[:, :length]
 
