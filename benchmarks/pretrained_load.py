@@ -40,19 +40,14 @@ def make(directory: pathlib.Path) -> None:
     import ml_dtypes
     import numpy as np
 
-    from shardplug.pretrained import _pieces, hf_names, parameters, read_config
+    from shardplug.pretrained import read_config
     from shardplug.pretrained.safetensors import write
+    from shardplug.pretrained.stored import shapes
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(CONFIG))
     config = read_config(directory)
-    entries = []
-    for name, (shape, _) in parameters(config).items():
-        transposed = hf_names(config)[name][1]
-        for position, tensor in _pieces(config, name):
-            part = shape[len(position) :]
-            part = part[::-1] if transposed else part
-            entries.append((tensor, part))
+    entries = list(shapes(config).items())  # each stored tensor and its shape
     rng = np.random.default_rng(0)
     shards = [entries[i::4] for i in range(4)]
     weight_map = {}

@@ -6,7 +6,8 @@ Run once, by hand, in an environment that has the reference (it is not a depende
 shardplug or of its tests; the files it writes are committed)::
 
     python -m venv /tmp/hf && /tmp/hf/bin/pip install torch==2.13.0 transformers safetensors
-    /tmp/hf/bin/python scripts/hf_fixtures.py
+    /tmp/hf/bin/python scripts/hf_fixtures.py            # every family, and the text's
+    /tmp/hf/bin/python scripts/hf_fixtures.py phi3       # one family alone (NAME ...)
 
 Each directory holds what ``save_pretrained`` writes (``config.json``, safetensors, for
 ``llama`` split into shards with an index) and ``reference.npz``: ``tokens`` (2, 24) int32
@@ -86,6 +87,21 @@ FAMILIES = {
         transformers.MixtralConfig,
         transformers.MixtralForCausalLM,
         dict(num_local_experts=4, num_experts_per_tok=2),
+    ),
+    # Phi-3: q, k and v stored as one fused qkv_proj, gate and up as one gate_up_proj; rotary
+    # on half of each head's dimensions (partial_rotary_factor, as Phi-4-mini has)
+    "phi3": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(
+            eos_token_id=2,
+            pad_token_id=0,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
     ),
 }
 

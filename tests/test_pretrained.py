@@ -21,7 +21,7 @@ from shardplug.errors import PretrainedError
 from shardplug.pretrained.safetensors import Tensors
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "mixtral", "phi3")
 
 
 def reference(family: str, rows: int = 1) -> dict[str, np.ndarray]:
@@ -68,6 +68,8 @@ def test_one_device_gives_the_references_logits(family, framework):
         ("gemma3", "equinox", "pp+fsdp", "stage=2,fsdp=4"),  # each stage its layers' kinds
         ("mixtral", "nnx", "dp+ep", "data=2,expert=4"),
         ("mixtral", "linen", "pp+fsdp", "stage=2,fsdp=4"),
+        ("phi3", "linen", "fsdp+tp", "fsdp=4,model=2"),  # fused qkv_proj, gate_up_proj
+        ("phi3", "equinox", "pp+fsdp", "stage=2,fsdp=4"),
     ],
 )
 def test_every_layout_gives_the_references_logits(family, framework, strategy, mesh):
@@ -101,13 +103,14 @@ def test_first_step_loss_is_the_references_and_fine_tuning_lowers_it():
     assert history[-1]["lm_loss"] < first - 0.5
 
 
-def test_export_writes_the_familys_tensors_back_byte_for_byte(tmp_path):
-    model = pretrained.load(FIXTURES / "llama")
+@pytest.mark.parametrize("family", ["llama", "phi3"])  # phi3: fused tensors made back whole
+def test_export_writes_the_familys_tensors_back_byte_for_byte(tmp_path, family):
+    model = pretrained.load(FIXTURES / family)
     trainer = shardplug.Trainer(model.adapter("linen"), loss_fn=model.loss_fn,
                                 optimizer=optax.sgd(0.0), strategy="fsdp+tp",
                                 mesh="fsdp=4,model=2")  # fmt: skip
     out = pretrained.export(trainer.state.params, model, tmp_path / "out")
-    original, written = Tensors(FIXTURES / "llama"), Tensors(out)
+    original, written = Tensors(FIXTURES / family), Tensors(out)
     assert written.names() == original.names()
     for name in original.names():
         assert written.array(name).tobytes() == original.array(name).tobytes(), name
@@ -136,6 +139,38 @@ def test_configs_as_transformers_4_and_5_write_them_read_the_same(tmp_path):
     assert old == new and new.layer_types == ("sliding", "full")
     assert new.inverse_frequencies(local=True)[1] == pytest.approx(1 / 10000.0 ** (2 / 16))
     assert new.inverse_frequencies()[1] == pytest.approx(1 / 1e6 ** (2 / 16) / 8)
+
+
+def test_a_fused_tensor_is_several_parameters_each_read_from_its_rows():
+    """Phi-3 stores q, k and v as one qkv_proj and gate and up as one gate_up_proj; each
+    device reads only its block of its parameter's rows; a partial rotary reads as 4.x wrote
+    it too, and LongRoPE is refused."""
+    model = pretrained.load(FIXTURES / "phi3")
+    assert model.config.rotary_dim == 4 and model.config.head_dim == 8
+    trainer = shardplug.Trainer(model.adapter("nnx"), loss_fn=model.loss_fn,
+                                optimizer=optax.sgd(0.0), strategy="fsdp+tp",
+                                mesh="fsdp=4,model=2")  # fmt: skip
+    stored = sum(model.tensors.array(n).nbytes for n in model.tensors.names())
+    assert model.tensors.bytes_read == stored  # each fused tensor's bytes once, over its parts
+    params, files = trainer.state.params["layers"], Tensors(FIXTURES / "phi3")
+    qkv = files.read("model.layers.1.self_attn.qkv_proj.weight")
+    gate_up = files.read("model.layers.1.mlp.gate_up_proj.weight")
+    for name, rows in (("q", qkv[:32]), ("k", qkv[32:48]), ("v", qkv[48:]),
+                       ("gate", gate_up[:64]), ("up", gate_up[64:])):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(params[name][1]), rows.T, err_msg=name)
+
+
+def test_phi3_configs_as_transformers_4_and_5_write_them_read_the_same(tmp_path):
+    raw = json.loads((FIXTURES / "phi3" / "config.json").read_text())
+    four = {k: v for k, v in raw.items() if k != "rope_parameters"}
+    four.update(rope_theta=10000.0, partial_rotary_factor=0.5, rope_scaling=None)
+    (tmp_path / "config.json").write_text(json.dumps(four))
+    assert pretrained.read_config(tmp_path) == pretrained.read_config(FIXTURES / "phi3")
+    four["rope_scaling"] = {"type": "longrope", "short_factor": [1.0] * 2,
+                            "long_factor": [2.0] * 2}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(four))
+    with pytest.raises(PretrainedError, match="rotary scaling 'longrope' is not supported"):
+        pretrained.read_config(tmp_path)
 
 
 def _copy(tmp_path, family="qwen2") -> pathlib.Path:

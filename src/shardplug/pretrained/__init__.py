@@ -3,8 +3,9 @@ written back.
 
 A checkpoint is a directory: ``config.json`` and safetensors (one file, or shards with
 their ``model.safetensors.index.json``), as ``save_pretrained`` writes it. Llama (2, 3,
-3.1/3.2), Mistral, Qwen2, Qwen3, Gemma 3 (text) and Mixtral load into the decoder of
-:mod:`shardplug.pretrained.decoder`, in Flax NNX, Flax Linen or Equinox::
+3.1/3.2), Mistral, Qwen2, Qwen3, Gemma 3 (text), Mixtral and Phi-3 load into the decoder of
+:mod:`shardplug.pretrained.decoder`, in Flax NNX, Flax Linen or Equinox; each family is one
+module of :mod:`shardplug.pretrained.families`::
 
     model = shardplug.pretrained.load("checkpoints/Llama-3.2-1B")
     trainer = shardplug.Trainer(model.adapter("nnx"), loss_fn=model.loss_fn,
@@ -39,64 +40,23 @@ from shardplug.errors import ConfigError, PretrainedError
 from shardplug.models import check_adapter
 from shardplug.models.adapter import Adapter
 from shardplug.pretrained import decoder
-from shardplug.pretrained.config import FAMILIES, DecoderConfig, read_config
+from shardplug.pretrained.config import DecoderConfig, Traits
+from shardplug.pretrained.families import FAMILIES, read_config, tensors
+from shardplug.pretrained.families.base import Family, Stored
 from shardplug.pretrained.safetensors import INDEX, Tensors, write
+from shardplug.pretrained.stored import (
+    block_index,
+    layout,
+    made_back,
+    parameters,
+    pieces,
+    shapes,
+)
 
-__all__ = ["FAMILIES", "DecoderConfig", "Pretrained", "export", "load", "read_config"]
+__all__ = ["FAMILIES", "DecoderConfig", "Family", "Pretrained", "Stored", "Traits", "export",
+           "load", "parameters", "read_config", "tensors"]  # fmt: skip
 
 CASTS = ("float32", "bfloat16", "float16")
-
-
-def hf_names(c: DecoderConfig) -> dict[str, tuple[str, bool]]:
-    """Each parameter's tensor name in the family's checkpoints (``{i}`` the layer, ``{e}``
-    the expert) and whether it is stored transposed (a torch ``Linear`` is (out, in))."""
-    a, layer = "model.layers.{i}.self_attn.", "model.layers.{i}."
-    names = {
-        "embed": ("model.embed_tokens.weight", False),
-        "norm": ("model.norm.weight", False),
-        "head": ("lm_head.weight", True),
-        "layers/attention_norm": (layer + "input_layernorm.weight", False),
-        "layers/mlp_norm": (layer + "post_attention_layernorm.weight", False),
-    }
-    for n in "qkvo":
-        names[f"layers/{n}"] = (f"{a}{n}_proj.weight", True)
-    for n in "qkv":
-        names[f"layers/{n}_bias"] = (f"{a}{n}_proj.bias", False)
-    for n in "qk":
-        names[f"layers/{n}_norm"] = (f"{a}{n}_norm.weight", False)
-    if c.gemma:  # a norm after each sub-layer too; the MLP's own before it
-        names["layers/post_attention_norm"] = (layer + "post_attention_layernorm.weight", False)
-        names["layers/mlp_norm"] = (layer + "pre_feedforward_layernorm.weight", False)
-        names["layers/post_mlp_norm"] = (layer + "post_feedforward_layernorm.weight", False)
-    if c.experts:  # Mixtral: w1 the gate, w3 the up projection, w2 the down
-        moe_ = layer + "block_sparse_moe."
-        names["layers/router"] = (moe_ + "gate.weight", True)
-        for n, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
-            names[f"layers/{n}"] = (f"{moe_}experts.{{e}}.{w}.weight", True)
-    else:
-        for n in ("gate", "up", "down"):
-            names[f"layers/{n}"] = (f"{layer}mlp.{n}_proj.weight", True)
-    return names
-
-
-def parameters(c: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
-    """Every parameter by its name (``layers/q``), with its full shape and logical axes."""
-    outer, layer = decoder.table(c)
-    out = dict(outer)
-    out.update({f"layers/{n}": ((c.layers, *s), ("layers", *a)) for n, (s, a) in layer.items()})
-    return out
-
-
-def _pieces(c: DecoderConfig, name: str) -> list[tuple[tuple[int, ...], str]]:
-    """``(position, tensor name)`` of every stored tensor that makes up parameter ``name``:
-    the position indexes its leading (layer, expert) dimensions."""
-    template = hf_names(c)[name][0]
-    if not name.startswith("layers/"):
-        return [((), template)]
-    if "{e}" in template:
-        return [((i, e), template.format(i=i, e=e))
-                for i in range(c.layers) for e in range(c.experts)]  # fmt: skip
-    return [((i,), template.format(i=i)) for i in range(c.layers)]
 
 
 def _canonical(path: str) -> str:
@@ -165,9 +125,9 @@ class Pretrained:
 
     def _leaf(self, name: str, sharding: Any) -> jax.Array:
         shape = parameters(self.config)[name][0]
-        pieces = dict(_pieces(self.config, name))
-        transposed = hf_names(self.config)[name][1]
-        lead = len(next(iter(pieces)))
+        held = dict(pieces(self.config, name))
+        transposed = tensors(self.config)[name].transposed
+        lead = len(next(iter(held)))
         dtype = self.dtype
         read: dict[str, np.ndarray] = {}
         # how many of this process's devices hold each block: kept until the last has it
@@ -180,10 +140,10 @@ class Pretrained:
             if key not in read:
                 index = tuple(index) + (slice(None),) * (len(shape) - len(index))
                 positions = [range(n)[i] for n, i in zip(shape[:lead], index[:lead], strict=True)]
-                rest = index[lead:][::-1] if transposed else index[lead:]
+                rest = block_index(self.config, name, shape, index, lead)
 
                 def one(position):
-                    part = self.tensors.read(pieces[position], rest)
+                    part = self.tensors.read(held[position], rest)
                     return (part.T if transposed else part).astype(dtype, copy=False)
 
                 if lead == 0:
@@ -300,29 +260,26 @@ def load(directory: str | pathlib.Path, *, dtype: Any = None) -> Pretrained:
     if not any(where.glob("*.safetensors")) and not (where / INDEX).is_file():
         stored_as = np.dtype(jnp.dtype(config.dtype)) if config.dtype in CASTS else np.float32
         return Pretrained(where, config, _cast_to(dtype, np.dtype(stored_as), where), None)
-    tensors = Tensors(where)
+    files = Tensors(where)
     stored: set[np.dtype] = set()
-    for name, (shape, _) in parameters(config).items():
-        transposed = hf_names(config)[name][1]
-        for position, tensor in _pieces(config, name):
-            if tensor not in tensors:
-                raise PretrainedError(
-                    f"{where}: no tensor {tensor} in the checkpoint, which a {config.family} "
-                    f"of this config has; is the directory complete?"
-                )
-            want = shape[len(position) :][::-1] if transposed else shape[len(position) :]
-            if tensors.shape(tensor) != tuple(want):
-                raise PretrainedError(
-                    f"{where}: tensor {tensor} has shape {tensors.shape(tensor)}, but "
-                    f"config.json implies {tuple(want)}"
-                )
-            stored.add(tensors.dtype(tensor))
+    for tensor, want in shapes(config).items():
+        if tensor not in files:
+            raise PretrainedError(
+                f"{where}: no tensor {tensor} in the checkpoint, which a {config.family} "
+                f"of this config has; is the directory complete?"
+            )
+        if files.shape(tensor) != tuple(want):
+            raise PretrainedError(
+                f"{where}: tensor {tensor} has shape {files.shape(tensor)}, but "
+                f"config.json implies {tuple(want)}"
+            )
+        stored.add(files.dtype(tensor))
     floats = [d for d in stored if jnp.issubdtype(d, jnp.floating)]
     if len(floats) != len(stored):
         raise PretrainedError(f"{where}: tensors stored as {sorted(map(str, stored))}: "
                               "only floating-point checkpoints load")  # fmt: skip
     kept = max(floats, key=lambda d: d.itemsize) if floats else np.dtype("float32")
-    return Pretrained(where, config, _cast_to(dtype, kept, where), tensors)
+    return Pretrained(where, config, _cast_to(dtype, kept, where), files)
 
 
 def export(params: Any, pretrained: Pretrained | DecoderConfig, directory: str | pathlib.Path,
@@ -342,8 +299,9 @@ def export_checkpoint(checkpoint_dir: str | pathlib.Path, directory: str | pathl
     """Write a training checkpoint's parameters (``shardplug train --init-from``'s) as a
     checkpoint of the family its run started from (``init_from``, by default the one the run
     recorded). The training checkpoint is read one parameter at a time (the optimizer's
-    state not at all), so the host holds at most one parameter, all its layers, whole.
-    Returns the step written and the family's config."""
+    state not at all), so the host holds at most one parameter, all its layers, whole (or
+    the few a fused tensor holds, such as Phi-3's q, k and v). Returns the step written and
+    the family's config."""
     from shardplug.checkpoint import Checkpoints
 
     checkpoints = Checkpoints(checkpoint_dir, read_only=True)
@@ -358,7 +316,7 @@ def export_checkpoint(checkpoint_dir: str | pathlib.Path, directory: str | pathl
     stored = {_canonical(n.removeprefix("params/")): _Stored(checkpoints, step, n, meta)
               for n in meta["arrays"] if n.startswith("params/")}  # fmt: skip
     for name, lazy in stored.items():
-        lazy.uses = len(_pieces(config, name)) if name in hf_names(config) else 0
+        lazy.uses = len(pieces(config, name)) if name in tensors(config) else 0
     _write(stored, config, directory, dtype, lambda array: array)
     return step, config
 
@@ -399,14 +357,14 @@ def _write(
         )
     if (out / "config.json").exists() or any(out.glob("*.safetensors")):
         raise ConfigError(f"{out} already holds a checkpoint: choose another directory")
+    sources = {name: source(leaves[name]) for name in expected}
     entries: list[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]] = []
-    for name, (shape, _) in expected.items():
-        got, transposed = source(leaves[name]), hf_names(config)[name][1]
-        kind = np.dtype(jnp.dtype(dtype or getattr(leaves[name], "dtype", None) or config.dtype))
-        for position, tensor in _pieces(config, name):
-            part = shape[len(position) :]
-            entries.append((tensor, part[::-1] if transposed else part, kind,
-                            _piece(got, position, transposed)))  # fmt: skip
+    whole = shapes(config)
+    for tensor, held in layout(config).items():
+        first = leaves[held[0][0]]
+        kind = np.dtype(jnp.dtype(dtype or getattr(first, "dtype", None) or config.dtype))
+        entries.append((tensor, whole[tensor], kind,
+                        made_back(config, held, sources.__getitem__)))  # fmt: skip
     if jax.process_index() != 0:  # every process gathers each tensor with the others
         for entry in entries:
             entry[3]()
@@ -439,11 +397,3 @@ def _gathered(leaf: jax.Array) -> Any:
             return np.asarray(jax.device_get(part))
 
     return Gather()
-
-
-def _piece(source: Any, position: tuple[int, ...], transposed: bool) -> Callable[[], np.ndarray]:
-    def piece() -> np.ndarray:
-        whole = source[position]
-        return whole.T if transposed else whole
-
-    return piece

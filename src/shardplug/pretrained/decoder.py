@@ -5,12 +5,13 @@ The parameters, by the names the three modules give them (each with its logical 
 the strategies read): ``embed`` (vocab, width); ``layers/...`` stacked over a leading layer
 dimension (a :mod:`shardplug.stack` layer stack, so ``pp`` splits it): ``attention_norm``,
 ``q``, ``k``, ``v``, ``o`` (input dimension first), Qwen2's ``q_bias``/``k_bias``/``v_bias``,
-Qwen3's and Gemma's ``q_norm``/``k_norm``, ``mlp_norm``, Gemma's ``post_attention_norm`` and
-``post_mlp_norm``, and ``gate``, ``up``, ``down`` (Mixtral's with an
-expert dimension after the layer's, and its ``router``); ``norm``; ``head`` (width, vocab)
-unless the output is tied to the embedding. Attention is :func:`shardplug.attention` (so
-``cp`` supplies its ring, grouped-query heads and all), Mixtral's experts
-:func:`shardplug.moe.routed_experts` (so ``ep`` places them).
+Qwen3's and Gemma's ``q_norm``/``k_norm``, ``mlp_norm``, ``post_attention_norm`` and
+``post_mlp_norm`` (where the family's traits have ``post_norms``: Gemma), and ``gate``, ``up``,
+``down`` (Mixtral's with an expert dimension after the layer's, and its ``router``); ``norm``;
+``head`` (width, vocab) unless the output is tied to the embedding. What a family does that
+its config does not state is in its :class:`~shardplug.pretrained.config.Traits`. Attention
+is :func:`shardplug.attention` (so ``cp`` supplies its ring, grouped-query heads and all),
+Mixtral's experts :func:`shardplug.moe.routed_experts` (so ``ep`` places them).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def table(c: DecoderConfig) -> tuple[Table, Table]:
         "o": ((q, c.width), ("heads", "embed")),
         "mlp_norm": ((c.width,), (None,)),
     }
-    if c.gemma:
+    if c.traits.post_norms:
         layer.update(post_attention_norm=((c.width,), (None,)),
                      post_mlp_norm=((c.width,), (None,)))  # fmt: skip
     if c.qkv_bias:
@@ -71,22 +72,22 @@ def table(c: DecoderConfig) -> tuple[Table, Table]:
 
 
 def _init(key: jax.Array, name: str, shape: tuple[int, ...], dtype: Any,
-          gemma: bool = False) -> jax.Array:  # fmt: skip
+          plus_one: bool = False) -> jax.Array:  # fmt: skip
     """A fresh model's values (for training from scratch or for planning): norms scaling by
-    1 (Gemma's weights at 0: they scale by 1 + weight)."""
+    1 (their weights at 0 where norms scale by 1 + weight)."""
     if name.endswith("norm"):
-        return (jnp.zeros if gemma else jnp.ones)(shape, dtype)
+        return (jnp.zeros if plus_one else jnp.ones)(shape, dtype)
     if name.endswith("bias"):
         return jnp.zeros(shape, dtype)
     return 0.02 * jax.random.normal(key, shape, dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, gemma: bool = False) -> jax.Array:
-    """Llama's RMSNorm: normalised in float32, cast back, then scaled; Gemma's: scaled by
-    ``1 + weight`` in float32, then cast back."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+    """Llama's RMSNorm: normalised in float32, cast back, then scaled; with ``plus_one``
+    (Gemma's): scaled by ``1 + weight`` in float32, then cast back."""
     f = x.astype(jnp.float32)
     f = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + eps)
-    if gemma:
+    if plus_one:
         return (f * (1.0 + _lastdim(weight, x.ndim).astype(jnp.float32))).astype(x.dtype)
     return _lastdim(weight, x.ndim) * f.astype(x.dtype)
 
@@ -98,7 +99,12 @@ def _lastdim(v: jax.Array, ndim: int) -> jax.Array:
 
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotary positions on ``(batch, sequence, heads, head_dim)``: the two halves of each
-    head rotate as pairs (the Hugging Face layout: ``rotate_half``)."""
+    head rotate as pairs (the Hugging Face layout: ``rotate_half``); with fewer frequencies
+    than half a head (a partial rotary), the two halves of its leading dimensions, the rest
+    left as they are."""
+    turned = 2 * cos.shape[-1]
+    if turned < x.shape[-1]:
+        return jnp.concatenate([_rotate(x[..., :turned], cos, sin), x[..., turned:]], -1)
     cos, sin = (t[None, :, None, :].astype(x.dtype) for t in (cos, sin))
     first, second = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
@@ -129,7 +135,7 @@ def forward(c: DecoderConfig, p: dict[str, Any], tokens: jax.Array, remat: str =
         local_cos, local_sin = _angles(c, length, local=True)
 
     def norm(x, weight):
-        return rms_norm(x, weight, c.norm_eps, c.gemma)
+        return rms_norm(x, weight, c.norm_eps, c.traits.norm_plus_one)
 
     def block(lp: dict[str, jax.Array], x: jax.Array, pl: dict[str, jax.Array] | None = None):
         batch = x.shape[0]  # under pp, a microbatch's
@@ -155,11 +161,11 @@ def forward(c: DecoderConfig, p: dict[str, Any], tokens: jax.Array, remat: str =
         out = attention(_rotate(q, c_, s_), _rotate(k, c_, s_), v, causal=True, mask=mask,
                         scale=c.query_scale)  # fmt: skip
         out = out.reshape(batch, length, c.heads * c.head_dim) @ lp["o"]
-        x = x + (norm(out, lp["post_attention_norm"]) if c.gemma else out)
+        x = x + (norm(out, lp["post_attention_norm"]) if c.traits.post_norms else out)
         h = norm(x, lp["mlp_norm"])
         if not c.experts:
             out = (act(h @ lp["gate"]) * (h @ lp["up"])) @ lp["down"]
-            return x + (norm(out, lp["post_mlp_norm"]) if c.gemma else out)
+            return x + (norm(out, lp["post_mlp_norm"]) if c.traits.post_norms else out)
         flat = h.reshape(batch * length, c.width)
         logits = flat @ lp["router"]
         routing = moe.route(logits, c.top_k)
@@ -168,7 +174,7 @@ def forward(c: DecoderConfig, p: dict[str, Any], tokens: jax.Array, remat: str =
         return x + y, moe.tally(logits, routing, stats)
 
     x = jnp.take(p["embed"], tokens, axis=0)
-    if c.gemma:  # the scale rounded to the embedding's dtype first, as the reference does
+    if c.traits.embed_scale:  # the scale rounded to the embedding's dtype first, as the reference
         x = x * jnp.asarray(c.width**0.5, jnp.float32).astype(x.dtype)
     out = stack.scan(block, p["layers"], x, remat=remat, per_layer=per_layer or None)
     x, tallies = out if c.experts else (out, None)
@@ -186,11 +192,11 @@ class NnxParams(nnx.Module):
     """A group of NNX parameters built from a table (``layers`` stacked ``count`` deep)."""
 
     def __init__(self, entries: Table, dtype: Any, rngs: nnx.Rngs, count: int = 0,
-                 gemma: bool = False):  # fmt: skip
+                 plus_one: bool = False):  # fmt: skip
         for name, (shape, names) in entries.items():
             if count:
                 shape, names = (count, *shape), (stack.LAYERS, *names)
-            value = _init(rngs.params(), name, shape, dtype, gemma)
+            value = _init(rngs.params(), name, shape, dtype, plus_one)
             setattr(self, name, nnx.Param(value, out_sharding=names))
 
     def arrays(self) -> dict[str, jax.Array]:
@@ -204,8 +210,9 @@ class NnxDecoder(nnx.Module):
                  rngs: nnx.Rngs, remat: str = "none"):  # fmt: skip
         outer, layer = table(config)
         self.config, self.remat = config, remat
-        self.outer = NnxParams(outer, dtype, rngs, gemma=config.gemma)
-        self.layers = NnxParams(layer, dtype, rngs, count=config.layers, gemma=config.gemma)
+        plus_one = config.traits.norm_plus_one
+        self.outer = NnxParams(outer, dtype, rngs, plus_one=plus_one)
+        self.layers = NnxParams(layer, dtype, rngs, count=config.layers, plus_one=plus_one)
 
     def __call__(self, tokens: jax.Array):
         arrays = {**self.outer.arrays(), "layers": self.layers.arrays()}
@@ -225,7 +232,9 @@ class LinenDecoder(nn.Module):
 
         def made(name, shape, names):
             init = nn.with_logical_partitioning(
-                lambda key, shape, dtype: _init(key, name, shape, dtype, self.config.gemma),
+                lambda key, shape, dtype: _init(
+                    key, name, shape, dtype, self.config.traits.norm_plus_one
+                ),
                 names,
             )
             return self.param(name, init, shape, self.dtype)
@@ -249,7 +258,7 @@ class EqxDecoder(eqx.Module):
                  remat: str = "none"):  # fmt: skip
         outer, layer = table(config)
         keys = iter(jax.random.split(key, len(outer) + len(layer)))
-        g = config.gemma
+        g = config.traits.norm_plus_one
         arrays: dict[str, Any] = {
             n: _init(next(keys), n, s, dtype, g) for n, (s, _) in outer.items()
         }
