@@ -495,3 +495,33 @@ def test_the_longest_sequence_says_its_cap_and_refuses_what_it_cannot_plan(capsy
         assert main(["recommend", "--longest-sequence", "--device-memory", "80GB", *argv]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+LENDER = '''
+from shardplug.plugin import RANK, Axis, hookimpl
+
+
+class Lender:
+    """Splits no parameter; lends its axis to store what is left whole."""
+
+    @hookimpl
+    def parallel_axis(self):
+        return Axis("lent", rank=RANK["model"], lends=True)
+'''
+
+
+def test_an_axis_lent_for_storage_is_not_called_tensor_parallelism(tmp_path, monkeypatch):
+    from shardplug.core import registry
+    from tests.test_registry import install
+
+    install(tmp_path, monkeypatch, "lender", "0.1", {"lent": "lender:Lender"}, {"lender": LENDER})
+    try:
+        model = shardplug.get_model("mlp")
+        trainer = model.task("nnx").trainer(strategy="fsdp+lent", mesh="fsdp=4,lent=2",
+                                            allocate=False)  # fmt: skip
+        report = explain(trainer, next(model.batches(32)))
+        stored = {a for p in report.params for a in str(p.spec).replace("'", " ").split()}
+        assert "lent" in stored  # fsdp stores over the lent axis too...
+        assert not any("tensor parallelism" in note for note in report.notes), report.notes
+    finally:
+        registry._discover.cache_clear()

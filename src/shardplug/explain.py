@@ -276,7 +276,11 @@ def explain(
     ]  # fmt: skip
     notes: list[str] = []
     reports: dict[str, Any] = {}
-    tensor_parallel = {a for s in flat_shardings for a in mesh_axes(s.spec) if a not in batch_axes}
+    composition = trainer.strategy.composition
+    stored = [x.spec for x in flat_shardings]
+    used = (composition and composition.used_specs(state.params, mesh)) or stored
+    # axes parameters are used split over (an axis lent to store them only is gathered)
+    tensor_parallel = {a for spec in used for a in mesh_axes(spec) if a not in batch_axes}
     if tensor_parallel:
         notes.append(
             f"parameters split over {sorted(tensor_parallel)}, which the batch is not split "
@@ -290,9 +294,6 @@ def explain(
     bf16 = PRECISIONS.get(trainer.precision) is not None
     if bf16 and (note := float32_note(dtypes)):
         notes.append(note)
-    composition = trainer.strategy.composition
-    stored = [x.spec for x in flat_shardings]
-    used = (composition and composition.used_specs(state.params, mesh)) or stored
     shards = [p.bytes_per_device for p in params]
     parts = _gradient_parts(hlo_text, flat_params, used, mesh, batch_axes)
     counts = [1] * len(params)
