@@ -481,3 +481,30 @@ def test_an_error_in_a_plugins_own_code_names_its_package_and_keeps_the_cause(
     assert one_line(ValueError(noted)) == (  # JAX's note on its frames is no cause: dropped
         "The context mesh cannot be empty. Use `jax.set_mesh(mesh)` to enter into a mesh context"
     )
+
+
+BAD_HOOK = '''
+import shardplug
+
+
+class BadHook:
+    """A whole strategy whose mesh fails in two lines, as JAX's errors do."""
+
+    @shardplug.hookimpl
+    def make_mesh(self, devices, mesh_shape):
+        raise ValueError("no mesh here:\\n\\n  the cause, on a line of its own")
+'''
+
+
+def test_a_hook_that_fails_is_one_line_naming_the_strategy_with_the_cause(
+    tmp_path, monkeypatch, fresh_registry
+):
+    install(tmp_path, monkeypatch, "badhook", "0.1", {"badhook": "badhook:BadHook"},
+            {"badhook": BAD_HOOK})  # fmt: skip
+    model = shardplug.get_model("mlp")
+    with pytest.raises(shardplug.errors.PluginError) as raised:
+        model.task("nnx").trainer(strategy="badhook")
+    assert str(raised.value) == (
+        "strategy 'badhook': hook make_mesh failed: ValueError: no mesh here: the cause, on a "
+        "line of its own"
+    )

@@ -40,7 +40,14 @@ from shardplug.core.hookspecs import Axis, hookimpl
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh, is_explicit
 from shardplug.core.sharding import lay_out, lay_out_hint, leaf_paths, mesh_axes
-from shardplug.errors import CompositionError, ConfigError, MeshError, PluginError, ShardplugError
+from shardplug.errors import (
+    CompositionError,
+    ConfigError,
+    MeshError,
+    PluginError,
+    ShardplugError,
+    one_line,
+)
 
 #: hooks of the step a parallelism may also implement; one per composition.
 STEP_HOOKS = (
@@ -81,7 +88,8 @@ class Part:
             raise
         except Exception as exc:
             raise PluginError(
-                f"parallelism {self.name!r}: hook {hook} failed: {type(exc).__name__}: {exc}"
+                f"parallelism {self.name!r}: hook {hook} failed: {type(exc).__name__}: "
+                f"{one_line(exc)}"
                 f"{lay_out_hint(exc)}"
             ) from exc
 

@@ -31,6 +31,7 @@ from shardplug.errors import (
     ShardplugWarning,
     StrategyOptionError,
     UnknownStrategyError,
+    one_line,
 )
 
 GROUP = "shardplug"
@@ -73,7 +74,7 @@ def _load(entry: importlib.metadata.EntryPoint) -> tuple[StrategyInfo, Any]:
     try:
         plugin = entry.load()
     except Exception as exc:  # a broken plugin must not take the others down
-        return broken(error=f"import failed: {type(exc).__name__}: {exc}"), None
+        return broken(error=f"import failed: {type(exc).__name__}: {one_line(exc)}"), None
     if isinstance(plugin, compose.Composed):
         description = plugin.description or f"the composition {plugin.parts}"
         info = StrategyInfo(

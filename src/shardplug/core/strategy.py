@@ -18,7 +18,13 @@ from shardplug.core import compose, declared, fallbacks
 from shardplug.core.context import activation_rules, splitting_rows
 from shardplug.core.mesh import retyped
 from shardplug.core.sharding import check_batch, lay_out_hint, to_named
-from shardplug.errors import ConfigError, PluginError, ShardplugError, StrategyOptionError
+from shardplug.errors import (
+    ConfigError,
+    PluginError,
+    ShardplugError,
+    StrategyOptionError,
+    one_line,
+)
 
 FALLBACKS = fallbacks.NAME
 BUILTIN_PACKAGE = "shardplug"
@@ -179,7 +185,8 @@ class Strategy:
             raise
         except Exception as exc:
             raise PluginError(
-                f"strategy {self.name!r}: hook {hook} failed: {type(exc).__name__}: {exc}"
+                f"strategy {self.name!r}: hook {hook} failed: {type(exc).__name__}: "
+                f"{one_line(exc)}"
                 f"{lay_out_hint(exc)}"
             ) from exc
 
