@@ -87,7 +87,7 @@ def test_explain_recommend_bench_and_export_run_on_a_task_file(task_files, tmp_p
 
 
 def test_a_module_task_and_a_function_returning_one_load():
-    task = load_task("shardplug.tasks:classifier")
+    task = load_task("shardplug.builtin_tasks:classifier")
     assert isinstance(task, Task) and task.name == "classifier"
     assert task.adapter.framework == "nnx"
 
@@ -283,7 +283,7 @@ task = shardplug.Task(adapter=adapter, loss_fn=broken, optimizer=optax.sgd(0.1),
 
 
 def test_task_flags_of_the_reference_model_are_refused_with_a_task(capsys):
-    assert main(["train", "--task", "shardplug.tasks:digits", "--layers", "4"]) == 2
+    assert main(["train", "--task", "shardplug.builtin_tasks:digits", "--layers", "4"]) == 2
     assert "--layers set the reference model" in capsys.readouterr().err
 
 
@@ -297,7 +297,7 @@ def test_a_task_checks_its_fields():
 
 def test_the_digits_task_reports_held_out_accuracy(tmp_path):
     out = tmp_path / "rows.jsonl"
-    argv = ["train", "--task", "shardplug.tasks:digits", "--strategy", "fsdp", "--steps",
+    argv = ["train", "--task", "shardplug.builtin_tasks:digits", "--strategy", "fsdp", "--steps",
             "150", "--eval-every", "150", "--log-every", "50", "--metrics-out", str(out),
             "--quiet"]  # fmt: skip
     assert main(argv) == 0
@@ -312,7 +312,7 @@ def test_sizes_reach_a_task_function_that_takes_them(capsys):
     task = load_task("examples/tasks/llama.py:tiny", sequence=64, batch_size=4)
     assert next(iter(task.batches()))["tokens"].shape == (4, 64)
     with pytest.raises(TaskError, match=r"digits takes no sequence, so --sequence cannot size"):
-        load_task("shardplug.tasks:digits", sequence=64)
-    assert main(["explain", "--task", "shardplug.tasks:digits", "--sequence", "64"]) == 2
+        load_task("shardplug.builtin_tasks:digits", sequence=64)
+    assert main(["explain", "--task", "shardplug.builtin_tasks:digits", "--sequence", "64"]) == 2
     err = capsys.readouterr().err
     assert "def digits(sequence=...) -> Task" in err and err.count("\n") == 1

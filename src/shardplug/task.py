@@ -2,7 +2,7 @@
 
 ``shardplug train --task my_task.py:task`` (or ``--task my_package.tasks:task``) loads
 ``task`` from that file or module: a :class:`Task`, or a function returning one. The
-reference models are tasks too (:mod:`shardplug.tasks`).
+reference models are tasks too (:mod:`shardplug.builtin_tasks`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The built-in tasks, shipped as any task is: ``--task shardplug.tasks:digits``.
+"""The built-in tasks, shipped as any task is: ``--task shardplug.builtin_tasks:digits``.
 
 ``mlp``, ``classifier``, ``transformer`` and ``cnn`` are the reference models as tasks (what
 ``--model NAME`` runs), on synthetic data read through Grain. ``digits`` is a classifier of
