@@ -45,7 +45,7 @@ from shardplug.core.facts import Explained, StepFacts
 from shardplug.core.hookspecs import Axis, hookimpl, hookspec
 from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh, describe, parse_mesh
-from shardplug.core.ops import Operations
+from shardplug.core.ops import Attention, Experts, LayerStack, Operations
 from shardplug.core.sharding import (
     largest_divisible_dim,
     lay_out,
@@ -120,12 +120,15 @@ RANK: dict[str, int] = {
 
 __all__ = [
     "LAYERS",
+    "LayerStack",
     "RANK",
     "SCHEDULES",
+    "Attention",
     "Axis",
     "Capability",
     "Composed",
     "ConfigError",
+    "Experts",
     "Explained",
     "MeshError",
     "NamedSharding",
