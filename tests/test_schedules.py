@@ -350,6 +350,26 @@ def test_a_schedule_of_ones_own_trains_like_one_device(tmp_path, monkeypatch, fr
         installed.cache_clear()
 
 
+def test_strategies_lists_every_schedule_with_its_source(
+    tmp_path, monkeypatch, capsys, fresh_registry
+):  # noqa: F811
+    install(tmp_path, monkeypatch, "latew", "0.1", {"late-w": "latew:LATE"}, {"latew": LATE_W},
+            group="shardplug.schedules")  # fmt: skip
+    installed.cache_clear()
+    try:
+        assert main(["strategies", "--all", "--json"]) == 0
+        rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+        assert (rows["late-w"]["kind"], rows["late-w"]["source"]) == ("schedule", "latew 0.1")
+        assert (rows["late-w"]["package"], rows["late-w"]["version"]) == ("latew", "0.1")
+        assert rows["zb"]["source"] == rows["gpipe"]["source"] == "built-in"
+        assert main(["strategies"]) == 0
+        assert "late-w (latew 0.1)" in capsys.readouterr().out
+        with pytest.raises(StrategyOptionError, match="'gpipe' is pp's own schedule"):
+            find_schedule("gpipe")  # not 'must be one of gpipe, ..., got gpipe'
+    finally:
+        installed.cache_clear()
+
+
 def test_explain_prints_the_schedule(capsys):
     argv = ["explain", "--strategy", "pp", "--mesh", "stage=4", "--devices", "4", "--layers",
             "8", "-o", "pp.schedule=1f1b", "-o", "microbatches=4"]  # fmt: skip

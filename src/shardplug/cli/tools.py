@@ -16,6 +16,7 @@ def cmd_strategies(args: argparse.Namespace) -> int:
     kinds = [("strategy", info) for info in list_strategies(include_broken=args.all)]
     if args.all:
         kinds += [("add-on", info) for info in list_addons(include_broken=True)]
+    schedules = _schedules()
     if args.json:
         rows = [
             {
@@ -33,6 +34,16 @@ def cmd_strategies(args: argparse.Namespace) -> int:
             }
             for kind, i in kinds
         ]
+        if args.all:
+            from importlib.metadata import version
+
+            own = ("shardplug", version("shardplug"))
+            rows += [{"name": name, "kind": "schedule", "composes": False, "parts": None,
+                      "description": description, "source": source,
+                      "package": (own if source == "built-in" else source.rsplit(" ", 1))[0],
+                      "version": (own if source == "built-in" else source.rsplit(" ", 1))[-1],
+                      "options": {}, "hooks": [], "error": None}
+                     for name, source, description in schedules]  # fmt: skip
         print(json.dumps(rows, indent=2))
         return 0
     from rich.console import Console
@@ -43,6 +54,8 @@ def cmd_strategies(args: argparse.Namespace) -> int:
         for kind, i in kinds:
             shown = kind if kind == "add-on" else i.kind
             table.add_row(i.name, shown, i.source, ", ".join(i.hooks), i.error or "")
+        for name, source, _ in schedules:
+            table.add_row(name, "schedule", source, "", "")
     else:
         table = Table("strategy", "kind", "description", "source", "options")
         for _, i in kinds:
@@ -55,7 +68,19 @@ def cmd_strategies(args: argparse.Namespace) -> int:
             "Parallelisms compose on one mesh with '+' (--strategy dp+fsdp+tp); a strategy "
             "runs alone."
         )
+        listed = ", ".join(f"{name} ({source})" for name, source, _ in schedules)
+        print(f"pp's schedules (-o pp.schedule=NAME): {listed}.")
     return 0
+
+
+def _schedules() -> list[tuple[str, str, str]]:
+    """Every installed pipeline schedule: its name, where it comes from, what it is; pp's
+    own GPipe first."""
+    from shardplug.plugin.schedules import installed, sources
+
+    gpipe = ("gpipe", "built-in", "every forward, then the backward pass JAX derives")
+    where = sources()
+    return [gpipe, *((n, where[n], s.description) for n, s in installed().items())]
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

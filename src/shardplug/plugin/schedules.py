@@ -378,11 +378,27 @@ def installed() -> dict[str, Schedule]:
     return found
 
 
+def sources() -> dict[str, str]:
+    """Where each installed schedule comes from: ``built-in``, or the package and version
+    that registers it (``shardplug strategies`` lists them)."""
+    named = {
+        entry.name: f"{entry.dist.name} {entry.dist.version}" if entry.dist else entry.value
+        for entry in importlib.metadata.entry_points(group=GROUP)
+    }
+    return {name: "built-in" if name in SCHEDULES else named[name] for name in installed()}
+
+
 def find_schedule(schedule: str | Schedule) -> Schedule:
     """The :class:`Schedule` ``schedule`` names (or is), refused in one line if unknown."""
     if isinstance(schedule, Schedule):
         return schedule
     known = installed()
+    if schedule == "gpipe":
+        raise StrategyOptionError(
+            "'gpipe' is pp's own schedule (every forward, then the backward pass JAX derives), "
+            f"not a table of passes: the schedules that are ({', '.join(known)}) write the "
+            "backward pass in"
+        )
     if schedule not in known:
         raise StrategyOptionError(
             f"pp option schedule must be one of gpipe, {', '.join(known)}, got {schedule!r}"
