@@ -9,9 +9,9 @@ import pytest
 from test_distributed import launch, rows
 
 import shardplug
+from shardplug.builtin_tasks import digits
 from shardplug.data import Batches
 from shardplug.errors import CheckpointError, ConfigError
-from shardplug.builtin_tasks import digits
 
 RECORDS = [{"x": np.full(3, i, np.float32), "id": np.int32(i)} for i in range(40)]
 
@@ -131,8 +131,8 @@ def test_two_processes_resume_with_grain_onto_another_strategy(tmp_path):
     whole = shardplug.Trainer(task.adapter, loss_fn=task.loss_fn, optimizer=task.optimizer)
     want = [r["loss"] for r in whole.fit(task.data, 20)]
     out, ckpt = tmp_path / "m.jsonl", str(tmp_path / "ckpt")
-    common = ("--task", "shardplug.builtin_tasks:digits", "--metrics-out", str(out), "--checkpoint-dir",
-              ckpt)  # fmt: skip
+    common = ("--task", "shardplug.builtin_tasks:digits", "--metrics-out", str(out),
+              "--checkpoint-dir", ckpt)  # fmt: skip
     done = launch(*common, "--strategy", "fsdp", "--steps", "10")
     assert done.returncode == 0, done.stdout[-3000:]
     done = launch(*common, "--strategy", "dp", "--steps", "20", "--resume")

@@ -14,7 +14,7 @@ import shardplug
 from shardplug.cli import main
 from shardplug.errors import ConfigError, MeshError
 from shardplug.explain import explain
-from shardplug.plugin import Pipeline, circular_order
+from shardplug.plugins.pp.stages import Pipeline, circular_order
 
 STEPS = 3
 
@@ -200,8 +200,9 @@ def test_the_schedule_returns_each_layers_aux_summed_over_microbatches_in_layer_
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from shardplug.core import ops
     from shardplug.core.layer_stack import run_stack
-    from shardplug.plugin import pipelined
+    from shardplug.plugins.pp.stages import stack_operation
 
     def block(w, h):
         h = jnp.tanh(h * w[None, :])
@@ -216,7 +217,7 @@ def test_the_schedule_returns_each_layers_aux_summed_over_microbatches_in_layer_
 
     @jax.jit
     def piped(w, x):
-        with pipelined(pipeline):
+        with ops.override("layer_stack", stack_operation(pipeline)):
             return run_stack(block, w, x)
 
     with jax.set_mesh(mesh):

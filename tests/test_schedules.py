@@ -20,14 +20,13 @@ from shardplug import stack
 from shardplug.cli import main
 from shardplug.errors import ConfigError, StrategyOptionError
 from shardplug.explain import explain
-from shardplug.plugin import backward
-from shardplug.plugin.schedules import (
+from shardplug.plugin import Schedule, tabulate
+from shardplug.plugins.pp import backward
+from shardplug.plugins.pp.schedules import (
     SCHEDULES,
-    Schedule,
     find_schedule,
     installed,
     one_f_one_b,
-    tabulate,
     zero_bubble,
 )
 from shardplug.testing.conformance import _losses, one_device_losses
@@ -322,7 +321,8 @@ def test_the_default_runs_zero_bubble_where_it_can_and_gpipe_where_not():
 
 LATE_W = textwrap.dedent(
     """
-    from shardplug.plugin import Schedule, one_f_one_b
+    from shardplug.plugin import Schedule
+    from shardplug.plugins.pp.schedules import one_f_one_b
 
     def late(stages, microbatches, chunks):
         # 1F1B's order, every weight gradient at the end: a stage holds every microbatch
@@ -351,8 +351,11 @@ def test_a_schedule_of_ones_own_trains_like_one_device(tmp_path, monkeypatch, fr
 
 
 def test_strategies_lists_every_schedule_with_its_source(
-    tmp_path, monkeypatch, capsys, fresh_registry
-):  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    capsys,
+    fresh_registry,  # noqa: F811 (the fixture)
+):
     install(tmp_path, monkeypatch, "latew", "0.1", {"late-w": "latew:LATE"}, {"latew": LATE_W},
             group="shardplug.schedules")  # fmt: skip
     installed.cache_clear()

@@ -18,9 +18,14 @@ parallelism written from this namespace alone.
 
 Building blocks: the online softmax a ring of attention is made of (:mod:`.attention`),
 the grouped product and capacity of a mixture of experts (:mod:`shardplug.moe.kernels`),
-a pipeline's plan and GPipe schedule (:mod:`.stages`), and the schedules that write the
-backward pass in: their tables (:mod:`.schedules`), the tick loop that runs one
-(:mod:`.ticks`, :mod:`.chunks`) and a layer's backward pass cut in two (:mod:`.backward`).
+a pipeline schedule's record, passes and table (:mod:`.schedule`: what a package that
+adds a schedule to pp writes), shardplug's attention kernel for a parallelism's own
+attention (:func:`attention_kernel`, its signature :class:`Attention`), a loss's sum and
+count for a ``compute_grads`` that cuts the batch into parts (:mod:`shardplug.core.means`,
+as ``means``: each part's sums added, divided once), and :func:`override_operation`, to
+trace code with one operation in place of another. pp's engine (its plan, GPipe, the tick
+loop that runs a table, the built-in schedules) is pp's own, in
+:mod:`shardplug.plugins.pp`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core import means
 from shardplug.core.attention import attention, attention_kernel
 from shardplug.core.compose import Composed
 from shardplug.core.context import (
@@ -43,9 +49,10 @@ from shardplug.core.context import (
 from shardplug.core.declared import Capability
 from shardplug.core.facts import Explained, StepFacts
 from shardplug.core.hookspecs import Axis, hookimpl, hookspec
-from shardplug.core.layer_stack import LAYERS
-from shardplug.core.mesh import build_mesh, describe, parse_mesh
+from shardplug.core.layer_stack import LAYERS, split_aux
+from shardplug.core.mesh import build_mesh, describe, is_explicit, parse_mesh
 from shardplug.core.ops import Attention, Experts, LayerStack, Operations
+from shardplug.core.ops import override as override_operation
 from shardplug.core.sharding import (
     largest_divisible_dim,
     lay_out,
@@ -80,28 +87,7 @@ from shardplug.plugin.attention import (
     softmax_rows,
     softmax_start,
 )
-from shardplug.plugin.schedules import (
-    SCHEDULES,
-    Pass,
-    Schedule,
-    Table,
-    Unscheduled,
-    find_schedule,
-    one_f_one_b,
-    tabulate,
-    zero_bubble,
-)
-from shardplug.plugin.stages import (
-    Pipeline,
-    circular_order,
-    joined,
-    microbatches,
-    pipelined,
-    rows_split,
-    schedule,
-    stack_operation,
-)
-from shardplug.plugin.ticks import scheduled_grads
+from shardplug.plugin.schedule import KINDS, Pass, Schedule, Table, Unscheduled, tabulate
 
 #: The built-in parallelisms' axes and their ranks, stated once: the mesh lays axes out in
 #: this order (outermost first: replicas across nodes, tensor parallelism on the fastest
@@ -122,7 +108,6 @@ __all__ = [
     "LAYERS",
     "LayerStack",
     "RANK",
-    "SCHEDULES",
     "Attention",
     "Axis",
     "Capability",
@@ -130,13 +115,13 @@ __all__ = [
     "ConfigError",
     "Experts",
     "Explained",
+    "KINDS",
     "MeshError",
     "NamedSharding",
     "Operations",
     "P",
     "PartitionSpec",
     "Pass",
-    "Pipeline",
     "PluginError",
     "Schedule",
     "ShardplugWarning",
@@ -152,16 +137,14 @@ __all__ = [
     "build_mesh",
     "capacity",
     "capacity_per_group",
-    "circular_order",
     "compute_dtype",
     "constrain",
     "describe",
-    "find_schedule",
     "grouped_mlp",
     "hookimpl",
     "hookspec",
     "in_microbatches",
-    "joined",
+    "is_explicit",
     "kept_assignments",
     "largest_divisible_dim",
     "lay_out",
@@ -169,27 +152,22 @@ __all__ = [
     "logical_to_mesh",
     "manual_axes",
     "mesh_axes",
+    "means",
     "microbatched",
-    "microbatches",
-    "one_f_one_b",
     "pad_sequence",
+    "override_operation",
     "parse_mesh",
     "per_device_program",
     "per_parameter",
-    "pipelined",
     "program_axes",
     "queue_places",
-    "rows_split",
-    "schedule",
-    "scheduled_grads",
     "shard_largest_dim",
     "softmax_end",
     "softmax_join",
     "softmax_meet",
     "softmax_rows",
     "softmax_start",
-    "stack_operation",
+    "split_aux",
     "tabulate",
     "warn_once",
-    "zero_bubble",
 ]

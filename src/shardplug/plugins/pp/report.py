@@ -9,8 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from shardplug.plugin import Pipeline, circular_order
-from shardplug.plugin.schedules import B, F, Table
+from shardplug.plugin import KINDS, Table
+from shardplug.plugins.pp.stages import Pipeline, circular_order
+
+F, B = KINDS["F"], KINDS["B"]
 
 
 def pipeline_report(axis: str, mesh: Any, step: Any) -> dict[str, Any] | None:
@@ -22,27 +24,28 @@ def pipeline_report(axis: str, mesh: Any, step: Any) -> dict[str, Any] | None:
     if found_schedule is None or found_schedule[0] != axis:
         return None
     _, ticks, inputs = found_schedule
-    m_, s_ = inputs.shape[0], mesh.shape[axis]
-    r_ = (ticks - s_ + 1) // m_
-    pl = Pipeline(axis, s_, m_, r_)
+    n_micro, n_stages = inputs.shape[0], mesh.shape[axis]
+    n_repeats = (ticks - n_stages + 1) // n_micro
+    pl = Pipeline(axis, n_stages, n_micro, n_repeats)
     stacked = _stage_split(step, axis)
     if not stacked:
         return None
     shape, dtype = (inputs.shape[0] * inputs.shape[1], *inputs.shape[2:]), inputs.dtype
     batch_axes = step.batch_axes
     shards = math.prod(mesh.shape[a] for a in batch_axes) if batch_axes else 1
-    send = shape[0] // m_ // shards * math.prod(shape[1:]) * np.dtype(dtype).itemsize
+    send = shape[0] // n_micro // shards * math.prod(shape[1:]) * np.dtype(dtype).itemsize
     permutes = [c for c in step.collectives if c["kind"] == "collective-permute"]
     compiled = sum(c["bytes"] for c in permutes)
     return {
         "schedule": "gpipe",
-        "stages": s_,
-        "microbatches": m_,
-        "repeats": r_,
+        "stages": n_stages,
+        "microbatches": n_micro,
+        "repeats": n_repeats,
         "bubble": pl.bubble,
         "formula": pl.bubble,
-        "peak_microbatches": [float(m_)] * s_,  # every microbatch's stage inputs, until B
-        **_stack_figures(stacked, mesh, s_, r_),
+        "peak_microbatches": [float(n_micro)]
+        * n_stages,  # every microbatch's stage inputs, until B
+        **_stack_figures(stacked, mesh, n_stages, n_repeats),
         "ticks": pl.ticks,
         "collective_permute": {
             "compiled_ops": sum(c["count"] for c in permutes),
@@ -55,30 +58,30 @@ def pipeline_report(axis: str, mesh: Any, step: Any) -> dict[str, Any] | None:
 
 def written_report(table: Table, formula: float, axis: str, mesh: Any,
                    step: Any) -> dict[str, Any] | None:  # fmt: skip
-    """The figures of a schedule written into the step (:mod:`shardplug.plugin.ticks`), from
+    """The figures of a schedule written into the step (:mod:`shardplug.plugins.pp.ticks`), from
     the table it ran: its bubble as the stages' idle ticks against its authors' formula, the
     microbatches' residuals each stage holds at most, the buffers it keeps, and its
     collective-permutes: one forward and one back on each tick where some stage sends."""
     stacked = _stage_split(step, axis)
     if not stacked:
         return None
-    s_, v_, m_ = table.stages, table.chunks, table.microbatches
-    chunk = np.maximum(table.chunk, 0) * s_ + np.arange(s_)[None, :]
-    c_ = s_ * v_
-    forward = int((((table.kind == F) & (chunk < c_ - 1)).any(axis=1)).sum())
+    n_stages, n_local, n_micro = table.stages, table.chunks, table.microbatches
+    chunk = np.maximum(table.chunk, 0) * n_stages + np.arange(n_stages)[None, :]
+    n_chunks = n_stages * n_local
+    forward = int((((table.kind == F) & (chunk < n_chunks - 1)).any(axis=1)).sum())
     backward = int((((table.kind == B) & (chunk > 0)).any(axis=1)).sum())
     permutes = [c for c in step.collectives if c["kind"] == "collective-permute"]
     return {
         "schedule": table.name,
-        "stages": s_,
-        "microbatches": m_,
-        "repeats": v_,
+        "stages": n_stages,
+        "microbatches": n_micro,
+        "repeats": n_local,
         "bubble": table.bubble,
         "formula": formula,
         "idle_ticks": table.idle.tolist(),
         "peak_microbatches": table.peak,
         "slots": table.slots,
-        **_stack_figures(stacked, mesh, s_, v_),
+        **_stack_figures(stacked, mesh, n_stages, n_local),
         "ticks": table.ticks,
         "compiled_ticks": tick_loop(step.jaxpr),
         "chart": table.chart(),

@@ -1,11 +1,11 @@
 """Building blocks of pipeline parallelism: a layer stack's layers split over a stage axis.
 
 :class:`Pipeline` is a schedule's plan (stages, microbatches, repeats, the replica axes),
-:func:`schedule` runs a layer stack by it, inside ``jax.shard_map``, manual over the stage
-axis (and the replica axes) only, so the other axes stay the compiler's. ``pp`` supplies
-the layer stack operation with it (:class:`shardplug.plugin.Operations`); a plugin with
-another schedule builds its own from :func:`microbatches`, :func:`circular_order` and
-:func:`rows_split`.
+:func:`gpipe` runs a layer stack by it (GPipe's schedule, circular with repeats), inside
+``jax.shard_map``, manual over the stage axis (and the replica axes) only, so the other axes
+stay the compiler's. ``pp`` supplies the layer stack operation with it
+(:func:`stack_operation`, as :class:`shardplug.plugin.Operations`); the tick loop
+(:mod:`.ticks`) builds on :func:`microbatches`, :func:`circular_order` and :func:`rows_split`.
 
 **The schedule.** The batch is cut into M microbatches (rows ``m, m+M, ...``, so each stays
 spread over the batch axes). The L layers are R*S groups of G = L/(R*S) consecutive layers;
@@ -29,12 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core import ops
-from shardplug.core.context import in_microbatches
-from shardplug.core.layer_stack import split_aux
-from shardplug.core.mesh import is_explicit
-from shardplug.core.sharding import lay_out
 from shardplug.errors import ConfigError
+from shardplug.plugin import in_microbatches, is_explicit, lay_out, split_aux
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,15 +106,6 @@ class Pipeline:
             )
 
 
-def pipelined(pipeline: Pipeline | None) -> Any:
-    """Trace the code inside with every layer stack run by ``pipeline``'s schedule (for
-    plugins written before the ``operations`` hook: ``Operations(layer_stack=...)`` says it
-    now)."""
-    if pipeline is None:
-        return ops.override("layer_stack", None)
-    return ops.override("layer_stack", stack_operation(pipeline))
-
-
 def stack_operation(pipeline: Pipeline):
     """The layer stack operation of ``pipeline``: its microbatches chosen for each batch, the
     stack and batch checked (one line each), the schedule run, seeing microbatches."""
@@ -127,7 +114,7 @@ def stack_operation(pipeline: Pipeline):
         plan = pipeline.split_over(rows_split(x)).resolve(x.shape[0])
         plan.check(layers, x.shape[0])
         with in_microbatches():
-            return schedule(block, params, x, plan, layers)
+            return gpipe(block, params, x, plan, layers)
 
     return run
 
@@ -140,26 +127,26 @@ def circular_order(layers: int, stages: int, repeats: int) -> jnp.ndarray:
     return idx.transpose(1, 0, 2).reshape(-1)
 
 
-def schedule(block, params, x, pl: Pipeline, layers: int):
+def gpipe(block, params, x, pl: Pipeline, layers: int):
     """Run ``block`` over the stack ``params`` on ``x`` by the schedule (see the module).
     A block returning ``(x, aux)`` gives ``(x, aux)``: each layer's aux summed over the
     microbatches (and the replicas), stacked over the layers in their order."""
-    s_, m_, r_ = pl.stages, pl.microbatches, pl.repeats
-    g_ = layers // (s_ * r_)
-    if r_ > 1:  # each stage's share must hold its R non-adjacent groups: reorder the stack
+    n_stages, n_micro, n_repeats = pl.stages, pl.microbatches, pl.repeats
+    per_chunk = layers // (n_stages * n_repeats)
+    if n_repeats > 1:  # each stage's share must hold its R non-adjacent groups: reorder the stack
 
         def reorder(w):
-            w = w.reshape(r_, s_, g_, *w.shape[1:]).swapaxes(0, 1)
+            w = w.reshape(n_repeats, n_stages, per_chunk, *w.shape[1:]).swapaxes(0, 1)
             w = lay_out(w, P(pl.axis, *([P.UNCONSTRAINED] * (w.ndim - 1))))
             return w.reshape(layers, *w.shape[3:])
 
         params = jax.tree.map(reorder, params)
-    xs = microbatches(x, m_)
+    xs = microbatches(x, n_micro)
     rows = None if not pl.replicas else pl.replicas[0] if len(pl.replicas) == 1 else pl.replicas
 
     def stage_program(local, xs):
         stage = jax.lax.axis_index(pl.axis)
-        local = jax.tree.map(lambda w: w.reshape(r_, g_, *w.shape[1:]), local)
+        local = jax.tree.map(lambda w: w.reshape(n_repeats, per_chunk, *w.shape[1:]), local)
         # Cast what every stage (or every row) reads to varying here, once: the transpose of
         # the cast is the sum of its gradient, which would otherwise run on every tick.
         if pl.replicas:
@@ -172,37 +159,37 @@ def schedule(block, params, x, pl: Pipeline, layers: int):
         run = jax.checkpoint(group) if pl.remat else group
         recv = jnp.zeros_like(xs[0])
         outs = jnp.zeros_like(xs)
-        ring = jnp.zeros_like(xs) if r_ > 1 else None
-        perm = [(i, (i + 1) % s_) for i in range(s_)]
+        ring = jnp.zeros_like(xs) if n_repeats > 1 else None
+        perm = [(i, (i + 1) % n_stages) for i in range(n_stages)]
 
         def tick(carry, t):
             recv, outs, ring = carry
             u = t - stage
-            valid = (u >= 0) & (u < r_ * m_)
-            u = jnp.clip(u, 0, r_ * m_ - 1)
-            rep, m = u // m_, u % m_
+            valid = (u >= 0) & (u < n_repeats * n_micro)
+            u = jnp.clip(u, 0, n_repeats * n_micro - 1)
+            rep, m = u // n_micro, u % n_micro
             first = xs[m] if ring is None else jnp.where(rep == 0, xs[m], ring[m])
             h = jnp.where(stage == 0, first, recv)
             ws = jax.tree.map(lambda w: w[rep], local)
             y, aux = run(ws, h)
-            last = valid & (stage == s_ - 1) & (rep == r_ - 1)
+            last = valid & (stage == n_stages - 1) & (rep == n_repeats - 1)
             outs = jnp.where(last, outs.at[m].set(y), outs)
             sent = jax.lax.ppermute(y, pl.axis, perm)
             if ring is not None:  # stage 0 keeps what comes back round for later repeats
-                back = t - (s_ - 1)
-                keep = (stage == 0) & (back >= 0) & (back < (r_ - 1) * m_)
-                ring = jnp.where(keep, ring.at[jnp.clip(back, 0) % m_].set(sent), ring)
+                back = t - (n_stages - 1)
+                keep = (stage == 0) & (back >= 0) & (back < (n_repeats - 1) * n_micro)
+                ring = jnp.where(keep, ring.at[jnp.clip(back, 0) % n_micro].set(sent), ring)
             # this tick's aux counts toward its repeat's layers, the idle ticks' toward none
-            mine = (valid & (jnp.arange(r_) == rep)).astype(jnp.float32)
+            mine = (valid & (jnp.arange(n_repeats) == rep)).astype(jnp.float32)
             aux = jax.tree.map(lambda a: mine.reshape(-1, *([1] * a.ndim)) * a[None], aux)
             return (sent, outs, ring), aux
 
         (_, outs, _), aux = jax.lax.scan(tick, (recv, outs, ring), jnp.arange(pl.ticks))
         # the last stage holds the outputs; every stage needs them for the layers after
-        out = _from_last(jnp.where(stage == s_ - 1, outs, jnp.zeros_like(outs)), pl.axis)
+        out = _from_last(jnp.where(stage == n_stages - 1, outs, jnp.zeros_like(outs)), pl.axis)
         if aux is None:
             return out, None
-        aux = jax.tree.map(lambda a: a.sum(0).reshape(r_ * g_, *a.shape[3:]), aux)
+        aux = jax.tree.map(lambda a: a.sum(0).reshape(n_repeats * per_chunk, *a.shape[3:]), aux)
         return out, (jax.lax.psum(aux, pl.replicas) if pl.replicas else aux)
 
     out, aux = jax.shard_map(
@@ -214,8 +201,8 @@ def schedule(block, params, x, pl: Pipeline, layers: int):
     out = joined(out, x)
     if aux is None:
         return out
-    if r_ > 1:  # the stage axis holds the layers in the circular order: put them back
-        stored = circular_order(layers, s_, r_)
+    if n_repeats > 1:  # the stage axis holds the layers in the circular order: put them back
+        stored = circular_order(layers, n_stages, n_repeats)
         aux = jax.tree.map(lambda a: jnp.zeros_like(a).at[stored].set(a), aux)
     return out, aux
 
@@ -255,7 +242,7 @@ def _microbatch_shardings(x: jax.Array) -> tuple[P | None, P | None]:
     return P(spec[0], None, *spec[1 : x.ndim]), P(*spec[: x.ndim])
 
 
-def _wide(dtype: Any) -> bool:
+def sums_in_float32(dtype: Any) -> bool:
     """Whether a sum of ``dtype`` inside ``shard_map`` must go in float32: on CPU a 16-bit
     float's all-reduce there aborts the process (XLA's CPU promotion pass cannot clone the
     reduction JAX writes for it)."""
@@ -268,7 +255,7 @@ def _wide(dtype: Any) -> bool:
 
 def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """``x`` cast to varying over ``axes`` (whose transpose sums the gradient over them)."""
-    if _wide(x.dtype):
+    if sums_in_float32(x.dtype):
         return jax.lax.pcast(x.astype(jnp.float32), axes, to="varying").astype(x.dtype)
     return jax.lax.pcast(x, axes, to="varying")
 
@@ -276,6 +263,6 @@ def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 def _from_last(x: jax.Array, axis: str) -> jax.Array:
     """The sum over ``axis`` of ``x``, which one stage alone holds (the rest zeros): exact
     in float32 too, since one term is not zero."""
-    if _wide(x.dtype):
+    if sums_in_float32(x.dtype):
         return jax.lax.psum(x.astype(jnp.float32), axis).astype(x.dtype)
     return jax.lax.psum(x, axis)

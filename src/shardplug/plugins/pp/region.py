@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core.mesh import is_explicit
-from shardplug.core.sharding import mesh_axes
-from shardplug.plugin.stages import _wide
+from shardplug.plugin import is_explicit, mesh_axes
+from shardplug.plugins.pp.stages import sums_in_float32
 
 
 def after(value: Any, *before: Any) -> Any:
@@ -47,17 +46,17 @@ def leaving(flag: Any, value: Any, mine: Any, axis: str, replicas: tuple[str, ..
     summed over the replicas' rows."""
 
     def out():
-        summed = jax.tree.map(lambda a: psum(jnp.where(mine, a, 0), axis), value)
+        summed = jax.tree.map(lambda a: psum_cpu_safe(jnp.where(mine, a, 0), axis), value)
         if replicas and isinstance(summed, tuple):
-            return summed[0], jax.tree.map(lambda a: psum(a, replicas), summed[1])
+            return summed[0], jax.tree.map(lambda a: psum_cpu_safe(a, replicas), summed[1])
         return summed
 
     return jax.lax.cond(flag, out, lambda: zeros(value))
 
 
-def psum(x: jax.Array, axes: Any) -> jax.Array:
+def psum_cpu_safe(x: jax.Array, axes: Any) -> jax.Array:
     """``psum``, of a 16-bit float in float32 on CPU (where XLA's compiler aborts on it)."""
-    if _wide(x.dtype):
+    if sums_in_float32(x.dtype):
         return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
     return jax.lax.psum(x, axes)
 
@@ -78,13 +77,13 @@ def zeros(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
-def get(buf: Any, slot: Any) -> Any:
+def read_slot(buf: Any, slot: Any) -> Any:
     """Slot ``slot`` (clamped to 0) of each ``(slots, 1, 1, ...)`` buffer of ``buf``."""
     at = jnp.maximum(slot, 0)
     return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, at, 0, False)[0, 0], buf)
 
 
-def set_slot(buf: Any, slot: Any, value: Any) -> Any:
+def write_slot(buf: Any, slot: Any, value: Any) -> Any:
     """``value`` written into slot ``slot`` of each buffer, in place."""
     return jax.tree.map(
         lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x.astype(b.dtype)[None, None], slot, 0),
@@ -92,12 +91,12 @@ def set_slot(buf: Any, slot: Any, value: Any) -> Any:
     )  # fmt: skip
 
 
-def put(buf: Any, slot: Any, value: Any) -> Any:
+def write_if_slot(buf: Any, slot: Any, value: Any) -> Any:
     """``value`` into slot ``slot`` where ``slot`` >= 0 (else the buffer as it was)."""
     at = jnp.maximum(slot, 0)
-    kept = jax.tree.map(lambda b, x: jnp.where(slot >= 0, x.astype(b.dtype), b), get(buf, at),
+    kept = jax.tree.map(lambda b, x: jnp.where(slot >= 0, x.astype(b.dtype), b), read_slot(buf, at),
                         value)  # fmt: skip
-    return set_slot(buf, at, kept)
+    return write_slot(buf, at, kept)
 
 
 def matched(tree: Any, specs: Any, manual: set[str]) -> Any:

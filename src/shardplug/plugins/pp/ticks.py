@@ -1,4 +1,4 @@
-"""The tick loop: a schedule's :class:`~shardplug.plugin.schedules.Table` run over a stage
+"""The tick loop: a schedule's :class:`~shardplug.plugin.Table` run over a stage
 axis, with the backward pass written into it.
 
 :func:`scheduled_grads` owns a training step's gradient (pp's ``compute_grads`` for the
@@ -42,14 +42,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core import means
-from shardplug.core.context import in_microbatches
-from shardplug.core.sharding import lay_out
 from shardplug.errors import ConfigError
-from shardplug.plugin.chunks import Chunk, cut_at_stack, merged
-from shardplug.plugin.region import after, get, leaving, matched, put, sent, set_slot, zeros
-from shardplug.plugin.schedules import B, F, Table, Unscheduled, W
-from shardplug.plugin.stages import microbatches
+from shardplug.plugin import KINDS, Table, Unscheduled, in_microbatches, lay_out, means
+from shardplug.plugins.pp.chunks import Chunk, cut_at_stack, merged
+from shardplug.plugins.pp.region import (
+    after,
+    leaving,
+    matched,
+    read_slot,
+    sent,
+    write_if_slot,
+    write_slot,
+    zeros,
+)
+from shardplug.plugins.pp.stages import microbatches
+
+F, B, W = KINDS["F"], KINDS["B"], KINDS["W"]
 
 #: the name scope of the pass each stage runs: what a compiled program runs there, only that
 #: stage's devices reach (:func:`divergent_permutes`)
@@ -90,21 +98,21 @@ def scheduled_grads(
         device its own rows); ``replica_size``: their devices.
     :param remat: keep only each layer's input from F, its activations recomputed in B.
     """
-    s_, v_, m_ = table.stages, table.chunks, table.microbatches
+    n_stages, n_local, n_micro = table.stages, table.chunks, table.microbatches
     treedef = jax.tree.structure(params)
     rows = None if not replicas else replicas[0] if len(replicas) == 1 else replicas
-    mbs = jax.tree.map(lambda x: _cut(x, m_), batch)
+    mbs = jax.tree.map(lambda x: _cut(x, n_micro), batch)
     cut = cut_at_stack(forward, model_state, params, batch, rng)
     stack, other, layers = cut.stack, cut.other, cut.layers
-    if layers % (s_ * v_):
+    if layers % (n_stages * n_local):
         raise ConfigError(
-            f"{s_} stages x {v_} chunks do not divide the layer stack's {layers} layers: "
-            f"choose --layers as a multiple of {s_ * v_}"
+            f"{n_stages} stages x {n_local} chunks do not divide the layer stack's {layers} "
+            f"layers: choose --layers as a multiple of {n_stages * n_local}"
         )
-    g_ = layers // (s_ * v_)
-    if v_ > 1:  # each stage's share holds its V non-adjacent chunks: c, c + S, ...
-        stack = [_chunked(x, s_, v_, axis) for x in stack]
-    chunk = Chunk(cut, g_, s_, remat)
+    per_chunk = layers // (n_stages * n_local)
+    if n_local > 1:  # each stage's share holds its V non-adjacent chunks: c, c + S, ...
+        stack = [_chunked(x, n_stages, n_local, axis) for x in stack]
+    chunk = Chunk(cut, per_chunk, n_stages, remat)
     has_aux = cut.aux is not None
     message = cut.message
 
@@ -148,13 +156,13 @@ def scheduled_grads(
         stack,
         zeros(jax.eval_shape(lambda: message(zero_x))),
     )
-    g_like = _layer_given(msg_local, has_aux, g_)
+    g_like = _layer_given(msg_local, has_aux, per_chunk)
 
     # Every buffer is (slots, stages, replicas, *one's shape): the region reads and writes a
     # slot by its first index, never reshaping a buffer (the squeeze of a leading (1, 1)
     # gave the loop-carried buffer another layout, copied whole on each tick).
     def slotted(count, tree):
-        return jax.tree.map(lambda a: jnp.zeros((count, s_, replica_size, *a.shape), a.dtype),
+        return jax.tree.map(lambda a: jnp.zeros((count, n_stages, replica_size, *a.shape), a.dtype),
                             tree)  # fmt: skip
 
     state = {
@@ -176,38 +184,38 @@ def scheduled_grads(
         stage = jax.lax.axis_index(axis)
         me = {k: row[k][stage] for k in _STAGE_FIELDS}
         st = dict(st)
-        recv_f = get(st.pop("recv_f"), 0)
-        recv_b = get(st.pop("recv_b"), 0)
-        st["inbox"] = put(st["inbox"], me["recv_forward"], recv_f)
-        st["grad"] = put(st["grad"], me["recv_backward"], recv_b)
-        st["grad"] = put(st["grad"], me["recv_loss"], gy_in)
+        recv_f = read_slot(st.pop("recv_f"), 0)
+        recv_b = read_slot(st.pop("recv_b"), 0)
+        st["inbox"] = write_if_slot(st["inbox"], me["recv_forward"], recv_f)
+        st["grad"] = write_if_slot(st["grad"], me["recv_backward"], recv_b)
+        st["grad"] = write_if_slot(st["grad"], me["recv_loss"], gy_in)
 
         def fwd(res):
-            inbox = get(st["inbox"], me["inbox"])
+            inbox = read_slot(st["inbox"], me["inbox"])
             start = message(x_in) if has_aux else x_in
             msg = jax.tree.map(lambda a, b: jnp.where(me["first"] > 0, a, b), start, inbox)
             out, new = chunk.forward(local, me["chunk"], msg, stage)
-            return set_slot(res, me["residual"], new), out
+            return write_slot(res, me["residual"], new), out
 
         def skip_f(res):
             return list(res), zeros(msg_local)
 
         def bwd(stash):
-            res = get(st["res"], me["residual"])
-            g_msg = get(st["grad"], me["grad"])
+            res = read_slot(st["res"], me["residual"])
+            g_msg = read_slot(st["grad"], me["grad"])
             out, new = chunk.input_grad(local, me["chunk"], g_msg, res, stage)
-            return set_slot(stash, me["stash"], new), out
+            return write_slot(stash, me["stash"], new), out
 
         def skip_b(stash):
             return list(stash), zeros(msg_local)
 
         def wgt(acc):
-            res = get(st["res"], me["residual"])
-            stash = get(st["stash"], me["stash"])
+            res = read_slot(st["res"], me["residual"])
+            stash = read_slot(st["stash"], me["stash"])
             gw = chunk.weight_grad(local, me["chunk"], res, stash, g_like)
-            acc, start = list(acc), me["chunk"] * g_
+            acc, start = list(acc), me["chunk"] * per_chunk
             for i, g in zip(cut.view, gw, strict=True):  # (replica 1, layers, ...) each
-                now = jax.lax.dynamic_slice_in_dim(acc[i], start, g_, 1)
+                now = jax.lax.dynamic_slice_in_dim(acc[i], start, per_chunk, 1)
                 now = now + g[None].astype(jnp.float32)
                 acc[i] = jax.lax.dynamic_update_slice_in_dim(acc[i], now, start, 1)
             return acc, _token(acc)
@@ -227,8 +235,8 @@ def scheduled_grads(
             st["res"], send_f = jax.lax.cond(me["kind"] == F, fwd, skip_f, st["res"])
             st["stash"], send_b = jax.lax.cond(me["kind"] == B, bwd, skip_b, st["stash"])
             st["acc"], done = jax.lax.cond(me["kind"] == W, wgt, skip_w, st["acc"])
-        forward_ring = [(i, (i + 1) % s_) for i in range(s_)]
-        backward_ring = [((i + 1) % s_, i) for i in range(s_)]
+        forward_ring = [(i, (i + 1) % n_stages) for i in range(n_stages)]
+        backward_ring = [((i + 1) % n_stages, i) for i in range(n_stages)]
         send_f, send_b = after((send_f, send_b), done)
         with jax.named_scope(SENDS):
             st["recv_f"] = sent(row["any_forward"], send_f, axis, forward_ring)
@@ -236,7 +244,7 @@ def scheduled_grads(
             st["recv_b"] = sent(row["any_backward"], send_b, axis, backward_ring)
             send_f = after(send_f, st["recv_b"])
             # the last stage's output and the first stage's input gradient leave the region
-            y = leaving(row["post_micro"] >= 0, send_f, stage == s_ - 1, axis,
+            y = leaving(row["post_micro"] >= 0, send_f, stage == n_stages - 1, axis,
                          replicas if has_aux else ())  # fmt: skip
             send_b = after(send_b, y)
             gx = leaving(row["gx_micro"] >= 0, send_b[0] if has_aux else send_b, stage == 0,
@@ -256,7 +264,7 @@ def scheduled_grads(
     metric_avals = jax.eval_shape(lambda o: post(o, 0, message(zero_x))[1], other)
     weighted = means.weighted(metric_avals)  # a declared loss: sums added, divided once
     if not weighted:
-        means.part_means(f"{m_} microbatches of pp")
+        means.part_means(f"{n_micro} microbatches of pp")
 
     def tick(carry, row):
         st, gy, top = carry
@@ -274,9 +282,9 @@ def scheduled_grads(
                 seed = jnp.ones((), loss.dtype) if count is None else count.astype(loss.dtype)
                 loss, metrics = means.part_sums(loss, metrics)
             else:
-                seed = jnp.asarray(1 / m_, loss.dtype)
+                seed = jnp.asarray(1 / n_micro, loss.dtype)
             g_other, g_y = pull((seed, zeros(metrics)))
-            share = 1 if weighted else m_
+            share = 1 if weighted else n_micro
             top["other"] = _add(top["other"], g_other)
             top["loss"] = top["loss"] + loss.astype(jnp.float32) / share
             top["metrics"] = jax.tree.map(lambda a, b: a + b.astype(jnp.float32) / share,
@@ -306,14 +314,16 @@ def scheduled_grads(
     with in_microbatches():
         (st, _, top), _ = jax.lax.scan(tick, (state, gy0, top), _rows(table))
     g_stack = [a.sum(0) for a in st["acc"]]  # each replica's rows' share, summed
-    if v_ > 1:  # back in the model's order
-        g_stack = [g.reshape(s_, v_, g_, *g.shape[1:]).swapaxes(0, 1).reshape(g.shape)
-                   for g in g_stack]  # fmt: skip
+    if n_local > 1:  # back in the model's order
+        g_stack = [
+            g.reshape(n_stages, n_local, per_chunk, *g.shape[1:]).swapaxes(0, 1).reshape(g.shape)
+            for g in g_stack
+        ]
     grads = jax.tree.unflatten(treedef, merged(cut.stacked, g_stack, top["other"]))
     loss, metrics = top["loss"], top["metrics"]
     if weighted:
-        loss, metrics = means.combine(loss, metrics, m_)
-        grads = means.divided(grads, metrics, m_)
+        loss, metrics = means.combine(loss, metrics, n_micro)
+        grads = means.divided(grads, metrics, n_micro)
     grads = jax.tree.map(lambda g, x: g.astype(x.dtype), grads, params)
     return (loss, (metrics, model_state)), grads
 
@@ -358,16 +368,16 @@ def _like(tree: Any, spec: P) -> Any:
     return jax.tree.map(lambda _: spec, tree)
 
 
-def _chunked(x: jax.Array, s_: int, v_: int, axis: str) -> jax.Array:
+def _chunked(x: jax.Array, n_stages: int, n_local: int, axis: str) -> jax.Array:
     """A stacked leaf reordered so that stage ``s``'s contiguous share holds chunks ``s, s +
     S, ..., s + (V-1)S`` (of L/(V*S) layers each)."""
-    g_ = x.shape[0] // (s_ * v_)
-    x = x.reshape(v_, s_, g_, *x.shape[1:]).swapaxes(0, 1)
+    per_chunk = x.shape[0] // (n_stages * n_local)
+    x = x.reshape(n_local, n_stages, per_chunk, *x.shape[1:]).swapaxes(0, 1)
     x = lay_out(x, P(axis, *([P.UNCONSTRAINED] * (x.ndim - 1))))
-    return x.reshape(s_ * v_ * g_, *x.shape[3:])
+    return x.reshape(n_stages * n_local * per_chunk, *x.shape[3:])
 
 
-def _layer_given(msg_local: Any, has_aux: bool, g_: int) -> Any:
+def _layer_given(msg_local: Any, has_aux: bool, per_chunk: int) -> Any:
     """The abstract cotangent one layer's pullback is given: its output's (and its aux's)."""
     if not has_aux:
         return (jax.ShapeDtypeStruct(msg_local.shape, msg_local.dtype),)
@@ -399,9 +409,9 @@ def _rows(table: Table) -> dict[str, jax.Array]:
     """The table's per-tick rows: each stage's pass and slots, and what runs outside the
     stages: whose stack input *pre* makes, whose output *post* takes, whose input gradient
     goes into *pre*'s, and whether any stage sends forward or back."""
-    s_, c_ = table.stages, table.stages * table.chunks
-    chunk = np.maximum(table.chunk, 0) * s_ + np.arange(s_)[None, :]
-    first, last = chunk == 0, chunk == c_ - 1
+    n_stages, n_chunks = table.stages, table.stages * table.chunks
+    chunk = np.maximum(table.chunk, 0) * n_stages + np.arange(n_stages)[None, :]
+    first, last = chunk == 0, chunk == n_chunks - 1
     out = {k: np.asarray(getattr(table, k)) for k in _STAGE_FIELDS if k != "first"}
     out["chunk"] = np.maximum(table.chunk, 0)
     out["micro"] = np.maximum(table.micro, 0)

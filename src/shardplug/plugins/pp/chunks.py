@@ -5,8 +5,8 @@ differently, into *pre* (up to the stack: the embeddings), the stack's block, an
 (after it: the head and the loss), each a function of the parameters and one microbatch.
 :class:`Chunk` runs a chunk of G consecutive layers of the stack: ``forward`` (F: each
 layer by ``jax.vjp``, its residuals kept), ``input_grad`` (B) and ``weight_grad`` (W), the two
-halves of each layer's pullback (:mod:`shardplug.plugin.backward`). The tick loop of
-:mod:`shardplug.plugin.ticks` runs them as a schedule says.
+halves of each layer's pullback (:mod:`shardplug.plugins.pp.backward`). The tick loop of
+:mod:`shardplug.plugins.pp.ticks` runs them as a schedule says.
 
 What passes between the stages (a *message*) is the stack's running input ``h`` or, where
 the blocks return an aux (a mixture of experts' tallies), ``(h, aux of every layer)``, each
@@ -22,12 +22,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from shardplug.core import ops
-from shardplug.core.context import in_microbatches
-from shardplug.core.layer_stack import split_aux
 from shardplug.errors import ConfigError
-from shardplug.plugin import backward
-from shardplug.plugin.schedules import Unscheduled
+from shardplug.plugin import Unscheduled, in_microbatches, override_operation, split_aux
+from shardplug.plugins.pp import backward
 
 #: why a model that runs its stacked layers in a loop of its own cannot be cut into stages
 NEVER_RAN = (
@@ -87,7 +84,7 @@ def cut_at_stack(forward, model_state, params, batch, rng) -> StackCut:
     def runner(stacked):
         def run(op, stack_leaves, other_leaves, data, key):
             full = jax.tree.unflatten(treedef, merged(stacked, stack_leaves, other_leaves))
-            with ops.override("layer_stack", op), in_microbatches():
+            with override_operation("layer_stack", op), in_microbatches():
                 return forward(full, model_state, data, key)
 
         return run
@@ -146,10 +143,13 @@ class Chunk:
 
     def params(self, local: list[Any], k: Any) -> Any:
         """The stack operation's parameters for the stage's local chunk ``k``."""
-        g_ = self.size
+        per_chunk = self.size
         return jax.tree.unflatten(
             self.cut.tree,
-            [jax.lax.dynamic_slice_in_dim(local[i], k * g_, g_, 0) for i in self.cut.view],
+            [
+                jax.lax.dynamic_slice_in_dim(local[i], k * per_chunk, per_chunk, 0)
+                for i in self.cut.view
+            ],
         )
 
     def first_layer(self, k: Any, stage: Any) -> Any:

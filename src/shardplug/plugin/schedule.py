@@ -1,11 +1,11 @@
-"""Pipeline schedules as tables: which pass each stage runs at each tick, for schedules whose
-backward pass is written into the schedule (1F1B, interleaved 1F1B, zero-bubble).
+"""A pipeline schedule's record, for a package that writes one: its passes, its table and
+its name (``shardplug.plugin`` re-exports them).
 
 A layer stack of L layers is cut into C = V*S *chunks* of L/C consecutive layers; chunk
 ``c`` lives on stage ``c % S`` as its local chunk ``c // S`` (with V > 1 each stage holds V
-non-adjacent chunks, the circular layout of :func:`~shardplug.plugin.circular_order`). Each
-chunk runs three passes on each of the M microbatches, one tick each (their matrix products
-are about equal: the forward's, the input gradient's and the weight gradient's):
+non-adjacent chunks, the circular layout of interleaved 1F1B). Each chunk runs three passes
+on each of the M microbatches, one tick each (their matrix products are about equal: the
+forward's, the input gradient's and the weight gradient's):
 
 - ``F`` the forward pass, its residuals kept; the output goes to the next chunk's stage (the
   last chunk's to the loss, whose gradient comes back to it at the next tick);
@@ -13,37 +13,24 @@ are about equal: the forward's, the input gradient's and the weight gradient's):
   embeddings); what the weight gradient needs of it is kept (the *stash*);
 - ``W`` the weight gradient, which nothing waits for; the residuals and stash are freed.
 
-A schedule is one ordered list of passes per stage (:func:`one_f_one_b`,
-:func:`zero_bubble`, or a plugin's own); :func:`tabulate` runs the lists tick by tick, each
-pass at the first tick its inputs are there (a message sent at one tick is read at the
-next), and numbers the buffers each stage keeps. The :class:`Table` it returns is what the
-tick loop (:func:`shardplug.plugin.ticks.scheduled_grads`) runs and what explain reports:
-its idle ticks are the bubble, its live residuals the activation memory.
-
-Bubbles, in ticks (F = B = W):
-
-- 1F1B (Narayanan et al., 2021; V = 1): after S-s-1 warm-up forwards stage ``s``
-  alternates one F and one backward (B, then W); a chunk's input gradient leaves after its
-  W, as a fused backward's does. Bubble (S-1)/(M+S-1), as GPipe's, with at most S
-  microbatches' residuals on a stage instead of M.
-- interleaved 1F1B (V > 1 chunks per stage, M a multiple of S): bubble (S-1)/(V*M+S-1), a
-  little more memory than 1F1B.
-- ZB-H1 (Qi et al., 2023): 1F1B with each input gradient sent as soon as B is done and stage
-  ``s``'s W passes put off by ``s`` microbatches, into what would be idle: bubble
-  (S-1)/(3M+S-1), at 1F1B's peak of S microbatches.
+A schedule is one ordered list of passes per stage; :func:`tabulate` runs the lists tick by
+tick, each pass at the first tick its inputs are there (a message sent at one tick is read at
+the next), and numbers the buffers each stage keeps. The :class:`Table` it returns is what
+pp's tick loop runs and what explain reports: its idle ticks are the bubble, its live
+residuals the activation memory. pp's built-in schedules (1F1B, interleaved 1F1B, ZB-H1)
+and the registry that finds one by name are in :mod:`shardplug.plugins.pp.schedules`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.metadata
-import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from shardplug.errors import ConfigError, ShardplugWarning, StrategyOptionError
+from shardplug.errors import ConfigError
+
+__all__ = ["BUFFERS", "KINDS", "Pass", "Schedule", "Table", "Unscheduled", "tabulate"]
 
 
 class Unscheduled(ConfigError):
@@ -145,48 +132,6 @@ class Table:
         return "\n".join(" ".join(f"{c:<{width}}" for c in row).rstrip() for row in cells)
 
 
-def one_f_one_b(stages: int, microbatches: int, chunks: int = 1) -> list[list[Pass]]:
-    """Each stage's passes under 1F1B (``chunks`` = 1) or interleaved 1F1B (Narayanan et
-    al., 2021): warm-up forwards, then one F and one backward (B, W) in turn, then the
-    remaining backwards. With V chunks per stage the microbatches go through the chunks in
-    rounds of S (``microbatches`` a multiple of ``stages``)."""
-    return _lists(stages, microbatches, chunks, defer=None)
-
-
-def zero_bubble(stages: int, microbatches: int) -> list[list[Pass]]:
-    """Each stage's passes under ZB-H1: 1F1B's order with stage ``s``'s W passes put off by
-    ``s`` microbatches (the rest at the end)."""
-    return _lists(stages, microbatches, 1, defer=lambda s: s)
-
-
-def _lists(s_: int, m_: int, v_: int, defer: Callable[[int], int] | None) -> list[list[Pass]]:
-    c_ = s_ * v_
-    lists = []
-    for stage in range(s_):
-        mine = [(c, m) for c in range(stage, c_, s_) for m in range(m_)]
-        forwards = sorted(mine, key=lambda a: (a[1] // s_, a[0], a[1]))
-        backwards = sorted(mine, key=lambda a: (a[1] // s_, -a[0], a[1]))
-        warm = s_ - stage - 1 if v_ == 1 else 2 * (s_ - stage - 1) + (v_ - 1) * s_
-        seq: list[Pass] = [("F", c, m) for c, m in forwards[:warm]]
-        forwards = forwards[warm:]
-        waiting: list[tuple[int, int]] = []
-        while forwards or backwards:
-            if forwards:
-                seq.append(("F", *forwards.pop(0)))
-            if backwards:
-                c, m = backwards.pop(0)
-                seq.append(("B", c, m))
-                if defer is None:
-                    seq.append(("W", c, m))
-                else:
-                    waiting.append((c, m))
-            if waiting and (len(waiting) > defer(stage) or not forwards):
-                seq.append(("W", *waiting.pop(0)))
-        seq += [("W", c, m) for c, m in waiting]
-        lists.append(seq)
-    return lists
-
-
 def tabulate(name: str, lists: Sequence[Sequence[Pass]], chunks: int = 1,
              fused: bool = False) -> Table:  # fmt: skip
     """Run each stage's passes in order, each at the first tick it can (see the module), and
@@ -195,29 +140,29 @@ def tabulate(name: str, lists: Sequence[Sequence[Pass]], chunks: int = 1,
 
     Refuses, in one line, lists that are not a schedule: a pass missing or repeated, a pass
     on the wrong stage, or an order in which some pass waits forever."""
-    s_ = len(lists)
-    c_ = s_ * chunks
+    n_stages = len(lists)
+    n_chunks = n_stages * chunks
     passes = [p for seq in lists for p in seq]
-    m_ = 1 + max((m for _, _, m in passes), default=-1)
-    want = {(k, c, m) for k in "FBW" for c in range(c_) for m in range(m_)}
+    n_micro = 1 + max((m for _, _, m in passes), default=-1)
+    want = {(k, c, m) for k in "FBW" for c in range(n_chunks) for m in range(n_micro)}
     if len(passes) != len(set(passes)) or set(passes) != want:
         raise ConfigError(
-            f"pipeline schedule {name!r} must run F, B and W of each of the {c_} chunks on "
+            f"pipeline schedule {name!r} must run F, B and W of each of the {n_chunks} chunks on "
             f"each microbatch exactly once"
         )
     for d, seq in enumerate(lists):
-        if any(c % s_ != d for _, c, _ in seq):
+        if any(c % n_stages != d for _, c, _ in seq):
             raise ConfigError(
                 f"pipeline schedule {name!r} runs a chunk on stage {d} that lives on another "
-                f"(chunk c lives on stage c % {s_})"
+                f"(chunk c lives on stage c % {n_stages})"
             )
     done: dict[Pass, int] = {}
-    at = [0] * s_
+    at = [0] * n_stages
     rows: list[list[Pass | None]] = []
-    while any(at[d] < len(lists[d]) for d in range(s_)):
+    while any(at[d] < len(lists[d]) for d in range(n_stages)):
         t = len(rows)
         row: list[Pass | None] = []
-        for d in range(s_):
+        for d in range(n_stages):
             if at[d] >= len(lists[d]):
                 row.append(None)
                 continue
@@ -225,7 +170,9 @@ def tabulate(name: str, lists: Sequence[Sequence[Pass]], chunks: int = 1,
             if kind == "F":
                 needs = [("F", c - 1, m)] if c > 0 else []
             elif kind == "B":
-                needs = [("F", c, m)] + ([("W" if fused else "B", c + 1, m)] if c < c_ - 1 else [])
+                needs = [("F", c, m)] + (
+                    [("W" if fused else "B", c + 1, m)] if c < n_chunks - 1 else []
+                )
             else:
                 needs = [("B", c, m)]
             ready = all(done.get(p, t) < t for p in needs)  # each done at an earlier tick
@@ -237,19 +184,21 @@ def tabulate(name: str, lists: Sequence[Sequence[Pass]], chunks: int = 1,
         rows.append(row)
         if not any(row):  # nothing ran, so nothing will: every earlier pass is before t + 1
             raise ConfigError(f"pipeline schedule {name!r} never finishes: a pass waits forever")
-    return _numbered(name, rows, s_, chunks, m_, done)
+    return _numbered(name, rows, n_stages, chunks, n_micro, done)
 
 
-def _numbered(name: str, rows: list, s_: int, v_: int, m_: int, done: dict) -> Table:
+def _numbered(
+    name: str, rows: list, n_stages: int, n_local: int, n_micro: int, done: dict
+) -> Table:
     """The table of ``rows``, each stage's buffers numbered: a slot is taken when its
     contents arrive (residuals at the F, the stash at the B) and free again at the tick
     after the pass that last reads it."""
-    t_, c_ = len(rows), s_ * v_
+    n_ticks, n_chunks = len(rows), n_stages * n_local
     fields = ("kind", "chunk", "micro", *BUFFERS, "recv_forward", "recv_backward", "recv_loss")
-    arrays = {k: np.full((t_, s_), -1, np.int32) for k in fields}
+    arrays = {k: np.full((n_ticks, n_stages), -1, np.int32) for k in fields}
     arrays["kind"][:] = IDLE
-    free: dict[str, list[list[int]]] = {k: [[] for _ in range(s_)] for k in BUFFERS}
-    count = {k: [0] * s_ for k in BUFFERS}
+    free: dict[str, list[list[int]]] = {k: [[] for _ in range(n_stages)] for k in BUFFERS}
+    count = {k: [0] * n_stages for k in BUFFERS}
     held: dict[tuple, int] = {}
 
     def take(kind: str, d: int, key: tuple) -> int:
@@ -261,23 +210,23 @@ def _numbered(name: str, rows: list, s_: int, v_: int, m_: int, done: dict) -> T
 
     for t, row in enumerate(rows):
         releases = []
-        prev = rows[t - 1] if t else [None] * s_
-        for d in range(s_):  # what was sent at t-1 arrives at t
-            sent = prev[(d - 1) % s_]
-            if sent and sent[0] == "F" and sent[1] + 1 < c_:
+        prev = rows[t - 1] if t else [None] * n_stages
+        for d in range(n_stages):  # what was sent at t-1 arrives at t
+            sent = prev[(d - 1) % n_stages]
+            if sent and sent[0] == "F" and sent[1] + 1 < n_chunks:
                 arrays["recv_forward"][t, d] = take("inbox", d, (sent[1] + 1, sent[2]))
-            sent = prev[(d + 1) % s_]
+            sent = prev[(d + 1) % n_stages]
             if sent and sent[0] == "B" and sent[1] > 0:
                 arrays["recv_backward"][t, d] = take("grad", d, (sent[1] - 1, sent[2]))
             sent = prev[d]
-            if sent and sent[0] == "F" and sent[1] == c_ - 1:  # the loss's gradient
+            if sent and sent[0] == "F" and sent[1] == n_chunks - 1:  # the loss's gradient
                 arrays["recv_loss"][t, d] = take("grad", d, (sent[1], sent[2]))
         for d, action in enumerate(row):
             if action is None:
                 continue
             kind, c, m = action
             arrays["kind"][t, d] = KINDS[kind]
-            arrays["chunk"][t, d] = c // s_
+            arrays["chunk"][t, d] = c // n_stages
             arrays["micro"][t, d] = m
             if kind == "F":
                 if c > 0:
@@ -296,7 +245,7 @@ def _numbered(name: str, rows: list, s_: int, v_: int, m_: int, done: dict) -> T
         for kind, d, key in releases:  # free from the next tick
             free[kind][d].append(held.pop((kind, *key)))
             free[kind][d].sort()
-    return Table(name, s_, v_, m_, **arrays)
+    return Table(name, n_stages, n_local, n_micro, **arrays)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,87 +269,3 @@ class Schedule:
         """The schedule's :class:`Table`."""
         return tabulate(self.name, self.passes(stages, microbatches, chunks), chunks,
                         fused=self.fused)  # fmt: skip
-
-
-SCHEDULES: dict[str, Schedule] = {
-    s.name: s
-    for s in (
-        Schedule(
-            "1f1b",
-            lambda s, m, v: one_f_one_b(s, m),
-            lambda s, m, v: (s - 1) / (m + s - 1),
-            fused=True,
-            description="one forward, one backward: GPipe's bubble, S microbatches' memory",
-        ),
-        Schedule(
-            "interleaved-1f1b",
-            lambda s, m, v: one_f_one_b(s, m, v),
-            lambda s, m, v: (s - 1) / (v * m + s - 1),
-            fused=True,
-            chunked=True,
-            description="1F1B over repeats=V chunks per stage: the bubble over V",
-        ),
-        Schedule(
-            "zb",
-            lambda s, m, v: zero_bubble(s, m),
-            lambda s, m, v: (s - 1) / (3 * m + s - 1),
-            description="zero-bubble ZB-H1: weight gradients put off into the bubble",
-        ),
-    )
-}
-
-#: the entry-point group a package registers a :class:`Schedule` under
-GROUP = "shardplug.schedules"
-
-
-@functools.cache
-def installed() -> dict[str, Schedule]:
-    """Every schedule by name: the built-ins, then those installed packages register under
-    :data:`GROUP` (one that fails to load, or is not a Schedule, is skipped with a warning)."""
-    found = dict(SCHEDULES)
-    for entry in importlib.metadata.entry_points(group=GROUP):
-        try:
-            schedule = entry.load()
-        except Exception as exc:  # a broken package must not break the built-ins
-            warnings.warn(f"pipeline schedule {entry.name!r} cannot be loaded: {exc}",
-                          ShardplugWarning, stacklevel=2)  # fmt: skip
-            continue
-        if not isinstance(schedule, Schedule) or entry.name in found:
-            why = (
-                "is not a shardplug.plugin.Schedule"
-                if not isinstance(schedule, Schedule)
-                else "is a name already taken"
-            )
-            warnings.warn(f"pipeline schedule {entry.name!r} {why}: skipped", ShardplugWarning,
-                          stacklevel=2)  # fmt: skip
-            continue
-        found[entry.name] = schedule
-    return found
-
-
-def sources() -> dict[str, str]:
-    """Where each installed schedule comes from: ``built-in``, or the package and version
-    that registers it (``shardplug strategies`` lists them)."""
-    named = {
-        entry.name: f"{entry.dist.name} {entry.dist.version}" if entry.dist else entry.value
-        for entry in importlib.metadata.entry_points(group=GROUP)
-    }
-    return {name: "built-in" if name in SCHEDULES else named[name] for name in installed()}
-
-
-def find_schedule(schedule: str | Schedule) -> Schedule:
-    """The :class:`Schedule` ``schedule`` names (or is), refused in one line if unknown."""
-    if isinstance(schedule, Schedule):
-        return schedule
-    known = installed()
-    if schedule == "gpipe":
-        raise StrategyOptionError(
-            "'gpipe' is pp's own schedule (every forward, then the backward pass JAX derives), "
-            f"not a table of passes: the schedules that are ({', '.join(known)}) write the "
-            "backward pass in"
-        )
-    if schedule not in known:
-        raise StrategyOptionError(
-            f"pp option schedule must be one of gpipe, {', '.join(known)}, got {schedule!r}"
-        )
-    return known[schedule]
