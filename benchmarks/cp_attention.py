@@ -118,7 +118,7 @@ def attention_alone(sequences: list[int], devices: int, rounds: int) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from shardplug.plugins.cp.ring import gathered_attention, ring_attention
+    from shardplug.strategies.cp.ring import gathered_attention, ring_attention
 
     mesh = jax.make_mesh((devices,), ("context",), devices=jax.devices()[:devices])
     split = P(None, "context")

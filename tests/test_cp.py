@@ -81,7 +81,7 @@ def test_ring_attention_on_eight_devices_equals_attention_on_one(causal, balance
     outputs and the gradients of all three inputs as jax.nn.dot_product_attention's."""
     import jax
 
-    from shardplug.plugins.cp.ring import ring_attention
+    from shardplug.strategies.cp.ring import ring_attention
 
     mesh = jax.make_mesh((8,), ("context",), devices=jax.devices()[:8])
     q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 64, 2, 8))

@@ -290,7 +290,7 @@ def test_the_baseline_refuses_models_with_state():
 
 def test_bench_needs_a_hand_written_twin(monkeypatch):
     from shardplug.bench import bench
-    from shardplug.plugins.pmap import PerDeviceProgram
+    from shardplug.strategies.pmap import PerDeviceProgram
 
     with pytest.raises(shardplug.UnknownStrategyError, match="unknown strategy 'mine'"):
         bench(["dp", "mine"], "mlp", steps=1, rounds=1)

@@ -14,7 +14,7 @@ import shardplug
 from shardplug.cli import main
 from shardplug.errors import ConfigError, MeshError
 from shardplug.explain import explain
-from shardplug.plugins.pp.stages import Pipeline, circular_order
+from shardplug.strategies.pp.stages import Pipeline, circular_order
 
 STEPS = 3
 
@@ -202,7 +202,7 @@ def test_the_schedule_returns_each_layers_aux_summed_over_microbatches_in_layer_
 
     from shardplug.core import ops
     from shardplug.core.layer_stack import run_stack
-    from shardplug.plugins.pp.stages import stack_operation
+    from shardplug.strategies.pp.stages import stack_operation
 
     def block(w, h):
         h = jnp.tanh(h * w[None, :])

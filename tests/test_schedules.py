@@ -21,8 +21,8 @@ from shardplug.cli import main
 from shardplug.errors import ConfigError, StrategyOptionError
 from shardplug.explain import explain
 from shardplug.plugin import Schedule, tabulate
-from shardplug.plugins.pp import backward
-from shardplug.plugins.pp.schedules import (
+from shardplug.strategies.pp import backward
+from shardplug.strategies.pp.schedules import (
     SCHEDULES,
     find_schedule,
     installed,
@@ -322,7 +322,7 @@ def test_the_default_runs_zero_bubble_where_it_can_and_gpipe_where_not():
 LATE_W = textwrap.dedent(
     """
     from shardplug.plugin import Schedule
-    from shardplug.plugins.pp.schedules import one_f_one_b
+    from shardplug.strategies.pp.schedules import one_f_one_b
 
     def late(stages, microbatches, chunks):
         # 1F1B's order, every weight gradient at the end: a stage holds every microbatch

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardplug
 from shardplug.core.hlo import collectives
-from shardplug.plugins.cp.ring import ring_attention
+from shardplug.strategies.cp.ring import ring_attention
 
 STEPS = 2
 

@@ -130,7 +130,7 @@ def who_raised(exc: BaseException) -> tuple[str, str]:
         if top in plugins:
             return plugins[top], where
         if top == "shardplug":
-            builtin = module.startswith("shardplug.plugins.")
+            builtin = module.startswith("shardplug.strategies.")
             name = f"built-in plugin {module.split('.')[2]}" if builtin else "core"
             return f"shardplug's {name}", where
         if not code.co_filename.startswith("<") and not path.startswith(libraries):

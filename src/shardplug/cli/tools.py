@@ -76,7 +76,7 @@ def cmd_strategies(args: argparse.Namespace) -> int:
 def _schedules() -> list[tuple[str, str, str]]:
     """Every installed pipeline schedule: its name, where it comes from, what it is; pp's
     own GPipe first."""
-    from shardplug.plugins.pp.schedules import installed, sources
+    from shardplug.strategies.pp.schedules import installed, sources
 
     gpipe = ("gpipe", "built-in", "every forward, then the backward pass JAX derives")
     where = sources()

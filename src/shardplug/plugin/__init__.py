@@ -25,7 +25,7 @@ count for a ``compute_grads`` that cuts the batch into parts (:mod:`shardplug.co
 as ``means``: each part's sums added, divided once), and :func:`override_operation`, to
 trace code with one operation in place of another. pp's engine (its plan, GPipe, the tick
 loop that runs a table, the built-in schedules) is pp's own, in
-:mod:`shardplug.plugins.pp`.
+:mod:`shardplug.strategies.pp`.
 """
 
 from __future__ import annotations

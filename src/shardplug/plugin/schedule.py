@@ -18,7 +18,7 @@ tick, each pass at the first tick its inputs are there (a message sent at one ti
 the next), and numbers the buffers each stage keeps. The :class:`Table` it returns is what
 pp's tick loop runs and what explain reports: its idle ticks are the bubble, its live
 residuals the activation memory. pp's built-in schedules (1F1B, interleaved 1F1B, ZB-H1)
-and the registry that finds one by name are in :mod:`shardplug.plugins.pp.schedules`.
+and the registry that finds one by name are in :mod:`shardplug.strategies.pp.schedules`.
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ class Schedule:
     chunks per stage (``passes(S, M, V)``), whether a chunk's input gradient waits for its
     W (``fused``), and the bubble its authors promise (``formula(S, M, V)``).
 
-    A plugin adds one by giving :class:`shardplug.plugins.pp.PipelineParallel` (``pp``) a
+    A plugin adds one by giving :class:`shardplug.strategies.pp.PipelineParallel` (``pp``) a
     ``Schedule`` as its ``schedule`` option, or by registering it under the entry-point
     group ``shardplug.schedules`` so ``-o pp.schedule=NAME`` finds it."""
 

@@ -207,7 +207,7 @@ class StrategyConformance:
         import numpy as np
 
         from shardplug.core.registry import strategy_options
-        from shardplug.plugins.pp.schedules import find_schedule
+        from shardplug.strategies.pp.schedules import find_schedule
 
         if "schedule" not in {o.name for o in strategy_options(self.strategy)}:
             pytest.skip(f"{self.strategy} has no pipeline schedule to choose")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from shardplug.plugin import is_explicit, mesh_axes
-from shardplug.plugins.pp.stages import sums_in_float32
+from shardplug.strategies.pp.stages import sums_in_float32
 
 
 def after(value: Any, *before: Any) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from shardplug.plugin import KINDS, Table
-from shardplug.plugins.pp.stages import Pipeline, circular_order
+from shardplug.strategies.pp.stages import Pipeline, circular_order
 
 F, B = KINDS["F"], KINDS["B"]
 
@@ -58,7 +58,7 @@ def pipeline_report(axis: str, mesh: Any, step: Any) -> dict[str, Any] | None:
 
 def written_report(table: Table, formula: float, axis: str, mesh: Any,
                    step: Any) -> dict[str, Any] | None:  # fmt: skip
-    """The figures of a schedule written into the step (:mod:`shardplug.plugins.pp.ticks`), from
+    """The figures of a schedule written into the step (:mod:`shardplug.strategies.pp.ticks`), from
     the table it ran: its bubble as the stages' idle ticks against its authors' formula, the
     microbatches' residuals each stage holds at most, the buffers it keeps, and its
     collective-permutes: one forward and one back on each tick where some stage sends."""

@@ -44,8 +44,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardplug.errors import ConfigError
 from shardplug.plugin import KINDS, Table, Unscheduled, in_microbatches, lay_out, means
-from shardplug.plugins.pp.chunks import Chunk, cut_at_stack, merged
-from shardplug.plugins.pp.region import (
+from shardplug.strategies.pp.chunks import Chunk, cut_at_stack, merged
+from shardplug.strategies.pp.region import (
     after,
     leaving,
     matched,
@@ -55,7 +55,7 @@ from shardplug.plugins.pp.region import (
     write_slot,
     zeros,
 )
-from shardplug.plugins.pp.stages import microbatches
+from shardplug.strategies.pp.stages import microbatches
 
 F, B, W = KINDS["F"], KINDS["B"], KINDS["W"]
 

@@ -6,11 +6,11 @@ A model's layer stack (:mod:`shardplug.stack`) has its leading layer dimension s
 activations passed between stages with ``ppermute``, by one of two engines:
 
 - ``gpipe``: pp supplies the layer stack operation, whose schedule
-  (:mod:`shardplug.plugins.pp.stages`) runs every microbatch's forward pass inside the model's,
+  (:mod:`shardplug.strategies.pp.stages`) runs every microbatch's forward pass inside the model's,
   autodiff its backward; bubble (S-1)/(V*M+S-1), every microbatch's stage inputs held;
 - the schedules that write the backward pass in (``1f1b``, ``interleaved-1f1b``, ``zb``,
   or a :class:`shardplug.plugin.Schedule` of a plugin's): pp's ``compute_grads`` runs the
-  table of F, B and W passes (:mod:`shardplug.plugins.pp.ticks`), at most about S microbatches'
+  table of F, B and W passes (:mod:`shardplug.strategies.pp.ticks`), at most about S microbatches'
   activations held whatever M; ZB-H1's bubble (S-1)/(3M+S-1).
 
 The default, ``auto``, is ``zb`` (``interleaved-1f1b`` with ``repeats``) where the model lets
@@ -46,12 +46,12 @@ from shardplug.plugin import (
     mesh_axes,
     warn_once,
 )
-from shardplug.plugins.pp import blocks
-from shardplug.plugins.pp.chunks import NEVER_RAN
-from shardplug.plugins.pp.report import pipeline_report, written_report
-from shardplug.plugins.pp.schedules import find_schedule
-from shardplug.plugins.pp.stages import Pipeline, rows_split, stack_operation
-from shardplug.plugins.pp.ticks import divergent_permutes, scheduled_grads, unordered_collectives
+from shardplug.strategies.pp import blocks
+from shardplug.strategies.pp.chunks import NEVER_RAN
+from shardplug.strategies.pp.report import pipeline_report, written_report
+from shardplug.strategies.pp.schedules import find_schedule
+from shardplug.strategies.pp.stages import Pipeline, rows_split, stack_operation
+from shardplug.strategies.pp.ticks import divergent_permutes, scheduled_grads, unordered_collectives
 
 #: the schedule pp runs where none is asked for: ``auto``, zero-bubble (interleaved 1F1B over
 #: ``repeats`` chunks) where the model lets it, GPipe where not (docs/guide.md, measured)
@@ -75,7 +75,7 @@ class PipelineParallel:
         ``repeats``), ``1f1b``, ``interleaved-1f1b`` or ``zb`` (zero-bubble ZB-H1), a
         schedule registered under the entry-point group ``shardplug.schedules``, or a
         :class:`shardplug.plugin.Schedule`. All but ``gpipe`` write the backward pass into
-        the schedule (:mod:`shardplug.plugins.pp.ticks`).
+        the schedule (:mod:`shardplug.strategies.pp.ticks`).
     """
 
     unsupported: ClassVar[dict[str, str]] = {

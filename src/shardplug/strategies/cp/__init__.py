@@ -32,7 +32,7 @@ from shardplug.plugin import (
     hookimpl,
     warn_once,
 )
-from shardplug.plugins.cp.ring import gathered_attention, ring_attention
+from shardplug.strategies.cp.ring import gathered_attention, ring_attention
 
 
 class ContextParallel:

@@ -8,5 +8,5 @@ from shardplug._lazy import submodule
 
 
 def __getattr__(name: str) -> ModuleType:
-    """Submodules on first use (``shardplug.plugins.two_d`` after ``import shardplug``)."""
+    """Submodules on first use (``shardplug.strategies.two_d`` after ``import shardplug``)."""
     return submodule(__name__, name)

@@ -5,8 +5,8 @@ differently, into *pre* (up to the stack: the embeddings), the stack's block, an
 (after it: the head and the loss), each a function of the parameters and one microbatch.
 :class:`Chunk` runs a chunk of G consecutive layers of the stack: ``forward`` (F: each
 layer by ``jax.vjp``, its residuals kept), ``input_grad`` (B) and ``weight_grad`` (W), the two
-halves of each layer's pullback (:mod:`shardplug.plugins.pp.backward`). The tick loop of
-:mod:`shardplug.plugins.pp.ticks` runs them as a schedule says.
+halves of each layer's pullback (:mod:`shardplug.strategies.pp.backward`). The tick loop of
+:mod:`shardplug.strategies.pp.ticks` runs them as a schedule says.
 
 What passes between the stages (a *message*) is the stack's running input ``h`` or, where
 the blocks return an aux (a mixture of experts' tallies), ``(h, aux of every layer)``, each
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from shardplug.errors import ConfigError
 from shardplug.plugin import Unscheduled, in_microbatches, override_operation, split_aux
-from shardplug.plugins.pp import backward
+from shardplug.strategies.pp import backward
 
 #: why a model that runs its stacked layers in a loop of its own cannot be cut into stages
 NEVER_RAN = (

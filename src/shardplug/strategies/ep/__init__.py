@@ -26,7 +26,7 @@ from shardplug.plugin import (
     hookimpl,
     warn_once,
 )
-from shardplug.plugins.ep.exchange import exchange
+from shardplug.strategies.ep.exchange import exchange
 
 
 class ExpertParallel:

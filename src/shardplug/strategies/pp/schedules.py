@@ -5,7 +5,7 @@ that finds a schedule by name (the built-ins, then those packages register under
 A schedule's record, its passes and its table (:class:`~shardplug.plugin.Schedule`,
 :func:`~shardplug.plugin.tabulate`, :class:`~shardplug.plugin.Table`) are
 :mod:`shardplug.plugin.schedule`'s, public for a package that writes one; the tick loop that
-runs a table is :func:`shardplug.plugins.pp.ticks.scheduled_grads`.
+runs a table is :func:`shardplug.strategies.pp.ticks.scheduled_grads`.
 
 Bubbles, in ticks (F = B = W):
 
