@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from shardplug.cli.watch import quiet_orbax
 from shardplug.errors import ConfigError
@@ -18,33 +19,7 @@ def cmd_strategies(args: argparse.Namespace) -> int:
         kinds += [("add-on", info) for info in list_addons(include_broken=True)]
     schedules = _schedules()
     if args.json:
-        rows = [
-            {
-                "name": i.name,
-                "kind": kind if kind == "add-on" else i.kind,
-                "composes": i.kind != "strategy" and kind != "add-on",
-                "parts": i.parts,
-                "description": i.description,
-                "source": i.source,
-                "package": i.package,
-                "version": i.version,
-                "options": {o.name: repr(o.default) for o in i.options},
-                "hooks": list(i.hooks),
-                "error": i.error,
-            }
-            for kind, i in kinds
-        ]
-        if args.all:
-            from importlib.metadata import version
-
-            own = ("shardplug", version("shardplug"))
-            rows += [{"name": name, "kind": "schedule", "composes": False, "parts": None,
-                      "description": description, "source": source,
-                      "package": (own if source == "built-in" else source.rsplit(" ", 1))[0],
-                      "version": (own if source == "built-in" else source.rsplit(" ", 1))[-1],
-                      "options": {}, "hooks": [], "error": None}
-                     for name, source, description in schedules]  # fmt: skip
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(_rows(kinds, schedules if args.all else []), indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -71,6 +46,25 @@ def cmd_strategies(args: argparse.Namespace) -> int:
         listed = ", ".join(f"{name} ({source})" for name, source, _ in schedules)
         print(f"pp's schedules (-o pp.schedule=NAME): {listed}.")
     return 0
+
+
+def _rows(kinds: list[tuple[str, Any]], schedules: list[tuple[str, str, str]]) -> list[dict]:
+    """``strategies --json``: a row for each strategy (add-on), then each schedule given."""
+    from importlib.metadata import version
+
+    rows = [{"name": i.name, "kind": kind if kind == "add-on" else i.kind,
+             "composes": i.kind != "strategy" and kind != "add-on", "parts": i.parts,
+             "description": i.description, "source": i.source, "package": i.package,
+             "version": i.version, "options": {o.name: repr(o.default) for o in i.options},
+             "hooks": list(i.hooks), "error": i.error} for kind, i in kinds]  # fmt: skip
+    for name, source, description in schedules:
+        package, _, release = source.rpartition(" ")
+        if source == "built-in":
+            package, release = "shardplug", version("shardplug")
+        rows.append({"name": name, "kind": "schedule", "composes": False, "parts": None,
+                     "description": description, "source": source, "package": package,
+                     "version": release, "options": {}, "hooks": [], "error": None})  # fmt: skip
+    return rows
 
 
 def _schedules() -> list[tuple[str, str, str]]:
