@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,8 +46,15 @@ def _die_with_parent() -> None:  # runs in the child before exec (Linux)
         pass
 
 
+#: the line a worker says when it stops because another one failed
+FOLLOWED = re.compile(r"shardplug: error: process \d+ failed \(")
+#: how long after the first failed exit the launcher waits for the others' before naming one
+SETTLE_S = 0.5
+
+
 def _stream(rank: int, pipe: IO[str], out: IO[str], lock: threading.Lock, held: list[str],
-            said: list[bool], explained: set[str] | None = None) -> None:  # fmt: skip
+            said: list[bool], explained: set[str] | None = None,
+            followed: set[int] | None = None) -> None:  # fmt: skip
     """Relay a worker's lines, prefixed by its rank; its native lines go to ``held`` (shown
     for a failed worker that said nothing itself), ``said`` notes a line of its own. Gloo's
     connections and absl's notice are dropped; XLA's SPMD rematerialization lines are held
@@ -67,6 +75,8 @@ def _stream(rank: int, pipe: IO[str], out: IO[str], lock: threading.Lock, held: 
             continue
         if line.startswith("shardplug: "):
             said.append(True)
+            if followed is not None and FOLLOWED.match(line):
+                followed.add(rank)  # it stopped because another failed: not a cause
         with lock:
             out.write(f"[{rank}] {line}" if line.endswith("\n") else f"[{rank}] {line}\n")
             out.flush()
@@ -127,6 +137,7 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
     held: list[list[str]] = [[] for _ in range(nprocs)]  # each worker's native lines
     said: list[list[bool]] = [[] for _ in range(nprocs)]  # whether it said anything itself
     explained: set[str] = set()  # the native lines said in shardplug's words, for the job
+    followed: set[int] = set()  # the workers that said they stop because another failed
 
     blocks = gpu_blocks(nprocs, nvidia_gpus())
     port = free_port()
@@ -149,7 +160,7 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
         workers.append(proc)
         t = threading.Thread(
             target=_stream,
-            args=(rank, proc.stdout, sys.stdout, lock, held[rank], said[rank], explained),
+            args=(rank, proc.stdout, sys.stdout, lock, held[rank], said[rank], explained, followed),
             daemon=True,
         )
         t.start()
@@ -174,14 +185,20 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     failed: tuple[int, int] | None = None  # the first worker to fail, once the others stop
     ended_well: float | None = None  # when the first worker exited with 0
+    first_bad: float | None = None  # when the first worker exited with an error
     try:
         while True:
             # A failure is named before the loop may end: the others can exit within one tick
             # of the first, and the message must not depend on that race.
             done = len(exits) == len(workers)
             bad = [(r, c) for r, c in list(exits) if c != 0]
-            if bad and failed is None and not signalled:
-                failed = bad[0]
+            if bad and first_bad is None:
+                first_bad = time.monotonic()
+            settled = done or (first_bad is not None and time.monotonic() > first_bad + SETTLE_S)
+            if bad and failed is None and not signalled and settled:
+                # of the exits so far, the first that did not stop because another failed
+                causes = [(r, c) for r, c in bad if r not in followed]
+                failed = (causes or bad)[0]
                 _stop(workers, lock, f"process {failed[0]} {_how(failed[1])}: stopping the others")
             well = [(r, c) for r, c in list(exits) if c == 0]
             if well and ended_well is None:
