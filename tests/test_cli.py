@@ -210,3 +210,21 @@ def test_the_losses_are_drawn_from_a_run_and_from_its_metrics(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_recommend_compares_strategies_of_its_own_and_takes_no_strategy_option(capsys):
+    for flags in (["--strategy", "fsdp"], ["-o", "min_size=0"]):
+        assert main(["recommend", *flags, "--device-memory", "1GB"]) == 2
+        assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_a_resume_reads_the_run_the_checkpoint_holds():
+    from pathlib import Path
+
+    from shardplug.cli.config import RunConfig, resumed
+    from shardplug.errors import ConfigError
+
+    old = resumed(RunConfig(), {"task": "shardplug.tasks:digits", "seed": 3})  # before the rename
+    assert (old.task, old.seed) == ("shardplug.builtin_tasks:digits", 3)
+    with pytest.raises(ConfigError, match=r"holds a run of task t\.py:task, not one --init-from"):
+        resumed(RunConfig(init_from="ckpt", checkpoint_dir=Path("c")), {"task": "t.py:task"})

@@ -131,15 +131,16 @@ def unsay(messages: Iterable[str]) -> None:
     _SAID.difference_update(messages)
 
 
-def warn_once(message: str, stacklevel: int = 2) -> None:
-    """A :class:`ShardplugWarning` said once per process, however often its cause recurs.
-    Called from shardplug's own code, it is attributed ``stacklevel`` frames up from the
-    caller (the user's call that led to it); called from a plugin's (or any other) code,
-    to that call itself, the plugin's own line."""
+def warn_once(message: str, stacklevel: int | None = None) -> None:
+    """A :class:`ShardplugWarning` said once per process, however often its cause recurs,
+    attributed ``stacklevel`` frames up from the caller. By default: called from
+    shardplug's own code, 2 (the call that led to it); from a plugin's (or any other) code,
+    1, the plugin's own line."""
     if message not in _SAID:
         _SAID.add(message)
-        if not str(Path(sys._getframe(1).f_code.co_filename).resolve()).startswith(_HERE):
-            stacklevel = 1
+        if stacklevel is None:
+            caller = str(Path(sys._getframe(1).f_code.co_filename).resolve())
+            stacklevel = 2 if caller.startswith(_HERE) else 1
         warnings.warn(message, ShardplugWarning, stacklevel=stacklevel + 1)
 
 

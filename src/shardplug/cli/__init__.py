@@ -139,16 +139,18 @@ def who_raised(exc: BaseException) -> tuple[str, str]:
 
 
 def _plugin_packages() -> dict[str, str]:
-    """The top-level module of each installed plugin (entry-point group ``shardplug``),
-    and how to name it."""
+    """The top-level module of each installed plugin (a strategy, an add-on or a pipeline
+    schedule: the entry-point groups ``shardplug``, ``shardplug.addons``,
+    ``shardplug.schedules``), and how to name it."""
     import importlib.metadata
 
     named = {}
-    for entry in importlib.metadata.entry_points(group="shardplug"):
-        top = entry.value.partition(":")[0].partition(".")[0]
-        if top != "shardplug":
-            package = entry.dist.name if entry.dist is not None else top
-            named[top] = f"the plugin {entry.name} (package {package})"
+    for group in ("shardplug", "shardplug.addons", "shardplug.schedules"):
+        for entry in importlib.metadata.entry_points(group=group):
+            top = entry.value.partition(":")[0].partition(".")[0]
+            if top != "shardplug":
+                package = entry.dist.name if entry.dist is not None else top
+                named.setdefault(top, f"the plugin {entry.name} (package {package})")
     return named
 
 

@@ -3,7 +3,8 @@ command line (:meth:`RunConfig.of`) and, on ``--resume``, merged once with the c
 (:func:`resumed`); and what is made from it, each by one function: the strategy
 (:func:`strategy_of`), the task (:func:`task_of`) and the Trainer (:func:`trainer_for`).
 
-The command functions read a ``RunConfig``; the parsed arguments are read once, here."""
+The command functions read a ``RunConfig`` for the run; a command's own presentation flags
+(``--json``, explain's ``--param``, bench's ``--rounds``) they read from the arguments."""
 
 from __future__ import annotations
 
@@ -15,9 +16,6 @@ from typing import Any, NamedTuple
 
 from shardplug.errors import CheckpointError, ConfigError, MeshError, StrategyOptionError
 
-#: the reference transformer's shape and routing (``shardplug.models.TRANSFORMER_OPTIONS``)
-MODEL_OPTIONS = ("layers", "remat", "sequence", "experts", "top_k", "capacity_factor",
-                 "capacity_groups", "bias_rate")  # fmt: skip
 #: what only a reference model takes: a task brings its own
 MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", "experts", "top_k", "capacity_factor",
               "capacity_groups", "bias_rate")  # fmt: skip
@@ -108,7 +106,9 @@ class RunConfig:
     def model_options(self) -> dict[str, Any]:
         """The reference model's options given (``layers``, ``remat``, the experts'...): the
         one path to them (checked, stored in the checkpoint's config, given to the model)."""
-        given = {k: getattr(self, k) for k in MODEL_OPTIONS}
+        from shardplug.models import TRANSFORMER_OPTIONS
+
+        given = {k: getattr(self, k) for k in TRANSFORMER_OPTIONS}
         return {k: v for k, v in given.items() if v}
 
     def sizes(self) -> dict[str, Any]:
@@ -219,7 +219,16 @@ def resumed(config: RunConfig, saved: Mapping[str, Any]) -> RunConfig:
     if saved.get("init_from") and config.task is None and config.model is None:
         return _filled(config, {k: saved.get(k) for k in RESUMED_PRETRAINED}, saved)
     if config.task is None and saved.get("task") and config.model is None:
-        config = dataclasses.replace(config, task=saved["task"])  # resuming a task's run
+        if config.init_from is not None:
+            raise ConfigError(
+                f"--checkpoint-dir {config.checkpoint_dir} holds a run of task "
+                f"{saved['task']}, not one --init-from {config.init_from}: drop --init-from "
+                "to resume it, or choose an empty directory"
+            )
+        task = saved["task"]  # resuming a task's run (the built-in tasks' module renamed)
+        if task.startswith("shardplug.tasks:"):
+            task = "shardplug.builtin_tasks:" + task.removeprefix("shardplug.tasks:")
+        config = dataclasses.replace(config, task=task)
     if config.task is not None or config.init_from is not None:
         return _filled(config, {"seed": saved.get("seed", DEFAULTS["seed"])}, saved)
     was_run = saved.get("model") or (saved.get("task") and f"task {saved['task']}")

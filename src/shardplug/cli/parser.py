@@ -86,7 +86,7 @@ def _what(parser: Any) -> None:
     add("--adapter", default=None, help="the reference model's framework: nnx, linen or equinox")
     add("--init-from", default=None, metavar="DIR",
         help="start from a pretrained checkpoint in Hugging Face's format (config.json and "
-        "safetensors: Llama, Mistral, Qwen2/3, Gemma 3, Mixtral), read straight into the "
+        "safetensors: Llama, Mistral, Qwen2/3, Gemma 3, Mixtral, Phi-3), read straight into the "
         "strategy's layout, instead of a reference --model")  # fmt: skip
     add("--param-dtype", default=None, choices=("float32", "bfloat16", "float16"),
         help="with --init-from: the parameters' dtype (default: as the checkpoint stores "
@@ -128,14 +128,17 @@ def _what(parser: Any) -> None:
         "devices)")  # fmt: skip
 
 
-def _how(parser: Any, speed: Any) -> None:
-    """How to train it: the strategy, its options and add-ons, the mesh, the step's
-    microbatches and precision (the latter two in the ``speed`` group)."""
+def _how(parser: Any, speed: Any, strategy: bool = True) -> None:
+    """How to train it: the strategy and its options (unless the command compares
+    strategies of its own), add-ons, the mesh, the step's microbatches and precision (the
+    latter two in the ``speed`` group)."""
     add = parser.add_argument
-    add("--strategy", default="dp",
-        help="a strategy or parallelisms joined by '+', e.g. fsdp+tp (default: dp)")  # fmt: skip
-    add("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
-        help="a strategy option, e.g. -o min_size=0 for fsdp (repeatable)")  # fmt: skip
+    if strategy:
+        add("--strategy", default="dp",
+            help="a strategy or parallelisms joined by '+', e.g. fsdp+tp (default: "
+            "dp)")  # fmt: skip
+        add("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+            help="a strategy option, e.g. -o min_size=0 for fsdp (repeatable)")  # fmt: skip
     add("--addon", action="append", default=[], metavar="NAME",
         help="an add-on plugin that wraps the strategy's hooks (repeatable)")  # fmt: skip
     add("--mesh", default=None,
@@ -285,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
         "fit, one that moves only parameters and gradients, then the fewest bytes sent.",
     )
     _what(recommend)
-    _how(recommend, recommend)
+    _how(recommend, recommend, strategy=False)  # it compares the strategies itself
     _output(recommend, None, "each device's memory, e.g. 80GB or 512MiB (default: what a "
             "GPU's backend gives this process; needed on CPUs)")  # fmt: skip
     recommend.add_argument("--strategies", default=None, metavar="A,B",

@@ -23,11 +23,6 @@ MODULES = (llama, mistral, qwen2, qwen3, gemma3, mixtral, phi3)
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in MODULES}
 
 
-def family_of(c: DecoderConfig) -> Family:
-    """The family a config was read as."""
-    return FAMILIES[c.family]
-
-
 def tensors(c: DecoderConfig) -> Tensors:
     """Where each of the decoder's parameters lies in the family's checkpoints."""
     return FAMILIES[c.family].tensors(c)
