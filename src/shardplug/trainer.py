@@ -253,8 +253,8 @@ class Trainer:
             iterator = self._data = Tracked.resumed(iterator, self.step, self._data_state)
             self._data_state = None
         if not self._said:  # the run's first line, once
-            self._said = say_devices(self.strategy.name, self.mesh, self.precision,
-                                     self.precision_reason)  # fmt: skip
+            say_devices(self.strategy.name, self.mesh, self.precision, self.precision_reason)
+            self._said = True
         if self._train is None:  # compile on the first batch, in this thread
             iterator = compiled_on_first(iterator, self.compile, steps)
             if iterator is None:

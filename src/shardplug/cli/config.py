@@ -271,7 +271,7 @@ def strategy_of(config: RunConfig, name: str | None = None,
     with the ``--addon``\s and ``--axis-name``\s. An unknown name or option is one line."""
     from shardplug.core.registry import get_strategy
 
-    if name is None or (name == config.strategy and not options):
+    if name is None:
         name, options = config.strategy, parse_options(config.strategy, config.option)
     return get_strategy(name, addons=list(config.addon), axis_names=axis_names(config.axis_name),
                         **(options or {}))  # fmt: skip

@@ -62,7 +62,8 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
         for name in strategies or [""]:
             get_strategy(name)  # an unknown (or no) name fails here, before anything compiles
-    from shardplug.views import render_longest, render_recommend, size
+    from shardplug.units import size
+    from shardplug.views import render_longest, render_recommend
 
     title = f"{task.name} ({task.adapter.framework}) on {len(devices)} devices of {size(memory)}"
     batch = plan_batch(task)  # one batch for every strategy planned

@@ -93,7 +93,7 @@ def _compile_first(config: RunConfig, task: Any, trainer: Any) -> None:
 
 
 def _said_read(config: RunConfig, tensors: Any, trainer: Any, seconds: float) -> None:
-    from shardplug.views import size
+    from shardplug.units import size
 
     print(
         f"shardplug: read {size(tensors.bytes_read)} of the {size(tensors.nbytes)} in "

@@ -27,7 +27,7 @@ def check_memory(trainer: Any) -> None:
     devices (which share the host's memory) all this process's devices against what the
     host has available; on an accelerator each device's peak against its memory."""
     from shardplug.explain import backend_memory, peak_bytes
-    from shardplug.views import size
+    from shardplug.units import size
 
     analysis = trainer.compiled.memory_analysis() if trainer.compiled is not None else None
     peak = peak_bytes(analysis) if analysis is not None else None

@@ -224,11 +224,11 @@ def _rows(
     return rows
 
 
-def say_devices(strategy: str, mesh: Any, precision: str, reason: str) -> bool:
+def say_devices(strategy: str, mesh: Any, precision: str, reason: str) -> None:
     """The run's first line (standard error, process 0): how many devices it uses and why,
-    so that one CPU device is never a surprise. True: said (or left to process 0)."""
+    so that one CPU device is never a surprise."""
     if jax.process_index() != 0:
-        return True
+        return
     count = mesh.size
     platform, there = mesh.devices.flat[0].platform, len(jax.devices())
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
@@ -245,4 +245,3 @@ def say_devices(strategy: str, mesh: Any, precision: str, reason: str) -> bool:
                if precision in ("bf16", "bfloat16") else "float32")  # fmt: skip
     print(f"shardplug: {strategy} on {count} {platform} device{plural}{processes} ({where}): "
           f"{why}; {compute} ({reason})", file=sys.stderr, flush=True)  # fmt: skip
-    return True

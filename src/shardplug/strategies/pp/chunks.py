@@ -22,8 +22,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from shardplug.errors import ConfigError
-from shardplug.plugin import Unscheduled, in_microbatches, override_operation, split_aux
+from shardplug.plugin import (
+    ConfigError,
+    Unscheduled,
+    in_microbatches,
+    override_operation,
+    split_aux,
+)
 from shardplug.strategies.pp import backward
 
 #: why a model that runs its stacked layers in a loop of its own cannot be cut into stages

@@ -27,8 +27,15 @@ import importlib.metadata
 import warnings
 from collections.abc import Callable
 
-from shardplug.errors import ShardplugWarning, StrategyOptionError
-from shardplug.plugin import Pass, Schedule, Table, Unscheduled, tabulate
+from shardplug.plugin import (
+    Pass,
+    Schedule,
+    ShardplugWarning,
+    StrategyOptionError,
+    Table,
+    Unscheduled,
+    tabulate,
+)
 
 __all__ = ["GROUP", "SCHEDULES", "Pass", "Schedule", "Table", "Unscheduled", "find_schedule",
            "installed", "one_f_one_b", "sources", "tabulate", "zero_bubble"]  # fmt: skip

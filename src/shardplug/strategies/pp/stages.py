@@ -29,8 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from shardplug.errors import ConfigError
-from shardplug.plugin import in_microbatches, is_explicit, lay_out, split_aux
+from shardplug.plugin import ConfigError, in_microbatches, is_explicit, lay_out, split_aux
 
 
 @dataclasses.dataclass(frozen=True)

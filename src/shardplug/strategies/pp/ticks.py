@@ -42,8 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from shardplug.errors import ConfigError
-from shardplug.plugin import KINDS, Table, Unscheduled, in_microbatches, lay_out, means
+from shardplug.plugin import KINDS, ConfigError, Table, Unscheduled, in_microbatches, lay_out, means
 from shardplug.strategies.pp.chunks import Chunk, cut_at_stack, merged
 from shardplug.strategies.pp.region import (
     after,
