@@ -258,6 +258,7 @@ SCHEDULE_ROWS = {  # name: pp options
     "1f1b": {"schedule": "1f1b"},
     "interleaved-1f1b (V=2)": {"schedule": "interleaved-1f1b", "repeats": 2},
     "zb": {"schedule": "zb"},
+    "zbv (V=2)": {"schedule": "zbv"},
 }
 
 
@@ -407,6 +408,7 @@ def main() -> None:
         "schedules": schedules(args.rounds, args.steps),
     }
     print(json.dumps(report, indent=1))
+    (Path(__file__).parent / "pipeline.json").write_text(json.dumps(report, indent=1) + "\n")
     (Path(__file__).parent / "pipeline.md").write_text(markdown(report))
 
 

@@ -1,7 +1,7 @@
-"""Pipeline schedules that write the backward pass in (1F1B, interleaved 1F1B, ZB-H1): their
-tables against the formulas, the backward pass cut in two, trajectories equal to one
-device's in every composition, activation memory flat in the microbatches, and bad input in
-one line."""
+"""Pipeline schedules that write the backward pass in (1F1B, interleaved 1F1B, ZB-H1, ZB-V):
+their tables against the formulas, chunks placed in a V, the backward pass cut in two,
+trajectories equal to one device's in every composition, activation memory flat in the
+microbatches, and bad input in one line."""
 
 import json
 import math
@@ -20,7 +20,7 @@ from shardplug import stack
 from shardplug.cli import main
 from shardplug.errors import ConfigError, StrategyOptionError
 from shardplug.explain import explain
-from shardplug.plugin import Schedule, tabulate
+from shardplug.plugin import Schedule, looped, tabulate, v_shape
 from shardplug.strategies.pp import backward
 from shardplug.strategies.pp.schedules import (
     SCHEDULES,
@@ -28,6 +28,7 @@ from shardplug.strategies.pp.schedules import (
     installed,
     one_f_one_b,
     zero_bubble,
+    zero_bubble_v,
 )
 from shardplug.testing.conformance import _losses, one_device_losses
 
@@ -36,7 +37,7 @@ NAMES = tuple(SCHEDULES)
 
 
 def chunks(name):
-    return 2 if SCHEDULES[name].chunked else 1
+    return SCHEDULES[name].repeats or 2 if SCHEDULES[name].chunked else 1
 
 
 # -- the tables ------------------------------------------------------------------------------
@@ -56,26 +57,33 @@ def test_a_stage_holds_at_most_about_s_microbatches_whatever_m(name):
     v = chunks(name)
     peaks = [SCHEDULES[name].table(4, m, v).peak for m in (8, 16, 32)]
     assert peaks[0] == peaks[1] == peaks[2]
-    assert max(peaks[0]) == {"1f1b": 4, "zb": 4, "interleaved-1f1b": 5.5}[name]
+    assert max(peaks[0]) == {"1f1b": 4, "zb": 4, "interleaved-1f1b": 5.5, "zbv": 4}[name]
 
 
 def replay(table):
     """Run a table as the tick loop does, independently of how it was made: every pass once,
-    each after what it needs, every buffer read holding what the pass needs."""
+    on the stage its chunk is placed on, each after what it needs, every message from the
+    stage the table says, every buffer read holding what the pass needs."""
     s_, c_, m_ = table.stages, table.stages * table.chunks, table.microbatches
+    where = table.placement
     done = {}
     slots = [{k: {} for k in ("residual", "inbox", "grad", "stash")} for _ in range(s_)]
     sent = [None] * s_
     for t in range(table.ticks):
         for d in range(s_):  # arrivals of what was sent at t-1
-            back, fwd, own = sent[(d + 1) % s_], sent[(d - 1) % s_], sent[d]
-            if table.recv_forward[t, d] >= 0:
-                assert fwd[0] == "F"
-                slots[d]["inbox"][table.recv_forward[t, d]] = ("x", fwd[1] + 1, fwd[2])
-            if table.recv_backward[t, d] >= 0:
-                assert back[0] == "B"
-                slots[d]["grad"][table.recv_backward[t, d]] = ("g", back[1] - 1, back[2])
+            sources = {"recv_forward": (d - 1) % s_, "recv_backward": (d + 1) % s_,
+                       "recv_forward_after": (d + 1) % s_, "recv_backward_before": (d - 1) % s_,
+                       "recv_forward_self": d, "recv_backward_self": d}  # fmt: skip
+            for field, source in sources.items():
+                slot = getattr(table, field)[t, d]
+                if slot < 0:
+                    continue
+                kind, c, m = sent[source]
+                to = c + 1 if kind == "F" else c - 1
+                assert kind == ("F" if "forward" in field else "B") and where[to] == d
+                slots[d]["inbox" if kind == "F" else "grad"][slot] = ("xg"[kind == "B"], to, m)
             if table.recv_loss[t, d] >= 0:
+                own = sent[d]
                 assert own[0] == "F" and own[1] == c_ - 1
                 slots[d]["grad"][table.recv_loss[t, d]] = ("g", own[1], own[2])
         now = [None] * s_
@@ -83,8 +91,8 @@ def replay(table):
             kind = " FBW"[table.kind[t, d]]
             if kind == " ":
                 continue
-            c, m = int(table.chunk[t, d]) * s_ + d, int(table.micro[t, d])
-            assert (kind, c, m) not in done
+            c, m = int(table.model_chunk[t, d]), int(table.micro[t, d])
+            assert where[c] == d and (kind, c, m) not in done
             if kind == "F":
                 assert c == 0 or done[("F", c - 1, m)] < t
                 if c > 0:
@@ -114,12 +122,58 @@ def test_lists_that_are_not_a_schedule_are_refused_in_one_line():
     lists = one_f_one_b(2, 2)
     with pytest.raises(ConfigError, match="exactly once"):
         tabulate("short", [lists[0][:-1], lists[1]])
-    with pytest.raises(ConfigError, match="runs a chunk on stage 0 that lives on another"):
+    with pytest.raises(ConfigError, match="runs chunk 1 on stage 0, and its placement puts it "
+                                          "on stage 1"):  # fmt: skip
         tabulate("swapped", [lists[1], lists[0]])
     backwards_first = [[p for p in seq if p[0] != "F"] + [p for p in seq if p[0] == "F"]
                        for seq in lists]  # fmt: skip
     with pytest.raises(ConfigError, match="never finishes"):
         tabulate("stuck", backwards_first)
+
+
+def test_placements_that_a_message_cannot_follow_are_refused_in_one_line():
+    lists = zero_bubble_v(4, 8)
+    with pytest.raises(ConfigError, match=r"places its 8 chunks as \[0, 1, 2, 3, 3, 2, 1\]: "
+                                          "the placement must put one of each 4 consecutive "
+                                          "chunks on each stage"):  # fmt: skip
+        tabulate("short", lists, 2, placement=lambda s, v: v_shape(s, v)[:-1])
+    with pytest.raises(ConfigError, match="places chunk 0 on stage 0 and chunk 1 on stage 2: "
+                                          "consecutive chunks must live on one stage or on "
+                                          "neighbours of the ring"):  # fmt: skip
+        tabulate("jumps", lists, 2, placement=lambda s, v: [0, 2, 1, 3, 3, 1, 2, 0])
+    with pytest.raises(ConfigError, match="runs chunk 7 on stage 0, and its placement puts it "
+                                          "on stage 3"):  # fmt: skip
+        tabulate("zbv-looped", lists, 2, placement=looped)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_zero_bubble_v_places_its_chunks_in_a_v(stages):
+    """ZB-V's chunks run down the stages and back up: the first and the last chunk on stage 0,
+    where the loss's gradient comes back; the turn from chunk S-1 to chunk S stays on stage
+    S-1; every other message goes to a neighbour, down the ring going down and up it coming
+    back (each way's fields, for S > 2, where the two neighbours differ)."""
+    table = SCHEDULES["zbv"].table(stages, 2 * stages, 2)
+    assert table.stage_chunks == [[s, 2 * stages - 1 - s] for s in range(stages)]
+    assert v_shape(stages, 2) == list(table.placement) and not table.one_way
+    used = {f: set(np.nonzero((getattr(table, f) >= 0).any(0))[0].tolist())
+            for f in ("recv_loss", "recv_forward_self", "recv_backward_self",
+                      "recv_forward_after", "recv_backward_before")}  # fmt: skip
+    assert used["recv_loss"] == {0}
+    assert used["recv_forward_self"] == used["recv_backward_self"] == {stages - 1}
+    back_up = set(range(stages - 1)) if stages > 2 else set()
+    assert used["recv_forward_after"] == back_up
+    assert used["recv_backward_before"] == (set(range(1, stages)) if stages > 2 else set())
+
+
+def test_a_v_schedule_takes_its_own_chunk_count():
+    assert shardplug.get_strategy("pp", schedule="zbv").parts["pp"].repeats == 2
+    assert shardplug.get_strategy("pp", schedule="zbv", repeats=2).parts["pp"].repeats == 2
+    with pytest.raises(
+        StrategyOptionError,
+        match=r"pp's zbv schedule runs 2 chunks of layers per "
+        r"stage, not repeats=3: leave pp\.repeats out",
+    ):
+        shardplug.get_strategy("pp", schedule="zbv", repeats=3)
 
 
 def test_zero_bubble_puts_off_a_stages_weight_gradients_by_its_index():
@@ -234,6 +288,29 @@ def test_explain_reports_the_schedules_bubble_peak_and_sends():
     backward = int(((table.kind == 2) & (stage > 0)).any(axis=1).sum())  # B after the first
     sends = pl["collective_permute"]["sending_ticks"]
     assert sends == {"forward": forward, "backward": backward} and 0 < forward < pl["ticks"]
+
+
+def test_explain_reports_zero_bubble_v_in_its_v_and_its_one_more_send():
+    """ZB-V at S = 4, M = 8 on 8 layers: the table's ticks compiled, its bubble its formula,
+    1F1B's peak, each stage's layers in a V; and against interleaved 1F1B (the same two
+    chunks a stage, looped), the V's turn costs one chunk's share of the stack more each
+    way, params to their stages and gradients back: the stack's bytes per device in all."""
+    pl = explained("zbv", 8).pipeline
+    assert pl["ticks"] == 6 * 8 + 3 == pl["compiled_ticks"]
+    assert pl["bubble"] == pytest.approx(3 / 51) == pytest.approx(pl["formula"])
+    assert pl["peak_microbatches"] == [4, 4, 4, 4]
+    assert pl["stage_layers"] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    sending = SCHEDULES["zbv"].table(4, 8, 2).sending
+    assert pl["collective_permute"]["sending_ticks"] == {
+        "forward": int(sending["after"].sum()),
+        "backward": int(sending["before"].sum()),
+    }
+    looped = explained("interleaved-1f1b", 8, repeats=2).pipeline
+    sends = pl["collective_permute"]["compiled_bytes_per_step"]
+    assert (
+        sends - looped["collective_permute"]["compiled_bytes_per_step"]
+        == pl["stack_bytes_per_device"]
+    )
 
 
 # -- bad input, and schedules of one's own ----------------------------------------------------
@@ -389,7 +466,7 @@ def test_the_pytest_plugin_lists_the_built_in_schedules():
     from shardplug.testing.pytest_plugin import SCHEDULES as LISTED
     from shardplug.testing.pytest_plugin import installed_schedules
 
-    assert tuple(SCHEDULES) == LISTED and installed_schedules()[:4] == ["gpipe", *LISTED]
+    assert tuple(SCHEDULES) == LISTED and installed_schedules()[:5] == ["gpipe", *LISTED]
 
 
 def test_recommend_picks_a_schedule_as_well_as_a_composition():
@@ -417,7 +494,8 @@ def test_recommend_picks_a_schedule_as_well_as_a_composition():
 
 def test_the_plugin_guides_schedule_runs():
     """docs/plugins.md, "A pipeline schedule": its blocks run, in one namespace (the guide's
-    blocks of files build a package, tests/test_plugin_guide.py's)."""
+    blocks of files build a package, tests/test_plugin_guide.py's), and its schedule placed
+    in a V, a placement of a package's own, trains like one device."""
     import pathlib
     import re
 
@@ -427,3 +505,7 @@ def test_the_plugin_guides_schedule_runs():
     namespace = {"__name__": "docs_plugins"}
     for code in block:
         exec(compile(code, "plugins.md", "exec"), namespace)
+    got = _losses("pp", {"schedule": namespace["V_WRITTEN"]}, "nnx", "transformer", STEPS, 0, 4,
+                  "stage=4", {"layers": 8})  # fmt: skip
+    want = one_device_losses("nnx", "transformer", STEPS, 0, (("layers", 8),))
+    np.testing.assert_allclose(got, want, rtol=1e-4)

@@ -100,6 +100,7 @@ CUTS = {
     "pp-zb": lambda: (pp("zb"), 4, {}),
     "pp-1f1b": lambda: (pp("1f1b"), 2, {}),
     "pp-interleaved": lambda: (pp("interleaved-1f1b", repeats=2), 2, {}),
+    "pp-zbv": lambda: (pp("zbv"), 2, {}),
     "pp-gpipe": lambda: (pp("gpipe"), 4, {}),
     "pp+dp": lambda: ("pp+dp", 4, {"mesh": {"stage": 2, "data": 2}}),
     "pp+fsdp+tp": lambda: ("pp+fsdp+tp", 8, {"mesh": {"stage": 2, "fsdp": 2, "model": 2}}),

@@ -18,8 +18,8 @@ parallelism written from this namespace alone.
 
 Building blocks: the online softmax a ring of attention is made of (:mod:`.attention`),
 the grouped product and capacity of a mixture of experts (:mod:`shardplug.moe.kernels`),
-a pipeline schedule's record, passes and table (:mod:`.schedule`: what a package that
-adds a schedule to pp writes), shardplug's attention kernel for a parallelism's own
+a pipeline schedule's record, passes, table and chunk placements (:mod:`.schedule`: what a
+package that adds a schedule to pp writes), shardplug's attention kernel for a parallelism's own
 attention (:func:`attention_kernel`, its signature :class:`Attention`), a loss's sum and
 count for a ``compute_grads`` that cuts the batch into parts (:mod:`shardplug.core.means`,
 as ``means``: each part's sums added, divided once), and :func:`override_operation`, to
@@ -87,7 +87,17 @@ from shardplug.plugin.attention import (
     softmax_rows,
     softmax_start,
 )
-from shardplug.plugin.schedule import KINDS, Pass, Schedule, Table, Unscheduled, tabulate
+from shardplug.plugin.schedule import (
+    KINDS,
+    Pass,
+    Placement,
+    Schedule,
+    Table,
+    Unscheduled,
+    looped,
+    tabulate,
+    v_shape,
+)
 
 #: The built-in parallelisms' axes and their ranks, stated once: the mesh lays axes out in
 #: this order (outermost first: replicas across nodes, tensor parallelism on the fastest
@@ -122,6 +132,7 @@ __all__ = [
     "P",
     "PartitionSpec",
     "Pass",
+    "Placement",
     "PluginError",
     "Schedule",
     "ShardplugWarning",
@@ -150,6 +161,7 @@ __all__ = [
     "lay_out",
     "leaf_paths",
     "logical_to_mesh",
+    "looped",
     "manual_axes",
     "mesh_axes",
     "means",
@@ -169,5 +181,6 @@ __all__ = [
     "softmax_start",
     "split_aux",
     "tabulate",
+    "v_shape",
     "warn_once",
 ]

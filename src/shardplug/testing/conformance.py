@@ -203,7 +203,7 @@ class StrategyConformance:
         """A strategy with a pipeline schedule to choose (an option named ``schedule``: pp,
         alone or composed) trains the transformer like one device under every installed
         schedule (its default is the check above): two chunks of layers per stage for an
-        interleaved one."""
+        interleaved one (or the count a schedule runs alone: ZB-V's 2)."""
         import numpy as np
 
         from shardplug.core.registry import strategy_options
@@ -215,8 +215,9 @@ class StrategyConformance:
         options = {**self.options, "schedule": shardplug_schedule}
         model_options = self._model_options()
         if shardplug_schedule != "gpipe" and find_schedule(shardplug_schedule).chunked:
-            options["repeats"] = 2
-            model_options["layers"] = 2 * model_options.get("layers", 4)
+            repeats = find_schedule(shardplug_schedule).repeats or 2
+            options["repeats"] = repeats
+            model_options["layers"] = repeats * model_options.get("layers", 4)
         losses = _losses(self.strategy, options, shardplug_adapter, "transformer", self.steps,
                          self.seed, self.devices, self.mesh, model_options)  # fmt: skip
         expected = one_device_losses(shardplug_adapter, "transformer", self.steps, self.seed,

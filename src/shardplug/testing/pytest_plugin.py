@@ -26,7 +26,7 @@ import pytest
 ADAPTERS = ("nnx", "linen", "equinox")
 MODELS = ("mlp", "classifier", "transformer", "cnn")
 #: the pipeline schedules shardplug ships beside gpipe (tests check these match the code)
-SCHEDULES = ("1f1b", "interleaved-1f1b", "zb")
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zb", "zbv")
 KINDS = ("strategies", "adapters", "models", "schedules")
 DEFAULT_DEVICES = 8
 

@@ -9,9 +9,10 @@ activations passed between stages with ``ppermute``, by one of two engines:
   (:mod:`shardplug.strategies.pp.stages`) runs every microbatch's forward pass inside the model's,
   autodiff its backward; bubble (S-1)/(V*M+S-1), every microbatch's stage inputs held;
 - the schedules that write the backward pass in (``1f1b``, ``interleaved-1f1b``, ``zb``,
-  or a :class:`shardplug.plugin.Schedule` of a plugin's): pp's ``compute_grads`` runs the
-  table of F, B and W passes (:mod:`shardplug.strategies.pp.ticks`), at most about S microbatches'
-  activations held whatever M; ZB-H1's bubble (S-1)/(3M+S-1).
+  ``zbv``, or a :class:`shardplug.plugin.Schedule` of a plugin's): pp's ``compute_grads``
+  runs the table of F, B and W passes (:mod:`shardplug.strategies.pp.ticks`), at most about
+  S microbatches' activations held whatever M; ZB-H1's bubble (S-1)/(3M+S-1), ZB-V's (two
+  chunks per stage placed in a V) (S-1)/(6M+S-1).
 
 The default, ``auto``, is ``zb`` (``interleaved-1f1b`` with ``repeats``) where the model lets
 it and GPipe where not, said once (docs/guide.md, "Pipeline schedules", has the measurements
@@ -72,7 +73,8 @@ class PipelineParallel:
     :param schedule: ``auto`` (the default: ``zb``, or ``interleaved-1f1b`` with
         ``repeats``, where the model lets it, else ``gpipe``, said once with the reason),
         ``gpipe`` (every microbatch's forward pass, then autodiff's backward; circular with
-        ``repeats``), ``1f1b``, ``interleaved-1f1b`` or ``zb`` (zero-bubble ZB-H1), a
+        ``repeats``), ``1f1b``, ``interleaved-1f1b``, ``zb`` (zero-bubble ZB-H1) or ``zbv``
+        (ZB-V: two chunks per stage in a V, so ``repeats`` is 2), a
         schedule registered under the entry-point group ``shardplug.schedules``, or a
         :class:`shardplug.plugin.Schedule`. All but ``gpipe`` write the backward pass into
         the schedule (:mod:`shardplug.strategies.pp.ticks`).
@@ -98,6 +100,13 @@ class PipelineParallel:
         if self.auto:
             schedule = "interleaved-1f1b" if repeats > 1 else "zb"
         written = None if schedule == "gpipe" else find_schedule(schedule)
+        if written is not None and written.repeats is not None:  # a V runs 2 chunks a stage
+            if repeats not in (1, written.repeats):
+                raise StrategyOptionError(
+                    f"pp's {written.name} schedule runs {written.repeats} chunks of layers per "
+                    f"stage, not repeats={repeats}: leave pp.repeats out"
+                )
+            repeats = written.repeats
         if written is not None and repeats > 1 and not written.chunked:
             raise StrategyOptionError(
                 f"pp option repeats={repeats} interleaves chunks of layers: use -o "

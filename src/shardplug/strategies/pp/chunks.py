@@ -136,10 +136,15 @@ def cut_at_stack(forward, model_state, params, batch, rng) -> StackCut:
 
 class Chunk:
     """F, B and W of a chunk of ``size`` layers on a stage (see the module); with ``remat``,
-    F keeps only each layer's input and B recomputes the rest."""
+    F keeps only each layer's input and B recomputes the rest. ``placed``: each stage's
+    chunks (their numbers in the model), in its local order."""
 
-    def __init__(self, cut: StackCut, size: int, stages: int, remat: bool):
+    def __init__(self, cut: StackCut, size: int, stages: int, remat: bool,
+                 placed: list[list[int]]):  # fmt: skip
         self.cut, self.size, self.stages = cut, size, stages
+        looped = all(c == k * stages + s for s, mine in enumerate(placed)
+                     for k, c in enumerate(mine))  # fmt: skip
+        self.placed = None if looped else placed
         block = cut.block
         if remat:
             block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
@@ -159,7 +164,9 @@ class Chunk:
 
     def first_layer(self, k: Any, stage: Any) -> Any:
         """The model's index of the first layer of the stage's local chunk ``k``."""
-        return (k * self.stages + stage) * self.size
+        if self.placed is None:  # looped: chunk k * S + stage
+            return (k * self.stages + stage) * self.size
+        return jnp.asarray(self.placed, jnp.int32)[stage, k] * self.size
 
     def forward(self, local, k, msg, stage) -> tuple[Any, list[Any]]:
         """F: the chunk's output message and its layers' residuals (stacked per layer; a

@@ -61,15 +61,14 @@ def written_report(table: Table, formula: float, axis: str, mesh: Any,
     """The figures of a schedule written into the step (:mod:`shardplug.strategies.pp.ticks`), from
     the table it ran: its bubble as the stages' idle ticks against its authors' formula, the
     microbatches' residuals each stage holds at most, the buffers it keeps, and its
-    collective-permutes: one forward and one back on each tick where some stage sends."""
+    collective-permutes: one to the stage after and one to the stage before on each tick where
+    some stage sends that way."""
     stacked = _stage_split(step, axis)
     if not stacked:
         return None
     n_stages, n_local, n_micro = table.stages, table.chunks, table.microbatches
-    chunk = np.maximum(table.chunk, 0) * n_stages + np.arange(n_stages)[None, :]
-    n_chunks = n_stages * n_local
-    forward = int((((table.kind == F) & (chunk < n_chunks - 1)).any(axis=1)).sum())
-    backward = int((((table.kind == B) & (chunk > 0)).any(axis=1)).sum())
+    forward = int(table.sending["after"].sum())
+    backward = int(table.sending["before"].sum())
     permutes = [c for c in step.collectives if c["kind"] == "collective-permute"]
     return {
         "schedule": table.name,
@@ -81,7 +80,7 @@ def written_report(table: Table, formula: float, axis: str, mesh: Any,
         "idle_ticks": table.idle.tolist(),
         "peak_microbatches": table.peak,
         "slots": table.slots,
-        **_stack_figures(stacked, mesh, n_stages, n_local),
+        **_stack_figures(stacked, mesh, n_stages, n_local, table.stage_chunks),
         "ticks": table.ticks,
         "compiled_ticks": tick_loop(step.jaxpr),
         "chart": table.chart(),
@@ -134,12 +133,20 @@ def _stage_split(step: Any, axis: str) -> list[tuple[Any, Any]]:
             if len(spec) and spec[0] == axis]  # fmt: skip
 
 
-def _stack_figures(stacked: list, mesh: Any, stages: int, chunks: int) -> dict[str, Any]:
-    """The stack's layers, which each stage holds, and its bytes whole and per device."""
+def _stack_figures(stacked: list, mesh: Any, stages: int, chunks: int,
+                   placed: list[list[int]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The stack's layers, which each stage holds (``placed``: each stage's chunks, where a
+    schedule places them; else circular), and its bytes whole and per device."""
     layers = stacked[0][0].shape[0]
+    size = layers // (stages * chunks)
+    held = (
+        circular_order(layers, stages, chunks).reshape(stages, -1).tolist()
+        if placed is None
+        else [[c * size + i for c in mine for i in range(size)] for mine in placed]
+    )
     return {
         "layers": layers,
-        "stage_layers": circular_order(layers, stages, chunks).reshape(stages, -1).tolist(),
+        "stage_layers": held,
         "stack_bytes": sum(_bytes(leaf) for leaf, _ in stacked),
         "stack_bytes_per_device": sum(_bytes(leaf, spec, mesh) for leaf, spec in stacked),
     }

@@ -18,6 +18,11 @@ Bubbles, in ticks (F = B = W):
 - ZB-H1 (Qi et al., 2023): 1F1B with each input gradient sent as soon as B is done and stage
   ``s``'s W passes put off by ``s`` microbatches, into what would be idle: bubble
   (S-1)/(3M+S-1), at 1F1B's peak of S microbatches.
+- ZB-V (Qi et al., 2024, section 6): two chunks per stage placed in a V (chunk ``s`` and
+  chunk ``2S-1-s`` on stage ``s``), so the last chunk's loss gradient starts the backward
+  pass on stage 0, where the forward pass began, and ZB-H1's put-off W passes fill the
+  rest: bubble (S-1)/(6M+S-1) with M >= 2S (the table's, in ticks of one chunk's pass),
+  at 1F1B's peak of S microbatches.
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ from shardplug.plugin import (
     Table,
     Unscheduled,
     tabulate,
+    v_shape,
 )
 
 __all__ = ["GROUP", "SCHEDULES", "Pass", "Schedule", "Table", "Unscheduled", "find_schedule",
-           "installed", "one_f_one_b", "sources", "tabulate", "zero_bubble"]  # fmt: skip
+           "installed", "one_f_one_b", "sources", "tabulate", "zero_bubble",
+           "zero_bubble_v"]  # fmt: skip
 
 
 def one_f_one_b(stages: int, microbatches: int, chunks: int = 1) -> list[list[Pass]]:
@@ -53,6 +60,54 @@ def zero_bubble(stages: int, microbatches: int) -> list[list[Pass]]:
     """Each stage's passes under ZB-H1: 1F1B's order with stage ``s``'s W passes put off by
     ``s`` microbatches (the rest at the end)."""
     return _lists(stages, microbatches, 1, defer=lambda s: s)
+
+
+def zero_bubble_v(stages: int, microbatches: int) -> list[list[Pass]]:
+    """Each stage's passes under ZB-V, chunks placed by :func:`~shardplug.plugin.v_shape`:
+    stage ``s`` runs its first chunk's forwards ahead (more the earlier the stage), then
+    its second chunk's F, B and W in turn as the loss's gradients come back, then both
+    chunks' in turn, the last input gradients before the W passes they put off."""
+    return [_v_stage(stages, s, microbatches) for s in range(stages)]
+
+
+def _v_stage(stages: int, s: int, microbatches: int) -> list[Pass]:
+    """Stage ``s``'s passes under ZB-V: its chunk on the way down is ``s``, on the way up
+    ``2S-1-s``; the order is written for a full V of 2S-1 microbatches at least, those past
+    M left out."""
+    chunk = (s, 2 * stages - 1 - s)
+    seq: list[Pass] = []
+    count = {(k, leg): 0 for k in "FBW" for leg in (0, 1)}
+
+    def run(kind: str, leg: int) -> None:
+        seq.append((kind, chunk[leg], count[kind, leg]))
+        count[kind, leg] += 1
+
+    rounds = max(2 * stages - 1, microbatches)
+    for _ in range(2 * (stages - s) - 1):
+        run("F", 0)
+    for _ in range(s):
+        run("F", 1)
+        run("F", 0)
+    for _ in range(stages - s):
+        for kind in "FBW":
+            run(kind, 1)
+    while count["F", 1] < count["F", 0] or count["F", 0] < rounds:
+        if count["F", 0] < rounds:
+            run("F", 0)
+        run("B", 0)
+        run("W", 0)
+        for kind in "FBW":
+            run(kind, 1)
+    for _ in range(s):
+        run("B", 0)
+        run("B", 1)
+    for _ in range(stages - s):
+        run("B", 0)
+        run("W", 0)
+    for leg in (1, 0):
+        while count["W", leg] < count["B", leg]:
+            run("W", leg)
+    return [p for p in seq if p[2] < microbatches]
 
 
 def _lists(
@@ -112,6 +167,15 @@ SCHEDULES: dict[str, Schedule] = {
             lambda s, m, v: zero_bubble(s, m),
             lambda s, m, v: (s - 1) / (3 * m + s - 1),
             description="zero-bubble ZB-H1: weight gradients put off into the bubble",
+        ),
+        Schedule(
+            "zbv",
+            lambda s, m, v: zero_bubble_v(s, m),
+            lambda s, m, v: (s - 1) / (6 * m + s - 1),
+            chunked=True,
+            placement=v_shape,
+            repeats=2,
+            description="zero-bubble ZB-V: two chunks per stage in a V, M >= 2S",
         ),
     )
 }

@@ -71,6 +71,9 @@ _COLLECTIVE = re.compile(
 #: the table's per-stage fields the stages read at each tick
 _STAGE_FIELDS = ("kind", "chunk", "micro", "residual", "inbox", "grad", "stash",
                  "recv_forward", "recv_backward", "recv_loss", "first")  # fmt: skip
+#: and those of a schedule whose messages also run the ring's other way, or stay (a V's)
+_RETURNING = ("recv_forward_after", "recv_backward_before", "recv_forward_self",
+              "recv_backward_self")  # fmt: skip
 
 
 def scheduled_grads(
@@ -109,9 +112,12 @@ def scheduled_grads(
             f"layers: choose --layers as a multiple of {n_stages * n_local}"
         )
     per_chunk = layers // (n_stages * n_local)
-    if n_local > 1:  # each stage's share holds its V non-adjacent chunks: c, c + S, ...
-        stack = [_chunked(x, n_stages, n_local, axis) for x in stack]
-    chunk = Chunk(cut, per_chunk, n_stages, remat)
+    if n_local > 1:  # each stage's share holds its V non-adjacent chunks (looped: c, c + S..)
+        stack = [_chunked(x, table.placement, n_stages, axis) for x in stack]
+    chunk = Chunk(cut, per_chunk, n_stages, remat, table.stage_chunks)
+    one_way = table.one_way
+    fields = _STAGE_FIELDS if one_way else (*_STAGE_FIELDS, *_RETURNING)
+    first_stage, last_stage = table.placement[0], table.placement[-1]
     has_aux = cut.aux is not None
     message = cut.message
 
@@ -169,8 +175,9 @@ def scheduled_grads(
         "grad": slotted(slots["grad"], msg_local),
         "res": [jnp.zeros((slots["residual"], *a.shape), a.dtype) for a in res_avals],
         "stash": [jnp.zeros((slots["stash"], *a.shape), a.dtype) for a in stash_avals],
-        "recv_f": slotted(1, msg_local),
-        "recv_b": slotted(1, msg_local),
+        "recv_f": slotted(1, msg_local),  # from the stage before
+        "recv_b": slotted(1, msg_local),  # from the stage after
+        **({} if one_way else {"recv_s": slotted(1, msg_local)}),  # from itself: a V's turn
         "acc": [jnp.zeros((replica_size, *x.shape), jnp.float32) for x in stack],
     }
     state_spec = {k: (P(rows, axis) if k == "acc" else P(None, axis, rows)) for k in state}
@@ -181,13 +188,19 @@ def scheduled_grads(
     def stages(local, st, x_in, gy_in, row):
         """One tick of every stage, inside the manual region (see the module)."""
         stage = jax.lax.axis_index(axis)
-        me = {k: row[k][stage] for k in _STAGE_FIELDS}
+        me = {k: row[k][stage] for k in fields}
         st = dict(st)
         recv_f = read_slot(st.pop("recv_f"), 0)
         recv_b = read_slot(st.pop("recv_b"), 0)
         st["inbox"] = write_if_slot(st["inbox"], me["recv_forward"], recv_f)
         st["grad"] = write_if_slot(st["grad"], me["recv_backward"], recv_b)
         st["grad"] = write_if_slot(st["grad"], me["recv_loss"], gy_in)
+        if not one_way:  # a V: forward messages from the stage after, gradients from before
+            recv_s = read_slot(st.pop("recv_s"), 0)
+            st["inbox"] = write_if_slot(st["inbox"], me["recv_forward_after"], recv_b)
+            st["inbox"] = write_if_slot(st["inbox"], me["recv_forward_self"], recv_s)
+            st["grad"] = write_if_slot(st["grad"], me["recv_backward_before"], recv_f)
+            st["grad"] = write_if_slot(st["grad"], me["recv_backward_self"], recv_s)
 
         def fwd(res):
             inbox = read_slot(st["inbox"], me["inbox"])
@@ -238,19 +251,27 @@ def scheduled_grads(
         backward_ring = [((i + 1) % n_stages, i) for i in range(n_stages)]
         send_f, send_b = after((send_f, send_b), done)
         with jax.named_scope(SENDS):
-            st["recv_f"] = sent(row["any_forward"], send_f, axis, forward_ring)
-            send_b = after(send_b, st["recv_f"])
-            st["recv_b"] = sent(row["any_backward"], send_b, axis, backward_ring)
-            send_f = after(send_f, st["recv_b"])
-            # the last stage's output and the first stage's input gradient leave the region
-            y = leaving(row["post_micro"] >= 0, send_f, stage == n_stages - 1, axis,
+            if one_way:  # forward messages to the stage after, gradients to the one before
+                st["recv_f"] = sent(row["any_forward"], send_f, axis, forward_ring)
+                send_b = after(send_b, st["recv_f"])
+                st["recv_b"] = sent(row["any_backward"], send_b, axis, backward_ring)
+                send_f = after(send_f, st["recv_b"])
+            else:  # the stage's one message, each way: the table says who keeps it
+                out = jax.tree.map(lambda f, b: jnp.where(me["kind"] == F, f, b), send_f, send_b)
+                st["recv_f"] = sent(row["any_forward"], out, axis, forward_ring)
+                out = after(out, st["recv_f"])
+                st["recv_b"] = sent(row["any_backward"], out, axis, backward_ring)
+                st["recv_s"] = jax.tree.map(lambda a: a[None, None, None], out)
+                send_f, send_b = after((send_f, send_b), st["recv_b"])
+            # the last chunk's output and the first chunk's input gradient leave the region
+            y = leaving(row["post_micro"] >= 0, send_f, stage == last_stage, axis,
                          replicas if has_aux else ())  # fmt: skip
             send_b = after(send_b, y)
-            gx = leaving(row["gx_micro"] >= 0, send_b[0] if has_aux else send_b, stage == 0,
-                          axis, ())  # fmt: skip
+            gx = leaving(row["gx_micro"] >= 0, send_b[0] if has_aux else send_b,
+                          stage == first_stage, axis, ())  # fmt: skip
         return st, y, gx
 
-    row_spec = {k: P() for k in (*_STAGE_FIELDS, "any_forward", "any_backward", "post_micro",
+    row_spec = {k: P() for k in (*fields, "any_forward", "any_backward", "post_micro",
                                  "gx_micro")}  # fmt: skip
     x_spec = msg_spec[0] if has_aux else msg_spec
     region = in_region(
@@ -314,10 +335,7 @@ def scheduled_grads(
         (st, _, top), _ = jax.lax.scan(tick, (state, gy0, top), _rows(table))
     g_stack = [a.sum(0) for a in st["acc"]]  # each replica's rows' share, summed
     if n_local > 1:  # back in the model's order
-        g_stack = [
-            g.reshape(n_stages, n_local, per_chunk, *g.shape[1:]).swapaxes(0, 1).reshape(g.shape)
-            for g in g_stack
-        ]
+        g_stack = [_unchunked(g, table.placement, n_stages) for g in g_stack]
     grads = jax.tree.unflatten(treedef, merged(cut.stacked, g_stack, top["other"]))
     loss, metrics = top["loss"], top["metrics"]
     if weighted:
@@ -367,13 +385,49 @@ def _like(tree: Any, spec: P) -> Any:
     return jax.tree.map(lambda _: spec, tree)
 
 
-def _chunked(x: jax.Array, n_stages: int, n_local: int, axis: str) -> jax.Array:
-    """A stacked leaf reordered so that stage ``s``'s contiguous share holds chunks ``s, s +
-    S, ..., s + (V-1)S`` (of L/(V*S) layers each)."""
-    per_chunk = x.shape[0] // (n_stages * n_local)
+def _chunked(x: jax.Array, placement: tuple[int, ...], n_stages: int, axis: str) -> jax.Array:
+    """A stacked leaf reordered so that stage ``s``'s contiguous share holds its V chunks (of
+    L/(V*S) layers each), one of each round of S: looped, chunks ``s, s + S, ...``; in a
+    V, round ``r``'s reversed where ``r`` is odd (a send of one chunk's share more)."""
+    n_local = len(placement) // n_stages
+    per_chunk = x.shape[0] // len(placement)
     x = x.reshape(n_local, n_stages, per_chunk, *x.shape[1:]).swapaxes(0, 1)
     x = lay_out(x, P(axis, *([P.UNCONSTRAINED] * (x.ndim - 1))))
+    x = _by_round(x, [_round_positions(placement, n_stages, r) for r in range(n_local)])
     return x.reshape(n_stages * n_local * per_chunk, *x.shape[3:])
+
+
+def _unchunked(g: jax.Array, placement: tuple[int, ...], n_stages: int) -> jax.Array:
+    """A stacked gradient in :func:`_chunked`'s order back in the model's."""
+    n_local = len(placement) // n_stages
+    per_chunk = g.shape[0] // len(placement)
+    g = g.reshape(n_stages, n_local, per_chunk, *g.shape[1:])
+    back = [np.argsort(_round_positions(placement, n_stages, r)) for r in range(n_local)]
+    return _by_round(g, back).swapaxes(0, 1).reshape(n_stages * n_local * per_chunk, *g.shape[3:])
+
+
+def _round_positions(placement: tuple[int, ...], n_stages: int, r: int) -> list[int]:
+    """For each stage, the position in round ``r`` of the chunk it holds (the rounds of a
+    placement each put one chunk on every stage: :func:`shardplug.plugin.tabulate`)."""
+    mine = placement[r * n_stages : (r + 1) * n_stages]
+    return [mine.index(d) for d in range(n_stages)]
+
+
+def _by_round(x: jax.Array, positions: list[Any]) -> jax.Array:
+    """``x`` (stages, rounds, ...) with each round's stages taken from ``positions``: as they
+    are, reversed (one send), or in another order."""
+    n_stages = x.shape[0]
+    if all(list(p) == list(range(n_stages)) for p in positions):
+        return x
+    rounds = []
+    for r, p in enumerate(positions):
+        if list(p) == list(range(n_stages)):
+            rounds.append(x[:, r])
+        elif list(p) == list(range(n_stages))[::-1]:
+            rounds.append(jnp.flip(x[:, r], 0))
+        else:
+            rounds.append(x[np.asarray(p), r])
+    return jnp.stack(rounds, axis=1)
 
 
 def _layer_given(msg_local: Any, has_aux: bool, per_chunk: int) -> Any:
@@ -408,10 +462,11 @@ def _rows(table: Table) -> dict[str, jax.Array]:
     """The table's per-tick rows: each stage's pass and slots, and what runs outside the
     stages: whose stack input *pre* makes, whose output *post* takes, whose input gradient
     goes into *pre*'s, and whether any stage sends forward or back."""
-    n_stages, n_chunks = table.stages, table.stages * table.chunks
-    chunk = np.maximum(table.chunk, 0) * n_stages + np.arange(n_stages)[None, :]
+    n_chunks = table.stages * table.chunks
+    chunk = table.model_chunk
     first, last = chunk == 0, chunk == n_chunks - 1
-    out = {k: np.asarray(getattr(table, k)) for k in _STAGE_FIELDS if k != "first"}
+    fields = _STAGE_FIELDS if table.one_way else (*_STAGE_FIELDS, *_RETURNING)
+    out = {k: np.asarray(getattr(table, k)) for k in fields if k != "first"}
     out["chunk"] = np.maximum(table.chunk, 0)
     out["micro"] = np.maximum(table.micro, 0)
     out["first"] = (first & (table.kind == F)).astype(np.int32)
@@ -422,8 +477,8 @@ def _rows(table: Table) -> dict[str, jax.Array]:
     out["pre_micro"] = where(F, first)
     out["post_micro"] = where(F, last)
     out["gx_micro"] = where(B, first)
-    out["any_forward"] = ((table.kind == F) & ~last).any(axis=1).astype(np.int32)
-    out["any_backward"] = ((table.kind == B) & ~first).any(axis=1).astype(np.int32)
+    out["any_forward"] = table.sending["after"].astype(np.int32)
+    out["any_backward"] = table.sending["before"].astype(np.int32)
     return {k: jnp.asarray(v, jnp.int32) for k, v in out.items()}
 
 
