@@ -52,6 +52,15 @@ def test_each_schedules_bubble_is_its_formula(name, stages, microbatches):
     assert len(set(table.idle.tolist())) == 1  # every stage idles alike
 
 
+def test_zero_bubble_vs_formula_holds_for_every_microbatch_count():
+    """(S-1)/(6M+S-1) once the V is full; with fewer microbatches its idle ticks, exactly."""
+    zbv = SCHEDULES["zbv"]
+    for stages in (2, 3, 4, 8):
+        for m in range(1, 2 * stages + 2):
+            assert zbv.table(stages, m, 2).bubble == pytest.approx(zbv.formula(stages, m, 2))
+        assert zbv.formula(stages, 2 * stages, 2) == (stages - 1) / (12 * stages + stages - 1)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_a_stage_holds_at_most_about_s_microbatches_whatever_m(name):
     v = chunks(name)

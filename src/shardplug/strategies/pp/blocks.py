@@ -180,7 +180,7 @@ def _about_list(found: BlockList) -> str:
 
 def undivided(size: int, repeats: int, layers: int) -> str:
     """A layer stack of ``layers`` that ``size`` stages x ``repeats`` do not divide."""
-    what = f"{size} stages" if repeats == 1 else f"{size} stages x {repeats}"
+    what = f"{size} stages" if repeats == 1 else f"{size} stages x {repeats} chunks each"
     return (
         f"{what} do not divide the layer stack's {layers} layers: choose a layer count that "
         f"is a multiple of {size * repeats} (--layers), or another stage count "

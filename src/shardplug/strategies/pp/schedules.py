@@ -21,8 +21,8 @@ Bubbles, in ticks (F = B = W):
 - ZB-V (Qi et al., 2024, section 6): two chunks per stage placed in a V (chunk ``s`` and
   chunk ``2S-1-s`` on stage ``s``), so the last chunk's loss gradient starts the backward
   pass on stage 0, where the forward pass began, and ZB-H1's put-off W passes fill the
-  rest: bubble (S-1)/(6M+S-1) with M >= 2S (the table's, in ticks of one chunk's pass),
-  at 1F1B's peak of S microbatches.
+  rest: bubble (S-1)/(6M+S-1) in ticks of one chunk's pass, with M of about 3S/2 and more
+  (with fewer, d/(6M+d) for d = 2(2S-1-M) idle ticks), at 1F1B's peak of S microbatches.
 """
 
 from __future__ import annotations
@@ -110,6 +110,12 @@ def _v_stage(stages: int, s: int, microbatches: int) -> list[Pass]:
     return [p for p in seq if p[2] < microbatches]
 
 
+def _v_idle(stages: int, microbatches: int) -> int:
+    """A stage's idle ticks under ZB-V: S-1, as ZB-H1's, once the V is full (M of about 3S/2
+    and more); with fewer microbatches the stages wait 2(2S-1-M) ticks for each other."""
+    return max(stages - 1, 2 * (2 * stages - 1 - microbatches))
+
+
 def _lists(
     n_stages: int, n_micro: int, n_local: int, defer: Callable[[int], int] | None
 ) -> list[list[Pass]]:
@@ -171,11 +177,11 @@ SCHEDULES: dict[str, Schedule] = {
         Schedule(
             "zbv",
             lambda s, m, v: zero_bubble_v(s, m),
-            lambda s, m, v: (s - 1) / (6 * m + s - 1),
+            lambda s, m, v: _v_idle(s, m) / (6 * m + _v_idle(s, m)),
             chunked=True,
             placement=v_shape,
             repeats=2,
-            description="zero-bubble ZB-V: two chunks per stage in a V, M >= 2S",
+            description="zero-bubble ZB-V: two chunks per stage placed in a V",
         ),
     )
 }
