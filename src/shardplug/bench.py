@@ -31,9 +31,9 @@ from jax.sharding import PartitionSpec as P
 
 from shardplug.core.declared import declared
 from shardplug.core.layer_gather import layer_specs
+from shardplug.core.memory import peak_bytes
 from shardplug.core.registry import get_strategy
 from shardplug.errors import ConfigError
-from shardplug.explain import peak_bytes
 from shardplug.loop.feed import global_struct
 from shardplug.trainer import Trainer
 
@@ -95,7 +95,7 @@ class _Shardplug(_Contender):
     def __init__(self, name, trainer: Trainer, first: Any, samples: int, tokens: int | None):
         self.trainer = trainer
         trainer.compile(first)
-        peak = peak_bytes(trainer.compiled.memory_analysis())
+        peak = peak_bytes(trainer.compiled.memory_analysis(), trainer.compiled.as_text())
         self.result = Result(
             name, trainer.strategy.name, "shardplug", int(trainer.mesh.size),
             trainer.compile_seconds, [], samples, tokens, peak, [],
@@ -178,7 +178,7 @@ class _HandWritten(_Contender):
         self.params = jax.tree.map(lambda x: x.copy(), template.state.params)
         self.opt_state = jax.tree.map(lambda x: x.copy(), template.state.opt_state)
         self.batch_sharding = batch_sharding
-        peak = peak_bytes(self.compiled.memory_analysis())
+        peak = peak_bytes(self.compiled.memory_analysis(), self.compiled.as_text())
         self.result = Result(
             name, strategy, kind, int(mesh.size), compile_seconds, [], samples, tokens, peak, []
         )

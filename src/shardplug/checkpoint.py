@@ -92,11 +92,12 @@ def _fingerprint(x: jax.Array) -> jax.Array:
 
 @jax.jit
 def _fingerprints(leaves: list[jax.Array]) -> list[jax.Array]:
-    return [_fingerprint(x) for x in leaves]
+    return [_fingerprint(jax.device_put(x, jax.memory.Space.Device)) for x in leaves]
 
 
 def fingerprints(leaves: Sequence[jax.Array]) -> list[int]:
-    """One 32-bit fingerprint per array, computed where the arrays live."""
+    """One 32-bit fingerprint per array, computed on the devices that hold it (an array kept
+    in host memory, offload's, copied to them)."""
     return [int(f) for f in jax.device_get(_fingerprints(list(leaves)))]
 
 

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from shardplug.core.compose import order
 from shardplug.core.facts import Explained, StepFacts
 from shardplug.core.hlo import collectives, gradient_parts, textbook_collectives
+from shardplug.core.memory import any_off, entry_bytes, peak_bytes
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.core.step import PRECISIONS
 from shardplug.errors import ConfigError, PluginError
@@ -134,16 +135,15 @@ def _batch_axes(batch_shardings: Any) -> tuple[str, ...]:
     return ()
 
 
-def peak_bytes(analysis: Any) -> int | None:
-    """A compiled program's peak per device, from its ``memory_analysis()``: arguments +
-    outputs - what the outputs reuse of donated arguments + temporaries."""
-    sizes = [
-        getattr(analysis, f"{name}_size_in_bytes", None) for name in ("argument", "output", "temp")
-    ]
-    if None in sizes:
-        return None
-    alias = getattr(analysis, "alias_size_in_bytes", 0) or 0
-    return sizes[0] + sizes[1] - alias + sizes[2]
+def _brought_for_update(trainer: Any, shardings: Any, state: Any, mesh: Any) -> int:
+    """The bytes per device of the optimizer state that the step copies from host memory to
+    the devices for the update (0 where it stays on the devices, or the update runs on the
+    host)."""
+    if not any_off(shardings.opt_state):
+        return 0
+    if trainer.strategy.update_memory(shardings, mesh) == "host":
+        return 0
+    return _tree_bytes(state.opt_state, shardings.opt_state)
 
 
 def _why(strategy: Any, shape: tuple[int, ...], logical: Any, mesh: Any, seen: dict) -> str:
@@ -230,6 +230,7 @@ def explain(
         )  # fmt: skip
 
     analysis = trainer.compiled.memory_analysis()
+    hlo_text = trainer.compiled.as_text()
     params_bytes = _tree_bytes(state.params, shardings.params)
     device = mesh.devices.flat[0]
     from_backend = device_memory is None
@@ -246,10 +247,11 @@ def explain(
         "argument_bytes": getattr(analysis, "argument_size_in_bytes", None),
         "output_bytes": getattr(analysis, "output_size_in_bytes", None),
         "alias_bytes": getattr(analysis, "alias_size_in_bytes", 0) or 0,
-        "peak_bytes": peak_bytes(analysis),
+        # in host memory, each device's share (offload): not in the device's peak
+        "host_bytes": entry_bytes(hlo_text)["arguments"]["host"],
+        "peak_bytes": peak_bytes(analysis, hlo_text),
         "device_memory_bytes": device_memory,
     }
-    hlo_text = trainer.compiled.as_text()
     found = [dataclasses.asdict(c) for c in collectives(hlo_text)]
     batch_axes = _batch_axes(trainer.batch_shardings)
     batch_info = [
@@ -286,6 +288,15 @@ def explain(
             f"parameters split over {sorted(tensor_parallel)}, which the batch is not split "
             "over (tensor parallelism), need activation collectives forward and backward "
             "that the model's code decides; the textbook figure leaves them out"
+        )
+    brought = _brought_for_update(trainer, shardings, state, mesh)
+    per_device["update_bytes"] = brought
+    if brought and device.platform == "cpu":
+        notes.append(
+            f"the optimizer state kept in host memory is copied to the devices for the update "
+            f"({size(brought)} per device): XLA:CPU keeps one memory and counts no copy, so "
+            f"the peak above leaves it out; on a GPU the update holds it beside the parameters "
+            f"and gradients (offload's update=host leaves it on the host)"
         )
     peak = per_device["peak_bytes"]
     if from_backend and device_memory and peak and peak > device_memory:

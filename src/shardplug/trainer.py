@@ -200,7 +200,7 @@ class Trainer:
         def built() -> Any:
             step_for = programs.step_maker(
                 self.adapter, self.loss_fn, self.optimizer, self.strategy, self.mesh,
-                self.settings, self.param_shardings, self._loss_normalised, train,
+                self.settings, self.state_shardings, self._loss_normalised, train,
             )  # fmt: skip
             return how(step_for, batch, strategy=self.strategy, mesh=self.mesh, run=self._run,
                        state_shardings=self.state_shardings,

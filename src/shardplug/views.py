@@ -93,6 +93,8 @@ def render(report: Report, console: Any, every_row: bool = False) -> None:
         ("temporaries (activations, gradients in flight)", d["temp_bytes"]),
         ("peak: arguments + outputs - donated + temporaries", d["peak_bytes"]),
     ]
+    if d.get("host_bytes"):  # offload: the state kept in host memory, not in the peak
+        rows.append(("in host memory (offload), apart from the peak", d["host_bytes"]))
     for what, n in rows:
         memory.add_row(what, size(n))
     if d["device_memory_bytes"]:

@@ -272,15 +272,17 @@ def strategy_of(config: RunConfig, name: str | None = None,
     from shardplug.core.registry import get_strategy
 
     if name is None:
-        name, options = config.strategy, parse_options(config.strategy, config.option)
+        name = config.strategy
+        options = parse_options(config.strategy, config.option, config.addon)
     return get_strategy(name, addons=list(config.addon), axis_names=axis_names(config.axis_name),
                         **(options or {}))  # fmt: skip
 
 
-def parse_options(strategy: str, pairs: Sequence[str]) -> dict[str, Any]:
+def parse_options(strategy: str, pairs: Sequence[str],
+                  addons: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
     """``["min_size=0"]`` into ``{"min_size": 0}``, typed by the strategy's own signature
-    (:meth:`shardplug.StrategyOption.parse`)."""
-    from shardplug.core.registry import strategy_options
+    (:meth:`shardplug.StrategyOption.parse`); ``ADDON.KEY=VALUE`` by the add-on's."""
+    from shardplug.core.registry import addon_options, list_addons, strategy_options
 
     known = {o.name: o for o in strategy_options(strategy)}
     options: dict[str, Any] = {}
@@ -288,12 +290,24 @@ def parse_options(strategy: str, pairs: Sequence[str]) -> dict[str, Any]:
         key, sep, text = pair.partition("=")
         if not sep or not key:
             raise StrategyOptionError(f"strategy option {pair!r} is not KEY=VALUE")
+        addon, dot, option = key.partition(".")
+        if dot and addon in addons and key not in known:
+            takes = {o.name: o for o in addon_options(addon)}
+            if option not in takes:
+                raise StrategyOptionError(
+                    f"add-on {addon!r} has no option {option!r}; its options: "
+                    f"{', '.join(sorted(takes)) or 'none'}"
+                )
+            options[key] = takes[option].parse(text)
+            continue
         if key not in known and key.partition(".")[::2] in {(strategy, o) for o in known}:
             key = key.partition(".")[2]  # -o pp.schedule=zb for pp alone, as in a composition
         if key not in known:
             takes = ", ".join(sorted(known)) or "none"
+            hint = (f" (an option of the add-on {addon!r}: add --addon {addon})"
+                    if dot and addon in {a.name for a in list_addons()} else "")  # fmt: skip
             raise StrategyOptionError(
-                f"strategy {strategy!r} has no option {key!r}; its options: {takes}"
+                f"strategy {strategy!r} has no option {key!r}{hint}; its options: {takes}"
             )
         options[key] = known[key].parse(text)
     return options

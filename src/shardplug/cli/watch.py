@@ -30,7 +30,9 @@ def check_memory(trainer: Any) -> None:
     from shardplug.units import size
 
     analysis = trainer.compiled.memory_analysis() if trainer.compiled is not None else None
-    peak = peak_bytes(analysis) if analysis is not None else None
+    on_cpu = trainer.mesh.local_devices[0].platform == "cpu"  # host memory is the devices'
+    hlo = None if on_cpu or analysis is None else trainer.compiled.as_text()
+    peak = peak_bytes(analysis, hlo) if analysis is not None else None
     if not peak:
         return
     devices = trainer.mesh.local_devices

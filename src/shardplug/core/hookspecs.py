@@ -39,8 +39,10 @@ The sections below follow a run:
    (:func:`make_mesh`; a parallelism's :func:`parallel_axis`), where the parameters, the
    model state and the batch live (:func:`shard_params`, :func:`split_param` for every
    parameter, innermost first, :func:`check_layout` once the layouts are known,
-   :func:`shard_model_state`, :func:`shard_batch` and :func:`split_batch` for every batch
-   leaf, again each time a program is built for a batch structure).
+   :func:`shard_model_state`, the memory each state array lives in (:func:`place_state`)
+   and where the update computes then (:func:`update_memory`),
+   :func:`shard_batch` and :func:`split_batch` for every batch leaf, again each time a
+   program is built for a batch structure).
 2. **Per-step tracing**, each time a program is built: the program (:func:`compile_step`),
    the parameters as the step uses them (:func:`gather_params`; :func:`gather_param` in
    mesh order), the operations a parallelism computes its own way (:func:`operations`:
@@ -266,6 +268,56 @@ def shard_model_state(model_state: Any, mesh: Any) -> Any:
         @hookimpl
         def shard_model_state(self, model_state):
             return jax.tree.map(lambda x: P("stage") if x.ndim else P(), model_state)
+    """
+
+
+@hookspec(firstresult=True)
+def place_state(shardings: Any, state: Any, mesh: Any) -> Any:
+    """Choose the memory each array of the training state lives in between steps: the
+    devices' own (the default) or the host's (``"pinned_host"``: offload).
+
+    Called once at set-up, after the parameters, optimizer state and model state are laid out
+    (:func:`shard_params`, :func:`split_param`, :func:`shard_model_state`; the optimizer's
+    state follows its parameter), so it composes with every parallelism's layout: it may
+    change where an array lives, never how it is split.
+
+    :param shardings: a ``shardplug.TrainState`` (``step``, ``params``, ``opt_state``,
+        ``model_state``, ``rng``) of one ``NamedSharding`` per state array, in device memory.
+    :param state: the same tree of ``jax.ShapeDtypeStruct``: each array's global shape and
+        dtype (to choose by size).
+    :param mesh: the run's mesh.
+    :return: the same tree, each ``NamedSharding`` with the memory kind its array lives in
+        (``sharding.with_memory_kind("pinned_host")``; the kinds a device has are
+        ``device.addressable_memories()``), or None to keep every array on the devices.
+        Refused in one line: another structure, another layout, a kind the devices lack.
+
+    Core does the rest: the state is made and kept where the shardings say (the compiled
+    step's arguments and results, checkpoints saved and restored there), and inside the
+    step an array kept off the devices is brought to them where it is used (the
+    parameters for the forward pass, the optimizer state for the update) and its new value
+    sent back; explain counts host memory apart from device memory. A per-device program
+    (``pmap``) cannot take arrays off the devices and refuses it. Example, the optimizer
+    state in host memory::
+
+        @hookimpl
+        def place_state(self, shardings):
+            host = lambda s: s.with_memory_kind("pinned_host")
+            return shardings._replace(opt_state=jax.tree.map(host, shardings.opt_state))
+    """
+
+
+@hookspec(firstresult=True)
+def update_memory(mesh: Any) -> str | None:
+    """Where the optimizer's update computes when :func:`place_state` keeps the optimizer
+    state in host memory.
+
+    :param mesh: the run's mesh.
+    :return: ``"device"`` (the default, as None): the state is copied to the devices for the
+        update, after the backward pass, and back (MaxText's optimizer offload; the devices
+        hold it all during the update); or ``"host"``: the update runs in host memory, next to
+        the state (ZeRO-Offload's): each step's gradients are copied to the host and the new
+        parameters back, and the optimizer state never reaches the devices. Refused in one
+        line: another value, or ``"host"`` with the optimizer state on the devices.
     """
 
 

@@ -177,11 +177,12 @@ def _lookup(group: str, name: str, kind: str) -> tuple[StrategyInfo, Any]:
 def get_strategy(
     name: str,
     *,
-    addons: Sequence[str] = (),
+    addons: Sequence[Any] = (),
     axis_names: Mapping[str, str] | None = None,
     **options: Any,
 ) -> Strategy:
-    """The strategy called ``name``, configured with ``options``, wrapped by ``addons``.
+    """The strategy called ``name``, configured with ``options``, wrapped by ``addons``
+    (installed add-ons' names, or add-on plugin objects).
 
     Example, two installed parallelisms composed, an option given to one of them::
 
@@ -189,8 +190,10 @@ def get_strategy(
 
     ``name`` is an installed strategy, a parallelism, or parallelisms joined by ``+``
     (:mod:`shardplug.core.compose`). In a composition an option ``KEY`` goes to every
-    parallelism that takes it, ``PART.KEY`` to that one only. ``axis_names`` renames a
-    composition's mesh axes (``{ROLE: NAME}``) to the names the model uses.
+    parallelism that takes it, ``PART.KEY`` to that one only; an add-on's option is always
+    ``ADDON.KEY`` (``get_strategy("fsdp", addons=["offload"], **{"offload.params": True})``).
+    ``axis_names`` renames a composition's mesh axes (``{ROLE: NAME}``) to the names the
+    model uses.
 
     Raises :class:`UnknownStrategyError` (listing the available names) for an unknown name,
     :class:`StrategyOptionError` for an option it does not take, :class:`CompositionError`
@@ -199,8 +202,14 @@ def get_strategy(
     """
     extra = []
     for addon in addons:
+        if not isinstance(addon, str):  # a plugin object, made by its author's code
+            extra.append((_given(addon), addon))
+            continue
         addon_info, addon_plugin = _lookup(ADDON_GROUP, addon, "add-on")
-        extra.append((addon_info, _instantiate(addon_info, addon_plugin, {})))
+        mine = {k.partition(".")[2]: options[k] for k in options if k.startswith(f"{addon}.")}
+        extra.append((addon_info, _instantiate(addon_info, addon_plugin, mine, "add-on")))
+    named = {a for a in addons if isinstance(a, str)}
+    options = {k: v for k, v in options.items() if k.partition(".")[0] not in named}
     names = compose.parse(name)
     if len(names) == 1:
         info, plugin = _lookup(GROUP, name, "strategy")
@@ -333,13 +342,15 @@ def _composed_options(infos: Sequence[tuple[StrategyInfo, Any]]) -> tuple[Strate
     return (*plain.values(), *qualified)
 
 
-def _instantiate(info: StrategyInfo, plugin: Any, options: Mapping[str, Any]) -> Any:
+def _instantiate(
+    info: StrategyInfo, plugin: Any, options: Mapping[str, Any], kind: str = "strategy"
+) -> Any:
     accepted = {o.name for o in info.options}
     unknown = sorted(set(options) - accepted)
     if unknown:
         takes = ", ".join(f"{o.name} (default {o.default!r})" for o in info.options) or "none"
         raise StrategyOptionError(
-            f"strategy {info.name!r} has no option {', '.join(map(repr, unknown))}; "
+            f"{kind} {info.name!r} has no option {', '.join(map(repr, unknown))}; "
             f"its options: {takes}"
         )
     if not inspect.isclass(plugin):
@@ -349,4 +360,27 @@ def _instantiate(info: StrategyInfo, plugin: Any, options: Mapping[str, Any]) ->
     except ShardplugError:
         raise
     except (TypeError, ValueError) as exc:
-        raise StrategyOptionError(f"strategy {info.name!r}: bad option: {exc}") from None
+        raise StrategyOptionError(f"{kind} {info.name!r}: bad option: {exc}") from None
+
+
+def _given(addon: Any) -> StrategyInfo:
+    """What the registry knows of an add-on given as an object: its class's name, its
+    description, its hooks (refused in one line if they do not fit the specs)."""
+    name = type(addon).__name__ if not inspect.isclass(addon) else addon.__name__
+    if inspect.isclass(addon):
+        raise PluginError(f"add-on {name!r}: give an instance ({name}()), not the class")
+    try:
+        hooks = _hooks(addon)
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"add-on {name!r} does not fit the hook specs: {exc}") from None
+    if "parallel_axis" in hooks:
+        raise PluginError(
+            f"add-on {name!r} declares parallel_axis: a parallelism composes by name "
+            f"(installed under the entry-point group shardplug), it is not an add-on"
+        )
+    return StrategyInfo(name, _describe(addon), type(addon).__module__, "", (), hooks)
+
+
+def addon_options(name: str) -> tuple[StrategyOption, ...]:
+    """The options add-on ``name`` takes (given as ``ADDON.KEY``), read from its signature."""
+    return _lookup(ADDON_GROUP, name, "add-on")[0].options

@@ -128,8 +128,9 @@ def to_named(tree: Any, mesh: Mesh, *, plugin: str, hook: str, like: Any) -> Any
         )
     named = []
     for path, leaf, spec in zip(paths, leaves, specs, strict=True):
+        kind = None
         if isinstance(spec, NamedSharding):
-            spec = spec.spec
+            spec, kind = spec.spec, spec.memory_kind
         if not isinstance(spec, P):
             raise PluginError(
                 f"strategy {plugin!r}: {hook} returned {spec!r} for {path}; "
@@ -148,7 +149,12 @@ def to_named(tree: Any, mesh: Mesh, *, plugin: str, hook: str, like: Any) -> Any
             )
         if hook != "shard_batch":  # a batch that does not split is the user's: BatchError
             _check_divides(spec, leaf.shape, mesh, f"strategy {plugin!r}: {hook}", path)
-        named.append(NamedSharding(mesh, spec))
+        if kind not in (None, "device") and hook == "shard_batch":
+            raise PluginError(
+                f"strategy {plugin!r}: shard_batch put {path} in memory {kind!r}, where a step "
+                f"cannot read it: give the batch's layout alone (a PartitionSpec)"
+            )
+        named.append(NamedSharding(mesh, spec, memory_kind=kind))
     return jax.tree.unflatten(jax.tree.structure(like), named)
 
 

@@ -17,16 +17,25 @@ def state_shardings(
     strategy: Any, mesh: Any, optimizer: Any, params: Any, model_state: Any, annotations: Any
 ) -> TrainState:
     """Every state array's ``NamedSharding`` on ``mesh``, as ``strategy`` lays out the
-    (abstract) ``params`` and ``model_state``; the optimizer's state follows its parameter."""
+    (abstract) ``params`` and ``model_state``; the optimizer's state follows its parameter;
+    each in the memory the strategy's ``place_state`` chooses (the devices' by default)."""
     replicated = NamedSharding(mesh, P())
     placed = strategy.shard_params(params, mesh, annotations)
-    return TrainState(
+    laid_out = TrainState(
         step=replicated,
         params=placed,
         opt_state=optimizer_shardings(optimizer, params, placed, replicated),
         model_state=strategy.shard_model_state(model_state, mesh),
         rng=replicated,
     )
+    abstract = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params=params,
+        opt_state=jax.eval_shape(optimizer.init, params),
+        model_state=model_state,
+        rng=jax.eval_shape(lambda: jax.random.key(0)),
+    )
+    return strategy.place_state(laid_out, abstract, mesh)
 
 
 def create_state(

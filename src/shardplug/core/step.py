@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -17,14 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from shardplug.core import means
-from shardplug.core.context import batch_axis_name, computing_in, manual_axes, per_device_program
+from shardplug.core import means, memory
+from shardplug.core.context import batch_axis_name, computing_in, manual_axes
 from shardplug.core.layer_gather import layer_specs
 from shardplug.core.registry import Strategy
-from shardplug.core.sharding import lay_out, leading_axes
+from shardplug.core.shard_grads import per_shard_grads
+from shardplug.core.sharding import lay_out
 from shardplug.errors import ConfigError
 
 LossFn = Callable[..., Any]
@@ -113,9 +111,6 @@ def _forward(adapter, loss_fn, extras, params, model_state, rng, batch, train):
     return loss, (metrics, new_state)
 
 
-SHARD_AXIS = "shards"
-
-
 NONFINITE = "_nonfinite"
 
 
@@ -158,6 +153,8 @@ def make_step(
     grad_accum: int = 1,
     precision: Precision = "float32",
     loss_normalised: bool = False,
+    placed: TrainState | None = None,
+    update_on_host: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
     """One optimizer step on the global batch: loss, gradients, ``reduce_grads``, update.
 
@@ -184,6 +181,13 @@ def make_step(
     that divides by a count taken from the batch: :func:`trace_loss`,
     :func:`shardplug.core.means.divides_by_data`) has the step say so where it averages its
     parts' means.
+
+    ``placed``: the state's shardings, where some arrays live off the devices (the
+    ``place_state`` hook): the parameters and model state are brought to the devices for
+    the forward pass, the optimizer state for the update (after the backward pass has
+    freed its activations); the new values go back through the program's outputs. With
+    ``update_on_host`` the update runs in host memory instead, next to the optimizer state
+    (:func:`shardplug.core.memory.update_on_host`).
     """
     extras = loss_extras(loss_fn)
     encodes = strategy.encodes_grads
@@ -219,6 +223,7 @@ def make_step(
     def traced(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         rng = step_key(state)
         axis = batch_axis_name()  # set inside a per-device program
+        given, state = state, memory.brought(state, placed, axis, "params", "model_state")
         plain = axis is None and not encodes  # under jit, the compiler places the reduction
         grad_fn = _accumulate(value_and_grad, grad_accum, batch_shardings if plain else None)
         owned = strategy.compute_grads(
@@ -231,7 +236,7 @@ def make_step(
             if encodes:
                 grads = strategy.encode_grads(grads, mesh)
         elif encodes and axis is None:  # under jit: each shard's gradient, explicitly
-            loss, metrics, model_state, grads = _per_shard_grads(
+            loss, metrics, model_state, grads = per_shard_grads(
                 grad_fn, strategy, mesh, state, batch, rng, param_shardings, batch_shardings
             )
         else:
@@ -247,19 +252,32 @@ def make_step(
         grads = strategy.reduce_grads(grads, mesh)
         if encodes:
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
         out = {"loss": loss, **means.reported(metrics)}
+        finite = None
         if skip_nonfinite:  # the update must be judged before it is applied
             finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
             if manual_axes():  # per device: every device of every manual axis decides alike
                 finite = jax.lax.pmin(finite.astype(jnp.int32), manual_axes()).astype(bool)
-            params, opt_state, model_state = jax.tree.map(
-                functools.partial(_keep_if_not, finite),
-                (params, opt_state, model_state),
-                (state.params, state.opt_state, state.model_state),
-            )
             out[NONFINITE] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
+        if update_on_host:  # where the optimizer state lives: it never reaches the devices
+            keep = None
+            if finite is not None:
+                verdict = jax.device_put(finite, jax.memory.Space.Host)
+                keep = functools.partial(jax.tree.map, functools.partial(_keep_if_not, verdict))
+            params, opt_state = memory.update_on_host(optimizer, grads, state, given, placed, keep)
+            if finite is not None:
+                model_state = jax.tree.map(functools.partial(_keep_if_not, finite), model_state,
+                                           state.model_state)  # fmt: skip
+        else:
+            state = memory.brought(state, placed, axis, "opt_state")  # for the update alone
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            if finite is not None:
+                params, opt_state, model_state = jax.tree.map(
+                    functools.partial(_keep_if_not, finite),
+                    (params, opt_state, model_state),
+                    (state.params, state.opt_state, state.model_state),
+                )
         new = TrainState(state.step + 1, params, opt_state, model_state, state.rng)
         return new, out
 
@@ -336,97 +354,6 @@ def _keep_if_not(finite: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array
     return jnp.where(finite, new, old)
 
 
-def _batch_split(batch_shardings: Any) -> tuple[tuple[str, ...], Any]:
-    """The mesh axes the batch's leading dimension is split over, and which leaves are."""
-    found: set[tuple[str, ...]] = set()
-
-    def axes_of(sharding: NamedSharding) -> tuple[str, ...]:
-        if any(entry is not None for entry in tuple(sharding.spec)[1:]):
-            raise ConfigError(
-                "encode_grads needs the batch split along its leading dimension only; "
-                f"strategy gave {sharding.spec}"
-            )
-        axes = leading_axes(sharding.spec)
-        if axes:
-            found.add(axes)
-        return axes
-
-    split = jax.tree.map(lambda s: bool(axes_of(s)), batch_shardings)
-    if len(found) > 1:
-        raise ConfigError(
-            f"encode_grads needs every batch leaf split over the same mesh axes, got {found}"
-        )
-    return (found.pop() if found else ()), split
-
-
-def _per_shard_grads(grad_fn, strategy, mesh, state, batch, rng, param_shardings, batch_shardings):
-    """Under ``jax.jit``: each batch shard's gradient, encoded, then summed across shards.
-
-    The batch's leading dimension (split over the axes A) is reshaped to ``(shards, rows)``
-    and the step is vmapped over the shards, so each device computes the gradient of its own
-    rows, with no communication. The encoded gradients are summed over the shard axis: the
-    compiler turns that sum into the all-reduce (or reduce-scatter) over A, in the encoded
-    dtype. The vmap's axis is the models' ``batch_axis_name()``, so batch statistics and
-    dropout masks stay those of the global batch.
-    """
-    axes, split = _batch_split(batch_shardings)
-    n = math.prod(mesh.shape[a] for a in axes)
-    lead = axes if axes else None
-
-    def to_shards(x, is_split):
-        if not is_split:
-            return x
-        x = x.reshape(n, x.shape[0] // n, *x.shape[1:])
-        spec = P(lead, *([None] * (x.ndim - 1)))
-        return lay_out(x, NamedSharding(mesh, spec))
-
-    shards = jax.tree.map(to_shards, batch, split)
-    in_axes = jax.tree.map(lambda s: 0 if s else None, split)
-
-    def one_shard(params, model_state, rows):
-        (loss, (metrics, state)), grads = grad_fn(params, model_state, rows, rng)
-        if means.weighted(metrics):  # the shards' parts are averaged below
-            loss, metrics, grads = means.reweigh(loss, metrics, grads, SHARD_AXIS)
-        else:
-            means.part_means("each batch shard's rows, encode_grads")
-        return (loss, (metrics, state)), strategy.encode_grads(grads, mesh)
-
-    with per_device_program(SHARD_AXIS):
-        (loss, (metrics, model_state)), encoded = jax.vmap(
-            one_shard, in_axes=(None, None, in_axes), axis_name=SHARD_AXIS
-        )(state.params, state.model_state, shards)
-
-    def stacked(g, sharding):
-        # each device keeps its own shard's whole gradient until the reduction
-        rest = [_without(entry, axes) for entry in sharding.spec]
-        rest += [None] * (g.ndim - 1 - len(rest))
-        return lay_out(g, NamedSharding(mesh, P(lead, *rest)))
-
-    def mean_over_shards(g, sharding):
-        total = jax.lax.reduce(g, np.zeros((), g.dtype), jax.lax.add, (0,))  # no upcast
-        total = total / np.asarray(n, g.dtype)
-        return lay_out(total, sharding)
-
-    encoded = jax.tree.map(stacked, encoded, param_shardings)
-    grads = jax.tree.map(mean_over_shards, encoded, param_shardings)
-    # Batch statistics were averaged over the shards inside; take the mean once more so a
-    # model that does not ask for batch_axis_name() gets the shards' average.
-    model_state = jax.tree.map(_shard_mean, model_state)
-    return jnp.mean(loss), jax.tree.map(jnp.mean, metrics), model_state, grads
-
-
-def _shard_mean(x: jax.Array) -> jax.Array:
-    return jnp.mean(x, axis=0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x[0]
-
-
-def _without(entry: Any, axes: tuple[str, ...]) -> Any:
-    """A partition-spec entry with the batch axes taken out."""
-    if entry is None:
-        return None
-    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in axes)
-    return kept if len(kept) > 1 else (kept[0] if kept else None)
-
-
 def trace_loss(adapter: Any, loss_fn: LossFn, batch: Any, mesh: Any = None) -> Any:
     """The model's loss on ``batch`` (its global shapes) traced alone: no strategy, on
     abstract parameters, nothing run (a ``ClosedJaxpr`` whose inputs are the parameters', the
@@ -447,12 +374,19 @@ def trace_loss(adapter: Any, loss_fn: LossFn, batch: Any, mesh: Any = None) -> A
 
 
 def make_eval_step(
-    adapter: ModelAdapter, loss_fn: LossFn, strategy: Strategy, mesh: Any
+    adapter: ModelAdapter,
+    loss_fn: LossFn,
+    strategy: Strategy,
+    mesh: Any,
+    placed: TrainState | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
-    """The loss and metrics of the model in evaluation mode; the state passes through."""
+    """The loss and metrics of the model in evaluation mode; the state passes through (the
+    parameters and model state brought to the devices where ``placed`` keeps them off)."""
     extras = loss_extras(loss_fn)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        given = state
+        state = memory.brought(state, placed, batch_axis_name(), "params", "model_state")
         params, per_layer = strategy.gather_for_step(state.params, mesh)
         with layer_specs(per_layer):
             loss, (metrics, _) = _forward(
@@ -461,7 +395,7 @@ def make_eval_step(
         axis = batch_axis_name()
         if axis is not None and means.weighted(metrics):  # the devices' parts averaged
             loss, metrics, _ = means.reweigh(loss, metrics, None, axis)
-        return state, {"loss": loss, **metrics}  # with the counts: batches are weighed by them
+        return given, {"loss": loss, **metrics}  # with the counts: batches are weighed by them
 
     return step
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pluggy
 
-from shardplug.core import compose, declared, fallbacks
+from shardplug.core import compose, declared, fallbacks, memory
 from shardplug.core.context import activation_rules, splitting_rows
 from shardplug.core.mesh import retyped
 from shardplug.core.sharding import check_batch, lay_out_hint, to_named
@@ -221,6 +221,33 @@ class Strategy:
     def shard_params(self, params: Any, mesh: Any, annotations: Any | None) -> Any:
         specs = self._call("shard_params", params=params, mesh=mesh, annotations=annotations)
         return to_named(specs, mesh, plugin=self.name, hook="shard_params", like=params)
+
+    def place_state(self, shardings: Any, state: Any, mesh: Any) -> Any:
+        """The state's shardings with the memory each array lives in, as a plugin's
+        ``place_state`` says (checked), or as given."""
+        placed = self._call("place_state", shardings=shardings, state=state, mesh=mesh)
+        if placed is None:
+            return shardings
+        return memory.checked(placed, shardings, f"strategy {self.name!r}")
+
+    def update_memory(self, shardings: Any, mesh: Any) -> str:
+        """Where the optimizer's update computes (``device`` or ``host``), as a plugin's
+        ``update_memory`` says (checked against ``shardings``, the state's), or ``device``."""
+        where = self._call("update_memory", mesh=mesh)
+        if where is None or where == "device":
+            return "device"
+        if where != "host":
+            raise PluginError(
+                f"strategy {self.name!r}: update_memory returned {where!r}; return 'device' "
+                f"or 'host'"
+            )
+        if not memory.any_off(shardings.opt_state):
+            raise PluginError(
+                f"strategy {self.name!r}: update_memory asks for the update on the host, and "
+                f"the optimizer state lives on the devices: keep it in host memory "
+                f"(place_state), or update on the devices"
+            )
+        return where
 
     def shard_batch(self, batch: Any, mesh: Any, sequences: tuple[int, ...] | None = None) -> Any:
         specs = self._call("shard_batch", batch=batch, mesh=mesh, sequences=sequences)

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from shardplug.core import ops
+from shardplug.core import memory, ops
 from shardplug.core.compose import implemented
 from shardplug.core.means import divides_by_data
 from shardplug.core.step import (
@@ -232,20 +232,24 @@ def loss_facts(adapter: Any, loss_fn: Any, batch: Any, mesh: Any) -> tuple[bool,
 
 
 def step_maker(adapter: Any, loss_fn: Any, optimizer: Any, strategy: Any, mesh: Any,
-               settings: Any, param_shardings: Any, loss_normalised: bool,
+               settings: Any, state_shardings: Any, loss_normalised: bool,
                train: bool = True) -> Callable[[Any], Callable]:  # fmt: skip
     """``step_for(batch_shardings)``: the traced training step (:func:`make_step`) of a
     run's parts and :class:`~shardplug.settings.Settings`, or with ``train=False`` the
-    evaluation step, for :func:`build` to compile."""
+    evaluation step, for :func:`build` to compile; ``state_shardings``: where the state
+    lives (its arrays in host memory brought to the devices inside the step)."""
+    placed = state_shardings if memory.any_off(state_shardings) else None
+    param_shardings = memory.on_device_shardings(state_shardings.params)
+    on_host = placed is not None and strategy.update_memory(state_shardings, mesh) == "host"
 
     def step_for(batch_shardings: Any) -> Callable:
         if not train:
-            return make_eval_step(adapter, loss_fn, strategy, mesh)
+            return make_eval_step(adapter, loss_fn, strategy, mesh, placed)
         return make_step(
             adapter, loss_fn, optimizer, strategy, mesh, param_shardings=param_shardings,
             batch_shardings=batch_shardings, skip_nonfinite=settings.on_nonfinite == "skip",
             grad_accum=settings.grad_accum, precision=settings.precision,
-            loss_normalised=loss_normalised,
+            loss_normalised=loss_normalised, placed=placed, update_on_host=on_host,
         )  # fmt: skip
 
     return step_for

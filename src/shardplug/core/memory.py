@@ -1,0 +1,187 @@
+"""Where the training state lives: the devices' memory or the host's (offload).
+
+A plugin says so once, at set-up (the ``place_state`` hook: each state array's
+``NamedSharding`` with its memory kind); core keeps the arrays there between steps and
+checkpoints them from there. Inside the step an array kept off the devices is brought to
+them where it is used (:func:`on_devices`) and its new value goes back through the compiled
+step's output shardings. :func:`argument_bytes` reads from a compiled program how many of
+its argument bytes each device holds in its own memory and how many the host holds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from shardplug.core.hlo import _BYTES
+from shardplug.core.sharding import leaf_paths
+from shardplug.errors import ConfigError, PluginError
+
+#: host memory a device reads and writes directly, the kind offload keeps state in
+HOST = "pinned_host"
+DEVICE = "device"
+
+
+def off_devices(sharding: Any) -> bool:
+    """Whether an array of ``sharding`` lives outside its devices' own memory."""
+    kind = getattr(sharding, "memory_kind", None)
+    return kind is not None and kind != DEVICE
+
+
+def on_device_shardings(shardings: Any) -> Any:
+    """``shardings`` with every memory kind the devices' own (the layouts unchanged)."""
+    return jax.tree.map(
+        lambda s: s.with_memory_kind(DEVICE) if off_devices(s) else s,
+        shardings,
+        is_leaf=lambda s: isinstance(s, NamedSharding),
+    )
+
+
+def any_off(shardings: Any) -> bool:
+    """Whether any array of ``shardings`` lives off its devices."""
+    return any(off_devices(s) for s in jax.tree.leaves(shardings))
+
+
+def on_devices(tree: Any, shardings: Any) -> Any:
+    """Inside a traced program: the arrays of ``tree`` that ``shardings`` keeps off the
+    devices, brought to them (``jax.device_put`` to device memory, which the compiler makes
+    a copy from the host); the others as they are."""
+    if shardings is None or not any_off(shardings):
+        return tree
+    return jax.tree.map(
+        lambda x, s: jax.device_put(x, jax.memory.Space.Device) if off_devices(s) else x,
+        tree,
+        shardings,
+    )
+
+
+def checked(placed: Any, laid_out: Any, who: str) -> Any:
+    """``placed`` (what ``place_state`` returned) checked against the state's layout
+    ``laid_out``: the same tree, each array split as laid out (a memory kind the devices
+    lack, JAX's ``NamedSharding`` refuses itself)."""
+    got, structure = jax.tree.flatten(placed, is_leaf=lambda s: isinstance(s, NamedSharding))
+    if structure != jax.tree.structure(laid_out):
+        raise PluginError(
+            f"{who}: place_state returned a tree of {len(got)} leaves where the state has "
+            f"{len(jax.tree.leaves(laid_out))}; return the shardings it was given, each with "
+            f"its memory kind (jax.tree.map over them)"
+        )
+    for path, old, new in zip(leaf_paths(laid_out), jax.tree.leaves(laid_out), got, strict=True):
+        if not isinstance(new, NamedSharding):
+            raise PluginError(
+                f"{who}: place_state returned {new!r} for {path}; return a NamedSharding "
+                f"(the one given, sharding.with_memory_kind(KIND))"
+            )
+        if new.spec != old.spec or new.mesh != old.mesh:
+            raise PluginError(
+                f"{who}: place_state changed how {path} is split ({old.spec} to {new.spec}): "
+                f"it chooses the memory an array lives in; its layout is shard_params'"
+            )
+    return placed
+
+
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")
+
+
+def entry_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
+    """The bytes of a compiled program's ``arguments`` and ``outputs`` on each device, by
+    where they live: ``device`` (its own memory) and ``host`` (laid out in the host's memory
+    space, ``S(5)``), read from the program's entry layout."""
+    out = {k: {"device": 0, "host": 0} for k in ("arguments", "outputs")}
+    start = hlo_text.find("entry_computation_layout={")
+    if start < 0:
+        return out
+    depth, end = 0, start + len("entry_computation_layout=")
+    while end < len(hlo_text):  # to the brace that closes the layout
+        depth += {"{": 1, "}": -1}.get(hlo_text[end], 0)
+        if depth == 0:
+            break
+        end += 1
+    arguments, _, outputs = hlo_text[start:end].partition(")->")
+    for key, text in (("arguments", arguments), ("outputs", outputs)):
+        for dtype, dims, layout in _ARRAY.findall(text):
+            size = math.prod(int(d) for d in dims.split(",") if d) * _BYTES[dtype]
+            out[key]["host" if layout and ":S(5)" in layout else "device"] += size
+    return out
+
+
+def argument_bytes(hlo_text: str) -> dict[str, int]:
+    """The bytes of a compiled program's arguments on each device: ``device`` and ``host``
+    (:func:`entry_bytes`)."""
+    return entry_bytes(hlo_text)["arguments"]
+
+
+def peak_bytes(analysis: Any, hlo_text: str | None = None) -> int | None:
+    """A compiled program's peak per device in the device's own memory, from its
+    ``memory_analysis()``: arguments + outputs - what the outputs reuse of donated arguments
+    + temporaries. Where the backend counts arrays kept in host memory (offload's) among the
+    device's, as XLA:CPU does, the program's entry layout (``hlo_text``) takes them out."""
+    sizes = [
+        getattr(analysis, f"{name}_size_in_bytes", None) for name in ("argument", "output", "temp")
+    ]
+    if None in sizes:
+        return None
+    alias = getattr(analysis, "alias_size_in_bytes", 0) or 0
+    told = getattr(analysis, "host_argument_size_in_bytes", 0) or 0
+    if hlo_text is not None and not told:
+        host = entry_bytes(hlo_text)
+        moved_in, moved_out = host["arguments"]["host"], host["outputs"]["host"]
+        sizes[0] -= moved_in
+        sizes[1] -= moved_out
+        alias -= min(alias, moved_in, moved_out)  # donated host state is its own output
+    return sizes[0] + sizes[1] - alias + sizes[2]
+
+
+def brought(state: Any, placed: Any, axis: Any, *fields: str) -> Any:
+    """``state`` (a TrainState) with the arrays of ``fields`` that ``placed`` (its shardings)
+    keeps off the devices brought to them (:func:`on_devices`); refused in a per-device
+    program (``axis``, its batch axis, set)."""
+    if placed is None or not any(any_off(getattr(placed, f)) for f in fields):
+        return state
+    if axis is not None:
+        raise ConfigError(
+            "a per-device program takes its state on the devices: it cannot keep arrays in "
+            "host memory; use a strategy the compiler lays out, or keep the state on the devices"
+        )
+    return state._replace(**{f: on_devices(getattr(state, f), getattr(placed, f)) for f in fields})
+
+
+def _to(space: Any, tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
+def update_on_host(
+    optimizer: Any,
+    grads: Any,
+    state: Any,
+    given: Any,
+    placed: Any,
+    keep: Callable[[Any, Any], Any] | None,
+) -> tuple[Any, Any]:
+    """Inside a traced step: the optimizer's update computed in host memory, next to its
+    state (``place_state`` keeps it there): the gradients copied to the host, the parameters
+    too unless they live there (``given``: the state as the step received it, ``state`` with
+    what was brought to the devices), the new parameters copied back where they live.
+    ``keep(new, old)``: what a step that judges itself keeps (its verdict, on the host).
+
+    :return: the new parameters and optimizer state."""
+    import optax
+    from jax.experimental.compute_on import compute_on
+
+    host, device = jax.memory.Space.Host, jax.memory.Space.Device
+    params_off = jax.tree.map(off_devices, placed.params)
+    params = jax.tree.map(lambda x, kept, o: kept if o else jax.device_put(x, host),
+                          state.params, given.params, params_off)  # fmt: skip
+    grads = _to(host, grads)
+    with compute_on("device_host"):
+        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        new = optax.apply_updates(params, updates)
+        if keep is not None:
+            new, opt_state = keep((new, opt_state), (params, state.opt_state))
+    new = jax.tree.map(lambda x, o: x if o else jax.device_put(x, device), new, params_off)
+    return new, opt_state
