@@ -241,3 +241,36 @@ def test_the_cli_trains_with_offload(capsys):
     assert main(["train", "--strategy", "fsdp", "--devices", "2", "--addon", "offload",
                  "--layers", "2", "--steps", "2"]) == 0  # fmt: skip
     assert "with fsdp + offload on 2 cpu devices" in capsys.readouterr().out
+
+
+def test_bench_times_offload_against_its_hand_written_twin():
+    """``bench --strategies fsdp+offload``: an add-on named in the composition, its twin in
+    plain JAX (memory kinds in the shardings, ``device_put`` where the state is used), the
+    same losses."""
+    from shardplug.bench import bench
+
+    report = bench(["fsdp+offload"], devices=2, steps=2, rounds=1, model_options={"layers": 2})
+    assert report["max_loss_diff"] == {"fsdp+offload": 0.0}
+    mine = next(r for r in report["results"] if r["kind"] == "shardplug")
+    assert mine["strategy"] == "fsdp+offload"
+
+
+def test_recommend_offloads_where_nothing_else_fits(capsys):
+    """Memory between fsdp's peak and that peak less its optimizer state: neither dp nor
+    fsdp fits on the devices alone, fsdp with the optimizer state on the host does."""
+    import json
+
+    plan = ["recommend", "--model", "transformer", "--layers", "2", "--devices", "2",
+            "--strategies", "dp,fsdp", "--json", "--device-memory"]  # fmt: skip
+    assert main([*plan, "80GB"]) == 0
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["strategies"]}
+    fsdp = rows["fsdp"]
+    memory = fsdp["peak_bytes"] - fsdp["opt_state_bytes"] // 2
+    assert main([*plan, str(memory)]) == 0
+    tight = json.loads(capsys.readouterr().out)
+    assert tight["recommended"] == "fsdp+offload"
+    assert tight["options"] == {"offload.update": "host"}
+    assert tight["reason"].startswith(
+        "nothing fits on the devices alone (dp, fsdp do not); "
+        "with offload, the optimizer state in host memory"
+    )

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardplug.core.declared import declared
 from shardplug.core.layer_gather import layer_specs
-from shardplug.core.memory import peak_bytes
+from shardplug.core.memory import any_off, peak_bytes
 from shardplug.core.registry import get_strategy
 from shardplug.errors import ConfigError
 from shardplug.loop.feed import global_struct
@@ -97,7 +97,7 @@ class _Shardplug(_Contender):
         trainer.compile(first)
         peak = peak_bytes(trainer.compiled.memory_analysis(), trainer.compiled.as_text())
         self.result = Result(
-            name, trainer.strategy.name, "shardplug", int(trainer.mesh.size),
+            name, name, "shardplug", int(trainer.mesh.size),
             trainer.compile_seconds, [], samples, tokens, peak, [],
         )  # fmt: skip
 
@@ -112,7 +112,8 @@ class _Shardplug(_Contender):
 class _HandWritten(_Contender):
     """``value_and_grad``, ``optax``, ``jax.jit`` with the trainer's shardings: no shardplug."""
 
-    def __init__(self, name, kind, template: Trainer, model, first, samples, tokens):
+    def __init__(self, name, kind, template: Trainer, model, first, samples, tokens,
+                 label: str | None = None):  # fmt: skip
         adapter, optimizer, mesh = template.adapter, template.optimizer, template.mesh
         params_sharding = template.state_shardings.params
         opt_sharding = template.state_shardings.opt_state
@@ -125,7 +126,7 @@ class _HandWritten(_Contender):
         abstract = jax.tree.map(global_struct, first)
         # the compiled step's own layout (settled by what its attention read), else a guess
         batch_sharding = template.batch_shardings or template.strategy.shard_batch(abstract, mesh)
-        strategy = template.strategy.name
+        strategy = label or template.strategy.name  # as bench was given it (fsdp+offload)
         form = hand_written_form(template.strategy)
         composition = template.strategy.composition
         whole = NamedSharding(mesh, P())
@@ -146,10 +147,31 @@ class _HandWritten(_Contender):
                 bound = adapter.bind(params, model_state, rng=key, train=True)
                 return _loss_value(model.loss_fn(bound, batch))
 
+        # state kept in host memory (offload): brought in where used, or updated there
+        host, device = jax.memory.Space.Host, jax.memory.Space.Device
+        params_off = any_off(params_sharding)
+        opt_off = any_off(opt_sharding)
+        on_host = opt_off and template.strategy.update_memory(template.state_shardings,
+                                                              mesh) == "host"  # fmt: skip
+
         def step(params, opt_state, batch):
+            held = params
+            if params_off:
+                params = jax.device_put(params, device)
             value, grads = jax.value_and_grad(loss)(params, batch)
             if form == "shard_map":
                 value, grads = jax.lax.pmean((value, grads), tuple(mesh.axis_names))
+            if on_host:
+                from jax.experimental.compute_on import compute_on
+
+                grads = jax.device_put(grads, host)
+                params = held if params_off else jax.device_put(params, host)
+                with compute_on("device_host"):
+                    updates, opt_state = optimizer.update(grads, opt_state, params)
+                    params = optax.apply_updates(params, updates)
+                return (params if params_off else jax.device_put(params, device)), opt_state, value
+            if opt_off:
+                opt_state = jax.device_put(opt_state, device)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, value
 
@@ -329,7 +351,8 @@ def bench(
         t = trainers[strategy] = trainer(strategy, devices)
         contenders.append(_Shardplug(strategy, t, first, samples, tokens))
         name = f"{strategy} by hand"
-        contenders.append(_HandWritten(name, "hand-written", t, model, first, samples, tokens))
+        contenders.append(_HandWritten(name, "hand-written", t, model, first, samples, tokens,
+                                       strategy))  # fmt: skip
     if task.adapter.framework == "nnx" and "dp" in strategies:
         say("compiling the nnx.jit loop")
         contenders.append(_NnxJit("dp as nnx.jit", trainers["dp"], model, first, samples, tokens))

@@ -111,8 +111,7 @@ def recommend(
 
     fitting = sorted((r for r in rows if r["fits"]), key=_rank)
     if not fitting:
-        reason = "no installed strategy fits: add devices, or shrink the batch or model"
-        return {"strategies": rows, "recommended": None, "reason": reason}
+        return _offloaded(rows, compile_trainer, device_memory)
     best, equals = _best(rows, with_equals=True)
     infos = {i.name: i for i in list_strategies()}
     others = [r["strategy"] for r in rows if "error" not in r and not r["fits"]]
@@ -153,6 +152,46 @@ def recommend(
         reason += f"; {chosen['reason']}"
     return {"strategies": rows, "recommended": best["strategy"], "reason": reason,
             "options": {"schedule": chosen["name"]} if chosen else {}}  # fmt: skip
+
+
+#: offload's forms recommend tries where nothing fits on the devices alone, least moved
+#: first: the optimizer state on the host and updated there, then the parameters too
+OFFLOADS = (
+    ("the optimizer state in host memory, updated there", {"offload.update": "host"}),
+    ("the optimizer state and the parameters in host memory",
+     {"offload.update": "host", "offload.params": True}),
+)  # fmt: skip
+
+
+def _offloaded(rows: list[dict[str, Any]], compile_trainer: Callable[..., tuple[Any, Any]],
+               device_memory: int) -> dict[str, Any]:  # fmt: skip
+    """Where no strategy fits on the devices alone: each that ran and could fit with the
+    ``offload`` add-on's forms in turn (:data:`OFFLOADS`: its peak, less what the form moves
+    to the host, within the memory), the first form with one that fits ranked as the others
+    are; or none."""
+    ran = [r for r in rows if "error" not in r]
+    for what, options in OFFLOADS:
+        moved = ["opt_state_bytes", *(["params_bytes"] if "offload.params" in options else [])]
+        could = [r["strategy"] for r in ran
+                 if r["peak_bytes"] - sum(r[k] for k in moved) <= device_memory]  # fmt: skip
+        tried = [_row(compile_trainer, f"{n}+offload", options, device_memory) for n in could]
+        rows = [*rows, *tried]
+        best = _best(tried)
+        if best is not None:
+            best["options"] = options
+            reason = (
+                f"nothing fits on the devices alone ({', '.join(r['strategy'] for r in ran)} do "
+                f"not); with offload, "
+                f"{what}, it peaks at {size(best['peak_bytes'])} of {size(device_memory)} "
+                f"per device and sends {size(best['sent_bytes'])} per step"
+            )
+            return {"strategies": rows, "recommended": best["strategy"], "reason": reason,
+                    "options": dict(options)}  # fmt: skip
+    reason = (
+        "no installed strategy fits, with offload or without: add devices, or shrink the "
+        "batch or model"
+    )
+    return {"strategies": rows, "recommended": None, "reason": reason}
 
 
 def _row(compile_trainer: Callable[..., tuple[Any, Any]], name: str, options: dict[str, Any],

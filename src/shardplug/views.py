@@ -338,7 +338,10 @@ def render_recommend(result: dict[str, Any], console: Any, title: str) -> None:
         table.add_row(names[0] + more, "no", "", "", error)
     console.print(table)
     choice, reason = result["recommended"], result["reason"]
-    flags = "".join(f" -o pp.{k}={v}" for k, v in (result.get("options") or {}).items())
+    flags = "".join(
+        f" -o {k if '.' in k else 'pp.' + k}={str(v).lower() if isinstance(v, bool) else v}"
+        for k, v in (result.get("options") or {}).items()
+    )
     console.print(f"recommended: [bold]{choice}{flags}[/bold]: {reason}" if choice
                   else f"recommended: none: {reason}")  # fmt: skip
 

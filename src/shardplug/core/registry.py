@@ -200,6 +200,8 @@ def get_strategy(
     for parallelisms that do not compose, and :class:`PluginError` when the plugin under
     that name could not be loaded.
     """
+    name, named_addons = split_addons(name)
+    addons = [*addons, *named_addons]
     extra = []
     for addon in addons:
         if not isinstance(addon, str):  # a plugin object, made by its author's code
@@ -225,13 +227,34 @@ def get_strategy(
 
 def strategy_options(name: str) -> tuple[StrategyOption, ...]:
     """The options ``name`` takes (a strategy, a parallelism, or a composition's ``KEY`` and
-    ``PART.KEY``), read from the plugins' signatures without making the strategy."""
+    ``PART.KEY``; an add-on named in it, ``ADDON.KEY``), read from the plugins' signatures
+    without making the strategy."""
+    name, addons = split_addons(name)
+    extra = tuple(
+        dataclasses.replace(o, name=f"{addon}.{o.name}")
+        for addon in addons for o in addon_options(addon)
+    )  # fmt: skip
     names = compose.parse(name)
     if len(names) == 1:
         info, _ = _lookup(GROUP, name, "strategy")
         if info.kind != "composition":
-            return info.options
-    return _composed_options(_expand(names))
+            return (*info.options, *extra)
+    return (*_composed_options(_expand(names)), *extra)
+
+
+def split_addons(name: str) -> tuple[str, list[str]]:
+    """``"fsdp+offload"`` into ``("fsdp", ["offload"])``: an installed add-on named among the
+    parallelisms (and not itself a strategy) wraps the rest, as ``--addon`` does."""
+    names = compose.parse(name)
+    strategies, addons = _entries(GROUP), _entries(ADDON_GROUP)
+    named = [n for n in names if n in addons and n not in strategies]
+    rest = [n for n in names if n not in named]
+    if named and not rest:
+        raise CompositionError(
+            f"{name!r} names add-ons only ({', '.join(named)}): an add-on wraps a strategy, "
+            f"as in fsdp+{named[0]}"
+        )
+    return ("+".join(rest), named) if named else (name, [])
 
 
 def resolve_strategy(strategy: str | Strategy, axis_names: Mapping[str, str] | None) -> Strategy:

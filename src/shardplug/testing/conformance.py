@@ -56,6 +56,8 @@ def one_device_losses(
 
 
 def _trainer(strategy, options, adapter, model_name, seed, devices, mesh, model_options=None):
+    """A trainer of a reference model under ``strategy`` (a name, with ``options``, or a
+    strategy already made)."""
     import optax
 
     import shardplug
@@ -65,8 +67,9 @@ def _trainer(strategy, options, adapter, model_name, seed, devices, mesh, model_
     task = shardplug.Task(
         model.adapter(adapter, **taken), model.loss_fn, optax.adam(model.learning_rate), data=()
     )
+    made = shardplug.get_strategy(strategy, **options) if isinstance(strategy, str) else strategy
     return model, task.trainer(
-        strategy=shardplug.get_strategy(strategy, **options),
+        strategy=made,
         devices=devices,
         mesh=mesh,
         seed=seed,
@@ -279,6 +282,32 @@ class StrategyConformance:
 
         got = losses(self._strategy(), self.devices, self.mesh)
         np.testing.assert_allclose(got, losses("dp", 1, None), rtol=1e-5)
+
+    def test_keeps_the_state_where_offload_places_it(self) -> None:
+        """With the built-in ``offload`` add-on (the optimizer state in host memory), the
+        strategy trains as without it, to float32's last bits, and the optimizer state is in
+        host memory after the steps; or, a per-device program, it refuses in one line."""
+        import jax
+        import numpy as np
+
+        import shardplug
+
+        model_name = "transformer" if self._needs_transformer() else "mlp"
+        options = self._model_options()
+        strategy = shardplug.get_strategy(self.strategy, addons=["offload"], **self.options)
+        model, trainer = _trainer(strategy, {}, "nnx", model_name, self.seed, self.devices,
+                                  self.mesh, options)  # fmt: skip
+        batches = model.batches(model.batch_size, self.seed)
+        try:
+            rows = trainer.fit(batches, steps=2)
+        except shardplug.ConfigError as exc:
+            assert "per-device program" in str(exc) and "\n" not in str(exc), str(exc)
+            return
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(trainer.state.opt_state)}
+        assert kinds == {"pinned_host"}, f"the optimizer state left host memory: {kinds}"
+        want = _losses(self.strategy, self.options, "nnx", model_name, 2, self.seed,
+                       self.devices, self.mesh, options)  # fmt: skip
+        np.testing.assert_allclose([r["loss"] for r in rows], want, rtol=1e-6)
 
     def test_batch_is_split_not_duplicated(self) -> None:
         self._skip_unless(Capability.BATCH_SPLIT)
