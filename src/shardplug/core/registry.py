@@ -252,7 +252,7 @@ def split_addons(name: str) -> tuple[str, list[str]]:
     if named and not rest:
         raise CompositionError(
             f"{name!r} names add-ons only ({', '.join(named)}): an add-on wraps a strategy, "
-            f"as in fsdp+{named[0]}"
+            f"as in STRATEGY+{named[0]}"
         )
     return ("+".join(rest), named) if named else (name, [])
 
