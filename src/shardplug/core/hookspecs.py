@@ -410,9 +410,14 @@ def compile_step(
     first batch, and reuses it for every step.
 
     :param step_fn: ``step_fn(state, batch) -> (state, metrics)``, one optimizer step written
-        for the global batch. It calls :func:`reduce_grads` inside.
+        for the global batch (``state`` a ``shardplug.TrainState``: ``step``, ``params``,
+        ``opt_state``, ``model_state``, ``rng``). It calls :func:`reduce_grads` inside, and
+        brings arrays kept in host memory (:func:`place_state`) to the devices itself.
     :param mesh: the mesh returned by :func:`make_mesh`.
-    :param state_shardings: a ``NamedSharding`` for every leaf of the training state.
+    :param state_shardings: a ``TrainState`` of one ``NamedSharding`` per state array, each
+        with the memory kind its array lives in between steps (``device`` unless
+        :func:`place_state` chose the host's): keep them as they are in the program's in- and
+        out-shardings, or the state moves.
     :param batch_shardings: a ``NamedSharding`` for every leaf of the batch.
     :return: a callable with ``step_fn``'s signature that has ``.lower`` (a ``jax.jit``
         object; the trainer checks that and calls it inside its own ``jax.jit``). It must
