@@ -11,6 +11,7 @@ import shutil
 
 import jax
 import numpy as np
+import optax
 import pytest
 from helpers import said
 from jax.sharding import NamedSharding
@@ -121,8 +122,14 @@ def test_the_compiled_step_holds_on_the_devices_exactly_what_did_not_move():
     assert with_opt["host_bytes"] == opt == with_opt["opt_state_bytes"] and plain["host_bytes"] == 0
     assert plain["peak_bytes"] - with_opt["peak_bytes"] == opt
     assert plain["peak_bytes"] - with_both["peak_bytes"] == opt + params
-    # copied in for the update (XLA:CPU counts no copy: said in a note), or updated there
-    assert with_opt["update_bytes"] == opt and plain["update_bytes"] == 0
+    # copied in for the update a parameter's Adam moments at a time (XLA:CPU counts no
+    # copy: said in a note), or updated there
+    largest = max(
+        shard_bytes(x, s)
+        for x, s in zip(jax.tree.leaves(run.state.params), jax.tree.leaves(shardings.params),
+                        strict=True)
+    )  # fmt: skip
+    assert with_opt["update_bytes"] == 2 * largest + 4 and plain["update_bytes"] == 0
     on_host = explain(trainer("fsdp", {"update": "host"}, allocate=False), batch).per_device
     assert on_host["update_bytes"] == 0 and on_host["peak_bytes"] == with_opt["peak_bytes"]
 
@@ -274,3 +281,95 @@ def test_recommend_offloads_where_nothing_else_fits(capsys):
         "nothing fits on the devices alone (dp, fsdp do not); "
         "with offload, the optimizer state in host memory"
     )
+
+
+# -- the update in pieces ---------------------------------------------------------------------
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw with a schedule": lambda: optax.adamw(
+        optax.cosine_decay_schedule(1e-2, 100), weight_decay=0.1
+    ),
+    "sgd with momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "lion": lambda: optax.lion(1e-3),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "lamb": lambda: optax.lamb(1e-2),
+}
+
+
+def _pieces_program(optimizer):
+    keys = iter(jax.random.split(jax.random.key(0), 6))
+    shapes = {"a": (4, 3), "b": (3,), "c": {"d": (2, 2)}}
+    params = jax.tree.map(lambda s: jax.random.normal(next(keys), s), shapes,
+                          is_leaf=lambda s: isinstance(s, tuple))  # fmt: skip
+    grads = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
+    state = optimizer.init(params)
+    for _ in range(2):  # a state that is not zeros
+        updates, state = optimizer.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return params, grads, state
+
+
+@pytest.mark.parametrize(
+    ("name", "away"), [(name, False) for name in OPTIMIZERS] + [("adam", True)]
+)
+def test_the_update_brings_one_parameters_state_at_a_time_and_computes_the_same(name, away):
+    """Each parameter's optimizer state (and the parameter, ``away``: kept on the host too)
+    comes to the devices only once the previous parameter's new state has left for the host
+    (a barrier between them, in the program's data flow), and the update is the whole
+    tree's, bit for bit."""
+    optimizer = OPTIMIZERS[name]()
+    params, grads, state = _pieces_program(optimizer)
+    labels = memory.leafwise(optimizer, grads, state, params)
+    assert labels is not None and set(labels) - {-1} == {0, 1, 2}
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:1])  # fmt: skip
+    device = NamedSharding(mesh, P())
+    host = device.with_memory_kind("pinned_host")
+    held = jax.device_put(state, jax.tree.map(lambda _: host, state))
+    where = host if away else device
+    given = jax.device_put(params, jax.tree.map(lambda _: where, params))
+
+    def pieces(p, s, g):
+        off = jax.tree.map(lambda _: away, p)
+        return memory.update_in_pieces(optimizer, g, p, s, labels, None, off)
+
+    def whole(p, s, g):
+        updates, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    got = jax.jit(pieces, out_shardings=(jax.tree.map(lambda _: where, params),
+                                         jax.tree.map(lambda _: host, state)))(
+        given, held, grads)  # fmt: skip
+    want = jax.jit(whole)(params, state, grads)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    eqns = jax.make_jaxpr(pieces)(given, held, grads).jaxpr.eqns
+    made_by = {out: e for e in eqns for out in e.outvars}
+
+    def to(e, space):
+        return e.primitive.name == "device_put" and space in str(e.params["devices"])
+
+    barriers = [e for e in eqns if e.primitive.name == "optimization_barrier"]
+    assert len(barriers) == 2  # between three parameters
+    for barrier in barriers:
+        inputs = [made_by.get(v) for v in barrier.invars if type(v).__name__ != "Literal"]
+        assert any(e is not None and to(e, "Host") for e in inputs)  # the last one's, sent
+        fed = [e for e in eqns if any(v in barrier.outvars for v in e.invars
+                                      if type(v).__name__ != "Literal")]  # fmt: skip
+        assert fed and all(to(e, "Device") for e in fed)  # the next one's, brought
+
+
+def test_a_global_norm_clip_couples_the_parameters_and_brings_the_state_whole():
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    params, grads, state = _pieces_program(clipped)
+    assert memory.leafwise(clipped, grads, state, params) is None
+    model = shardplug.get_model("transformer")
+
+    def run(addons):
+        made = shardplug.get_strategy("fsdp", addons=addons, min_size=0)
+        task = shardplug.Task(model.adapter("nnx", layers=2), model.loss_fn, clipped, data=())
+        trainer = task.trainer(strategy=made, devices=2, precision="float32")
+        return [r["loss"] for r in trainer.fit(iter(batches()[:STEPS]), STEPS)]
+
+    np.testing.assert_allclose(run(["offload"]), run([]), rtol=1e-6)

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from shardplug.core.compose import order
 from shardplug.core.facts import Explained, StepFacts
 from shardplug.core.hlo import collectives, gradient_parts, textbook_collectives
-from shardplug.core.memory import any_off, entry_bytes, peak_bytes
+from shardplug.core.memory import any_off, entry_bytes, leafwise, peak_bytes
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.core.step import PRECISIONS
 from shardplug.errors import ConfigError, PluginError
@@ -136,14 +136,25 @@ def _batch_axes(batch_shardings: Any) -> tuple[str, ...]:
 
 
 def _brought_for_update(trainer: Any, shardings: Any, state: Any, mesh: Any) -> int:
-    """The bytes per device of the optimizer state that the step copies from host memory to
-    the devices for the update (0 where it stays on the devices, or the update runs on the
-    host)."""
+    """The most bytes per device of the optimizer state that the step holds on the devices
+    at once for the update, copied from host memory: one parameter's where it brings the
+    state a parameter at a time (:func:`shardplug.core.memory.leafwise`), else all of it;
+    0 where it stays on the devices, or the update runs on the host."""
     if not any_off(shardings.opt_state):
         return 0
     if trainer.strategy.update_memory(shardings, mesh) == "host":
         return 0
-    return _tree_bytes(state.opt_state, shardings.opt_state)
+    leaves = jax.tree.leaves(state.opt_state)
+    sizes = [_tree_bytes(x, s) for x, s in zip(leaves, jax.tree.leaves(shardings.opt_state),
+                                                strict=True)]  # fmt: skip
+    labels = leafwise(trainer.optimizer, state.params, state.opt_state, state.params)
+    if labels is None:
+        return sum(sizes)
+    pieces: dict[int, int] = {}
+    for label, n in zip(labels, sizes, strict=True):
+        pieces[label] = pieces.get(label, 0) + n
+    shared = pieces.pop(-1, 0)
+    return shared + max(pieces.values(), default=0)
 
 
 def _why(strategy: Any, shape: tuple[int, ...], logical: Any, mesh: Any, seen: dict) -> str:
@@ -293,10 +304,10 @@ def explain(
     per_device["update_bytes"] = brought
     if brought and device.platform == "cpu":
         notes.append(
-            f"the optimizer state kept in host memory is copied to the devices for the update "
-            f"({size(brought)} per device): XLA:CPU keeps one memory and counts no copy, so "
-            f"the peak above leaves it out; on a GPU the update holds it beside the parameters "
-            f"and gradients (offload's update=host leaves it on the host)"
+            f"the optimizer state kept in host memory is copied to the devices for the update, "
+            f"at most {size(brought)} per device at once: XLA:CPU keeps one memory and counts "
+            f"no copy, so the peak above leaves it out; on a GPU the update holds it beside "
+            f"the parameters and gradients (offload's update=host leaves it on the host)"
         )
     peak = per_device["peak_bytes"]
     if from_backend and device_memory and peak and peak > device_memory:

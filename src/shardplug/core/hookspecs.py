@@ -313,10 +313,11 @@ def update_memory(mesh: Any) -> str | None:
 
     :param mesh: the run's mesh.
     :return: ``"device"`` (the default, as None): the state is copied to the devices for the
-        update, after the backward pass, and back (MaxText's optimizer offload; the devices
-        hold it all during the update); or ``"host"``: the update runs in host memory, next to
-        the state (ZeRO-Offload's): each step's gradients are copied to the host and the new
-        parameters back, and the optimizer state never reaches the devices. Refused in one
+        update, after the backward pass, and back, one parameter's at a time where the
+        update provably treats each parameter alone (else whole); or ``"host"``: the update
+        runs in host memory, next to the state (ZeRO-Offload's): each step's gradients are
+        copied to the host and the new parameters back, and the optimizer state never
+        reaches the devices. Refused in one
         line: another value, or ``"host"`` with the optimizer state on the devices.
     """
 

@@ -185,3 +185,119 @@ def update_on_host(
             new, opt_state = keep((new, opt_state), (params, state.opt_state))
     new = jax.tree.map(lambda x, o: x if o else jax.device_put(x, device), new, params_off)
     return new, opt_state
+
+
+def leafwise(optimizer: Any, grads: Any, opt_state: Any, params: Any) -> list[int] | None:
+    """Each optimizer-state leaf's parameter (its index among the parameters' leaves, -1 for
+    state they share: a step count), where the update provably computes each parameter's
+    update and state from that parameter's gradient, value and state and the shared state
+    alone, and the shared state from itself; None where it does not (a global norm's
+    clipping).
+
+    The proof reads the traced update's data flow (every output of an operation taken to
+    depend on all of its inputs: what it finds independent is)."""
+    import optax
+
+    count = len(jax.tree.leaves(params))
+    index = jax.tree.unflatten(jax.tree.structure(params), list(range(count)))
+    labels = jax.tree.leaves(optax.tree_utils.tree_map_params(
+        optimizer, lambda _, i: i, opt_state, index, transform_non_params=lambda _: -1,
+    ))  # fmt: skip
+    if len(labels) != len(jax.tree.leaves(opt_state)):
+        return None
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (grads, opt_state,
+                                                                             params))  # fmt: skip
+    traced = jax.make_jaxpr(lambda g, s, p: optimizer.update(g, s, p))(*shapes)
+    ins = [*range(count), *labels, *range(count)]  # grads, state, params
+    upd, new = jax.tree.structure(grads).num_leaves, len(labels)
+    outs = [*range(count), *labels][: upd + new]
+    found = _depends(traced.jaxpr)
+    for label, needs in zip(outs, found, strict=True):
+        allowed = {-1} if label < 0 else {-1, label}
+        if any(ins[k] not in allowed for k in needs):
+            return None
+    return labels
+
+
+def _depends(jaxpr: Any) -> list[frozenset[int]]:
+    """For each output of ``jaxpr``, the indices of the inputs it may depend on."""
+    env: dict[Any, frozenset[int]] = {v: frozenset([i]) for i, v in enumerate(jaxpr.invars)}
+
+    def of(v: Any) -> frozenset[int]:
+        try:
+            return env.get(v, frozenset())
+        except TypeError:  # a literal
+            return frozenset()
+
+    for eqn in jaxpr.eqns:
+        needs = frozenset().union(*(of(v) for v in eqn.invars))
+        for out in eqn.outvars:
+            env[out] = needs
+    return [of(v) for v in jaxpr.outvars]
+
+
+def update_in_pieces(
+    optimizer: Any,
+    grads: Any,
+    params: Any,
+    held: Any,
+    labels: list[int],
+    keep: Callable[[Any, Any], Any] | None,
+    params_off: Any = None,
+) -> tuple[Any, Any]:
+    """Inside a traced step: the optimizer's update one parameter at a time, its state
+    (``held``, kept in host memory) brought to the devices a parameter's leaves at a time and
+    its new value sent back before the next parameter's are brought: the devices never hold
+    more than one parameter's optimizer state. A parameter kept in host memory too
+    (``params_off``: a tree of bools; ``params`` then as the step received them) comes and
+    goes with its state. ``labels``: :func:`leafwise`'s. ``keep(new, old)``: what a step that
+    judges itself keeps.
+
+    :return: the new parameters and optimizer state, each where it lives."""
+    import optax
+
+    host, device = jax.memory.Space.Host, jax.memory.Space.Device
+    p_leaves, p_def = jax.tree.flatten(params)
+    away = jax.tree.leaves(params_off) if params_off is not None else [False] * len(p_leaves)
+    g_leaves = jax.tree.leaves(grads)
+    s_leaves, s_def = jax.tree.flatten(held)
+    count = len(p_leaves)
+    index = jax.tree.unflatten(p_def, list(range(count)))
+    positions = jax.tree.unflatten(s_def, list(range(len(s_leaves))))
+    shared = {k: jax.device_put(x, device) for k, x in enumerate(s_leaves) if labels[k] < 0}
+    new_params, new_state = list(p_leaves), list(s_leaves)
+    sent: Any = None  # the previous parameter's new state, on its way back to the host
+
+    def only(i: int, leaves: list[Any]) -> Any:
+        return jax.tree.unflatten(p_def, [x if k == i else optax.MaskedNode()
+                                          for k, x in enumerate(leaves)])  # fmt: skip
+
+    for i in range(count):
+        mine = [k for k, label in enumerate(labels) if label == i]
+        brought = ([s_leaves[k] for k in mine], p_leaves[i] if away[i] else None)
+        if sent is not None:  # not before the last parameter's state has left
+            brought = jax.lax.optimization_barrier((brought, sent))[0]
+        values = {**shared, **dict(zip(mine, (jax.device_put(x, device) for x in brought[0]),
+                                       strict=True))}  # fmt: skip
+        here = jax.device_put(brought[1], device) if away[i] else p_leaves[i]
+        state = optax.tree_utils.tree_map_params(
+            optimizer, lambda k, j, i=i: k if j == i else optax.MaskedNode(), positions, index,
+            transform_non_params=lambda k: k,
+        )  # fmt: skip
+        present = jax.tree.leaves(state)  # the state leaves this piece reads, in tree order
+        before = state = jax.tree.map(lambda k, values=values: values[k], state)
+        param = only(i, [here if k == i else x for k, x in enumerate(p_leaves)])
+        updates, state = optimizer.update(only(i, g_leaves), state, param)
+        new = optax.apply_updates(param, updates)
+        if keep is not None:
+            new, state = keep((new, state), (param, before))
+        new_params[i] = jax.tree.leaves(new)[0]
+        if away[i]:
+            new_params[i] = jax.device_put(new_params[i], host)
+        done = dict(zip(present, jax.tree.leaves(state), strict=True))
+        sent = [jax.device_put(done[k], host) for k in mine] + ([new_params[i]] if away[i] else [])
+        for k, x in zip(mine, sent, strict=False):
+            new_state[k] = x
+        for k in shared:  # every piece computes the same: the last one's is kept
+            new_state[k] = done[k]
+    return jax.tree.unflatten(p_def, new_params), jax.tree.unflatten(s_def, new_state)

@@ -220,6 +220,16 @@ def make_step(
         with means.normalised(loss_normalised):
             return traced(state, batch)
 
+    def pieces(grads: Any, opt_state: Any, params: Any) -> list[int] | None:
+        """Where the optimizer state kept off the devices is brought to them for the update
+        one parameter's at a time (:func:`shardplug.core.memory.update_in_pieces`): each
+        state leaf's parameter; None to bring it whole."""
+        if placed is None or update_on_host or not memory.any_off(placed.opt_state):
+            return None
+        if batch_axis_name() is not None:
+            return None  # a per-device program: refused where the state is brought
+        return memory.leafwise(optimizer, grads, opt_state, params)
+
     def traced(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         rng = step_key(state)
         axis = batch_axis_name()  # set inside a per-device program
@@ -265,6 +275,18 @@ def make_step(
                 verdict = jax.device_put(finite, jax.memory.Space.Host)
                 keep = functools.partial(jax.tree.map, functools.partial(_keep_if_not, verdict))
             params, opt_state = memory.update_on_host(optimizer, grads, state, given, placed, keep)
+            if finite is not None:
+                model_state = jax.tree.map(functools.partial(_keep_if_not, finite), model_state,
+                                           state.model_state)  # fmt: skip
+        elif (labels := pieces(grads, given.opt_state, state.params)) is not None:
+            keep = None if finite is None else functools.partial(
+                jax.tree.map, functools.partial(_keep_if_not, finite))  # fmt: skip
+            params_off = jax.tree.map(memory.off_devices, placed.params)
+            params = jax.tree.map(lambda now, held, off: held if off else now, state.params,
+                                  given.params, params_off)  # fmt: skip
+            params, opt_state = memory.update_in_pieces(
+                optimizer, grads, params, given.opt_state, labels, keep, params_off
+            )
             if finite is not None:
                 model_state = jax.tree.map(functools.partial(_keep_if_not, finite), model_state,
                                            state.model_state)  # fmt: skip

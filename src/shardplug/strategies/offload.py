@@ -8,13 +8,18 @@ hook (it is an add-on, not a parallelism: it owns no mesh axis and changes no la
 goes with any strategy or composition, ``--addon offload``), and core does the rest: each
 array is laid out as the strategy lays it out, but in the host's pinned memory
 (``pinned_host``); inside the step the optimizer state is copied to the devices for the
-update, after the backward pass, and its new value copied back. With ``params`` the float32
-master parameters live on the host too and are copied in for the forward pass; their
-gradients and the activations stay on the devices.
+update, after the backward pass, one parameter's at a time where the update treats each
+parameter alone (the devices hold one parameter's state at most), and its new value copied
+back. With ``params`` the float32 master parameters live on the host too, copied in for the
+forward pass and again, a parameter at a time, for the update; their gradients and the
+activations stay on the devices. With ``update=host`` the update computes on the host
+(ZeRO-Offload's way): the gradients go out, the new parameters come back, and the optimizer
+state never reaches the devices.
 
 The price is the copies: the optimizer state's bytes to the devices and back every step
-(twice that with ``params``), over PCIe on a GPU. A per-device program (``pmap``) keeps its
-state on the devices and refuses it.
+(the parameters' too with ``params``), over PCIe on a GPU, or the host's arithmetic with
+``update=host``. A per-device program (``pmap``) keeps its state on the devices and refuses
+it.
 """
 
 from __future__ import annotations
