@@ -37,7 +37,7 @@ NAMES = tuple(SCHEDULES)
 
 
 def chunks(name):
-    return SCHEDULES[name].repeats or 2 if SCHEDULES[name].chunked else 1
+    return (SCHEDULES[name].repeats or 2) if SCHEDULES[name].chunked else 1
 
 
 # -- the tables ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from shardplug.core.compose import order
 from shardplug.core.facts import Explained, StepFacts
 from shardplug.core.hlo import collectives, gradient_parts, textbook_collectives
-from shardplug.core.memory import any_off, entry_bytes, leafwise, peak_bytes
+from shardplug.core.memory import any_off, entry_bytes, leafwise, off_devices, peak_bytes
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.core.step import PRECISIONS
 from shardplug.errors import ConfigError, PluginError
@@ -145,8 +145,10 @@ def _brought_for_update(trainer: Any, shardings: Any, state: Any, mesh: Any) -> 
     if trainer.strategy.update_memory(shardings, mesh) == "host":
         return 0
     leaves = jax.tree.leaves(state.opt_state)
-    sizes = [_tree_bytes(x, s) for x, s in zip(leaves, jax.tree.leaves(shardings.opt_state),
-                                                strict=True)]  # fmt: skip
+    sizes = [
+        _tree_bytes(x, s) if off_devices(s) else 0  # the devices' own are counted
+        for x, s in zip(leaves, jax.tree.leaves(shardings.opt_state), strict=True)
+    ]
     labels = leafwise(trainer.optimizer, state.params, state.opt_state, state.params)
     if labels is None:
         return sum(sizes)

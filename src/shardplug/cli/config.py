@@ -282,7 +282,12 @@ def parse_options(strategy: str, pairs: Sequence[str],
                   addons: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
     """``["min_size=0"]`` into ``{"min_size": 0}``, typed by the strategy's own signature
     (:meth:`shardplug.StrategyOption.parse`); ``ADDON.KEY=VALUE`` by the add-on's."""
-    from shardplug.core.registry import addon_options, list_addons, strategy_options
+    from shardplug.core.registry import (
+        addon_options,
+        list_addons,
+        split_addons,
+        strategy_options,
+    )
 
     known = {o.name: o for o in strategy_options(strategy)}
     options: dict[str, Any] = {}
@@ -300,7 +305,8 @@ def parse_options(strategy: str, pairs: Sequence[str],
                 )
             options[key] = takes[option].parse(text)
             continue
-        if key not in known and key.partition(".")[::2] in {(strategy, o) for o in known}:
+        alone = split_addons(strategy)[0]  # pp+offload: pp alone, wrapped
+        if key not in known and key.partition(".")[::2] in {(alone, o) for o in known}:
             key = key.partition(".")[2]  # -o pp.schedule=zb for pp alone, as in a composition
         if key not in known:
             takes = ", ".join(sorted(known)) or "none"

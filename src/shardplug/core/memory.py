@@ -22,9 +22,34 @@ from shardplug.core.hlo import _BYTES
 from shardplug.core.sharding import leaf_paths
 from shardplug.errors import ConfigError, PluginError
 
-#: host memory a device reads and writes directly, the kind offload keeps state in
-HOST = "pinned_host"
 DEVICE = "device"
+
+
+def check_program(jaxpr: Any, state_shardings: list[Any], batch_leaves: int, who: str,
+                  paths: list[str]) -> None:  # fmt: skip
+    """Refuse, in one line, a step program (a strategy's ``compile_step``, the first jit
+    inside ``jaxpr``, which takes the state's ``state_shardings`` and the batch) that takes
+    or returns a state array in another memory than the state lives in: it would move the
+    state there and back every step, undoing ``place_state``."""
+    want = [getattr(s, "memory_kind", None) or DEVICE for s in state_shardings]
+    if all(k == DEVICE for k in want):
+        return
+    inner = next((e for e in getattr(jaxpr, "jaxpr", jaxpr).eqns
+                  if e.primitive.name in ("pjit", "jit")
+                  and len(e.params.get("in_shardings", ())) == len(want) + batch_leaves),
+                 None)  # fmt: skip
+    if inner is None:
+        return
+    for what, given in (("takes", inner.params["in_shardings"][: len(want)]),
+                        ("returns", inner.params["out_shardings"][: len(want)])):  # fmt: skip
+        for k, (kind, s) in enumerate(zip(want, given, strict=False)):
+            have = getattr(s, "memory_kind", None)
+            if have is not None and have != kind:
+                raise PluginError(
+                    f"{who}: compile_step's program {what} the state's {paths[k]} in memory "
+                    f"{have!r}, and place_state keeps it in {kind!r}: give its jit the "
+                    f"state_shardings it was given, memory kinds and all"
+                )
 
 
 def off_devices(sharding: Any) -> bool:
@@ -66,11 +91,19 @@ def checked(placed: Any, laid_out: Any, who: str) -> Any:
     lack, JAX's ``NamedSharding`` refuses itself)."""
     got, structure = jax.tree.flatten(placed, is_leaf=lambda s: isinstance(s, NamedSharding))
     if structure != jax.tree.structure(laid_out):
+        have = len(jax.tree.leaves(laid_out))
+        what = (f"a tree of {len(got)} leaves where the state has {have}" if len(got) != have
+                else f"a {type(placed).__name__}, not the TrainState it was given")  # fmt: skip
         raise PluginError(
-            f"{who}: place_state returned a tree of {len(got)} leaves where the state has "
-            f"{len(jax.tree.leaves(laid_out))}; return the shardings it was given, each with "
-            f"its memory kind (jax.tree.map over them)"
+            f"{who}: place_state returned {what}; return the shardings it was given, each "
+            f"with its memory kind (jax.tree.map over them)"
         )
+    for field in ("step", "rng"):
+        if hasattr(placed, field) and off_devices(getattr(placed, field)):
+            raise PluginError(
+                f"{who}: place_state put the state's {field} in host memory: the step count "
+                f"and the key stay on the devices (move params, opt_state or model_state)"
+            )
     for path, old, new in zip(leaf_paths(laid_out), jax.tree.leaves(laid_out), got, strict=True):
         if not isinstance(new, NamedSharding):
             raise PluginError(
@@ -244,14 +277,16 @@ def update_in_pieces(
     labels: list[int],
     keep: Callable[[Any, Any], Any] | None,
     params_off: Any = None,
+    state_off: list[bool] | None = None,
 ) -> tuple[Any, Any]:
     """Inside a traced step: the optimizer's update one parameter at a time, its state
     (``held``, kept in host memory) brought to the devices a parameter's leaves at a time and
     its new value sent back before the next parameter's are brought: the devices never hold
     more than one parameter's optimizer state. A parameter kept in host memory too
     (``params_off``: a tree of bools; ``params`` then as the step received them) comes and
-    goes with its state. ``labels``: :func:`leafwise`'s. ``keep(new, old)``: what a step that
-    judges itself keeps.
+    goes with its state; a state leaf kept on the devices (``state_off`` False) stays there.
+    ``labels``: :func:`leafwise`'s. ``keep(new, old)``: what a step that judges itself
+    keeps.
 
     :return: the new parameters and optimizer state, each where it lives."""
     import optax
@@ -264,7 +299,9 @@ def update_in_pieces(
     count = len(p_leaves)
     index = jax.tree.unflatten(p_def, list(range(count)))
     positions = jax.tree.unflatten(s_def, list(range(len(s_leaves))))
-    shared = {k: jax.device_put(x, device) for k, x in enumerate(s_leaves) if labels[k] < 0}
+    off = state_off if state_off is not None else [True] * len(s_leaves)
+    shared = {k: jax.device_put(x, device) if off[k] else x for k, x in enumerate(s_leaves)
+              if labels[k] < 0}  # fmt: skip
     new_params, new_state = list(p_leaves), list(s_leaves)
     sent: Any = None  # the previous parameter's new state, on its way back to the host
 
@@ -274,11 +311,13 @@ def update_in_pieces(
 
     for i in range(count):
         mine = [k for k, label in enumerate(labels) if label == i]
-        brought = ([s_leaves[k] for k in mine], p_leaves[i] if away[i] else None)
-        if sent is not None:  # not before the last parameter's state has left
+        moving = [k for k in mine if off[k]]  # the rest are on the devices already
+        brought = ([s_leaves[k] for k in moving], p_leaves[i] if away[i] else None)
+        if sent:  # not before the last parameter's state has left
             brought = jax.lax.optimization_barrier((brought, sent))[0]
-        values = {**shared, **dict(zip(mine, (jax.device_put(x, device) for x in brought[0]),
-                                       strict=True))}  # fmt: skip
+        values = {**shared, **{k: s_leaves[k] for k in mine if not off[k]},
+                  **dict(zip(moving, (jax.device_put(x, device) for x in brought[0]),
+                             strict=True))}  # fmt: skip
         here = jax.device_put(brought[1], device) if away[i] else p_leaves[i]
         state = optax.tree_utils.tree_map_params(
             optimizer, lambda k, j, i=i: k if j == i else optax.MaskedNode(), positions, index,
@@ -295,9 +334,12 @@ def update_in_pieces(
         if away[i]:
             new_params[i] = jax.device_put(new_params[i], host)
         done = dict(zip(present, jax.tree.leaves(state), strict=True))
-        sent = [jax.device_put(done[k], host) for k in mine] + ([new_params[i]] if away[i] else [])
-        for k, x in zip(mine, sent, strict=False):
+        sent = [jax.device_put(done[k], host) for k in moving]
+        for k in mine:
+            new_state[k] = done[k]
+        for k, x in zip(moving, sent, strict=True):
             new_state[k] = x
+        sent += [new_params[i]] if away[i] else []
         for k in shared:  # every piece computes the same: the last one's is kept
             new_state[k] = done[k]
     return jax.tree.unflatten(p_def, new_params), jax.tree.unflatten(s_def, new_state)

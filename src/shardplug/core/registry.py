@@ -202,6 +202,10 @@ def get_strategy(
     """
     name, named_addons = split_addons(name)
     addons = [*addons, *named_addons]
+    labels = [a if isinstance(a, str) else type(a).__name__ for a in addons]
+    twice = sorted({a for a in labels if labels.count(a) > 1})
+    if twice:
+        raise CompositionError(f"add-on {twice[0]!r} is given twice: name it once")
     extra = []
     for addon in addons:
         if not isinstance(addon, str):  # a plugin object, made by its author's code
@@ -307,9 +311,11 @@ def _composition(
         part, dot, option = key.partition(".")
         if dot:
             if part not in per:
+                hint = (f": an option of the add-on {part!r}, given with addons=[{part!r}]"
+                        if part in _entries(ADDON_GROUP) else "")  # fmt: skip
                 raise StrategyOptionError(
                     f"option {key!r} names {part!r}, which is not a parallelism of {label!r} "
-                    f"({', '.join(per)})"
+                    f"({', '.join(per)}){hint}"
                 )
             per[part][option] = value
             continue

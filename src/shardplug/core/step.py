@@ -270,6 +270,8 @@ def make_step(
                 finite = jax.lax.pmin(finite.astype(jnp.int32), manual_axes()).astype(bool)
             out[NONFINITE] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
         if update_on_host:  # where the optimizer state lives: it never reaches the devices
+            if axis is not None:
+                memory.brought(given, placed, axis, "opt_state")  # refused in one line
             keep = None
             if finite is not None:
                 verdict = jax.device_put(finite, jax.memory.Space.Host)
@@ -284,8 +286,9 @@ def make_step(
             params_off = jax.tree.map(memory.off_devices, placed.params)
             params = jax.tree.map(lambda now, held, off: held if off else now, state.params,
                                   given.params, params_off)  # fmt: skip
+            state_off = [memory.off_devices(s) for s in jax.tree.leaves(placed.opt_state)]
             params, opt_state = memory.update_in_pieces(
-                optimizer, grads, params, given.opt_state, labels, keep, params_off
+                optimizer, grads, params, given.opt_state, labels, keep, params_off, state_off
             )
             if finite is not None:
                 model_state = jax.tree.map(functools.partial(_keep_if_not, finite), model_state,

@@ -241,11 +241,11 @@ class Strategy:
                 f"strategy {self.name!r}: update_memory returned {where!r}; return 'device' "
                 f"or 'host'"
             )
-        if not memory.any_off(shardings.opt_state):
+        if not all(memory.off_devices(s) for s in jax.tree.leaves(shardings.opt_state)):
             raise PluginError(
                 f"strategy {self.name!r}: update_memory asks for the update on the host, and "
-                f"the optimizer state lives on the devices: keep it in host memory "
-                f"(place_state), or update on the devices"
+                f"some of the optimizer state lives on the devices: keep all of it in host "
+                f"memory (place_state), or update on the devices"
             )
         return where
 

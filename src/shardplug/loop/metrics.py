@@ -27,7 +27,7 @@ from typing import Any
 import jax
 
 from shardplug.core.hlo import collectives
-from shardplug.core.memory import peak_bytes
+from shardplug.core.memory import entry_bytes, peak_bytes
 from shardplug.flops import step_flops
 
 #: dense bfloat16 peak TFLOP/s per device, by a substring of ``device.device_kind``
@@ -66,7 +66,10 @@ class StepFacts:
         sent = sum(c.wire_bytes for c in collectives(program.compiled.as_text()))
         analysis = program.compiled.memory_analysis()
         argument = getattr(analysis, "argument_size_in_bytes", None)
-        peak = None if analysis is None else peak_bytes(analysis, program.compiled.as_text())
+        text = program.compiled.as_text()
+        if argument is not None and not getattr(analysis, "host_argument_size_in_bytes", 0):
+            argument -= entry_bytes(text)["arguments"]["host"]  # the device's own (offload)
+        peak = None if analysis is None else peak_bytes(analysis, text)
         return cls(flops, program.model_flops, float(sent),
                    float(cost.get("bytes accessed", 0.0)) * scale, argument, peak)  # fmt: skip
 

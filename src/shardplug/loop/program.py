@@ -21,6 +21,7 @@ import jax
 from shardplug.core import memory, ops
 from shardplug.core.compose import implemented
 from shardplug.core.means import divides_by_data
+from shardplug.core.sharding import leaf_paths
 from shardplug.core.step import (
     key_impl,
     make_eval_step,
@@ -181,6 +182,9 @@ def _trace(step_for, abstract, batch_shardings, *, strategy, mesh, state_shardin
             list(map(with_sharding, run.leaves, flat_shardings)),
             jax.tree.map(with_sharding, abstract, batch_shardings),
         )
+        paths = leaf_paths(jax.tree.unflatten(treedef, flat_shardings))
+        memory.check_program(traced.jaxpr, flat_shardings, len(jax.tree.leaves(abstract)),
+                             f"strategy {strategy.name!r}", paths)  # fmt: skip
         return (traced.lower(), traced.jaxpr), seen
 
 
@@ -240,7 +244,7 @@ def step_maker(adapter: Any, loss_fn: Any, optimizer: Any, strategy: Any, mesh: 
     lives (its arrays in host memory brought to the devices inside the step)."""
     placed = state_shardings if memory.any_off(state_shardings) else None
     param_shardings = memory.on_device_shardings(state_shardings.params)
-    on_host = placed is not None and strategy.update_memory(state_shardings, mesh) == "host"
+    on_host = strategy.update_memory(state_shardings, mesh) == "host"
 
     def step_for(batch_shardings: Any) -> Callable:
         if not train:

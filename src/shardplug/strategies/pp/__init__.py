@@ -107,7 +107,7 @@ class PipelineParallel:
                     f"stage, not repeats={repeats}: leave pp.repeats out"
                 )
             repeats = written.repeats
-        if written is not None and repeats > 1 and not written.chunked:
+        if written is not None and repeats > 1 and not (written.chunked or written.repeats):
             raise StrategyOptionError(
                 f"pp option repeats={repeats} interleaves chunks of layers: use -o "
                 f"pp.schedule=interleaved-1f1b (or gpipe's circular schedule), not "
