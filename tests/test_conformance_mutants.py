@@ -72,6 +72,17 @@ MUTANTS = textwrap.dedent(
             return jax.tree.map(split, params)
 
 
+    class DropsKinds(Rows):
+        """Compiles its step with every state array in device memory: under offload it
+        would bring the state to the devices and back every step."""
+
+        @hookimpl
+        def compile_step(self, step_fn, state_shardings, batch_shardings):
+            kept = jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings)
+            return jax.jit(step_fn, in_shardings=(kept, batch_shardings),
+                           out_shardings=(kept, None), donate_argnums=0)  # fmt: skip
+
+
     class AutoOnly(Rows):
         """Stores parameters split and gathers them with with_sharding_constraint imported
         by name: on explicit axes that only asserts."""
@@ -90,7 +101,8 @@ MUTANTS = textwrap.dedent(
 @pytest.fixture
 def mutants(tmp_path, monkeypatch, fresh_registry):  # noqa: F811
     names = {"ascends": "Ascends", "duplicates": "Duplicates", "uneven": "Uneven", "rows": "Rows",
-             "auto-only": "AutoOnly", "leading": "Leading"}  # fmt: skip
+             "auto-only": "AutoOnly", "leading": "Leading",
+             "drops-kinds": "DropsKinds"}  # fmt: skip
     entry_points = {name: f"mutants:{cls}" for name, cls in names.items()}
     install(tmp_path, monkeypatch, "mutants", "0.1", entry_points, {"mutants": MUTANTS})
 
@@ -105,6 +117,7 @@ def test_the_plain_plugin_passes_every_check(mutants):
     rows.test_batch_is_split_not_duplicated()
     rows.test_uneven_shapes_still_train()
     rows.test_trains_like_one_device_on_explicit_axes()
+    rows.test_keeps_the_state_where_offload_places_it()
     suite("auto-only").test_trains_like_one_device("nnx", "mlp")  # on auto axes it is right
 
 
@@ -145,3 +158,17 @@ def test_a_hook_that_only_works_on_auto_axes_fails_explicit_axes(mutants):
 
     with pytest.raises(shardplug.PluginError, match=r"acts as an assert.*lay_out"):
         suite("auto-only").test_trains_like_one_device_on_explicit_axes()
+
+
+def test_a_step_program_that_drops_memory_kinds_fails_offload(mutants):
+    """It trains like one device without offload; with it, core refuses its program in one
+    line, which the conformance check surfaces."""
+    import shardplug
+
+    suite("drops-kinds").test_trains_like_one_device("nnx", "mlp")
+    with pytest.raises(
+        shardplug.PluginError,
+        match="compile_step's program takes the state's "
+        r"opt_state/\S+ in memory 'device'",
+    ):
+        suite("drops-kinds").test_keeps_the_state_where_offload_places_it()
