@@ -170,17 +170,23 @@ def peak_bytes(analysis: Any, hlo_text: str | None = None) -> int | None:
     return sizes[0] + sizes[1] - alias + sizes[2]
 
 
+def on_devices_only(axis: Any) -> None:
+    """Refuse host memory, in one line, inside a per-device program (``axis``, its batch
+    axis, set): it takes its state on the devices."""
+    if axis is not None:
+        raise ConfigError(
+            "a per-device program takes its state on the devices: it cannot keep arrays in "
+            "host memory; use a strategy the compiler lays out, or keep the state on the devices"
+        )
+
+
 def brought(state: Any, placed: Any, axis: Any, *fields: str) -> Any:
     """``state`` (a TrainState) with the arrays of ``fields`` that ``placed`` (its shardings)
     keeps off the devices brought to them (:func:`on_devices`); refused in a per-device
     program (``axis``, its batch axis, set)."""
     if placed is None or not any(any_off(getattr(placed, f)) for f in fields):
         return state
-    if axis is not None:
-        raise ConfigError(
-            "a per-device program takes its state on the devices: it cannot keep arrays in "
-            "host memory; use a strategy the compiler lays out, or keep the state on the devices"
-        )
+    on_devices_only(axis)
     return state._replace(**{f: on_devices(getattr(state, f), getattr(placed, f)) for f in fields})
 
 

@@ -269,30 +269,29 @@ def make_step(
             if manual_axes():  # per device: every device of every manual axis decides alike
                 finite = jax.lax.pmin(finite.astype(jnp.int32), manual_axes()).astype(bool)
             out[NONFINITE] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
-        if update_on_host:  # where the optimizer state lives: it never reaches the devices
-            if axis is not None:
-                memory.brought(given, placed, axis, "opt_state")  # refused in one line
-            keep = None
+
+        def keeping(verdict: Any) -> Any:  # a judged step's: new where finite, else old
+            return functools.partial(jax.tree.map, functools.partial(_keep_if_not, verdict))
+
+        labels = None if update_on_host else pieces(grads, given.opt_state, state.params)
+        if update_on_host or labels is not None:  # the optimizer state kept on the host
+            if update_on_host:  # updated there: it never reaches the devices
+                memory.on_devices_only(axis)
+                keep = None if finite is None else keeping(
+                    jax.device_put(finite, jax.memory.Space.Host))  # fmt: skip
+                params, opt_state = memory.update_on_host(optimizer, grads, state, given,
+                                                          placed, keep)  # fmt: skip
+            else:  # brought to the devices a parameter's at a time
+                params_off = jax.tree.map(memory.off_devices, placed.params)
+                params = jax.tree.map(lambda now, held, off: held if off else now, state.params,
+                                      given.params, params_off)  # fmt: skip
+                state_off = [memory.off_devices(s) for s in jax.tree.leaves(placed.opt_state)]
+                params, opt_state = memory.update_in_pieces(
+                    optimizer, grads, params, given.opt_state, labels,
+                    None if finite is None else keeping(finite), params_off, state_off,
+                )  # fmt: skip
             if finite is not None:
-                verdict = jax.device_put(finite, jax.memory.Space.Host)
-                keep = functools.partial(jax.tree.map, functools.partial(_keep_if_not, verdict))
-            params, opt_state = memory.update_on_host(optimizer, grads, state, given, placed, keep)
-            if finite is not None:
-                model_state = jax.tree.map(functools.partial(_keep_if_not, finite), model_state,
-                                           state.model_state)  # fmt: skip
-        elif (labels := pieces(grads, given.opt_state, state.params)) is not None:
-            keep = None if finite is None else functools.partial(
-                jax.tree.map, functools.partial(_keep_if_not, finite))  # fmt: skip
-            params_off = jax.tree.map(memory.off_devices, placed.params)
-            params = jax.tree.map(lambda now, held, off: held if off else now, state.params,
-                                  given.params, params_off)  # fmt: skip
-            state_off = [memory.off_devices(s) for s in jax.tree.leaves(placed.opt_state)]
-            params, opt_state = memory.update_in_pieces(
-                optimizer, grads, params, given.opt_state, labels, keep, params_off, state_off
-            )
-            if finite is not None:
-                model_state = jax.tree.map(functools.partial(_keep_if_not, finite), model_state,
-                                           state.model_state)  # fmt: skip
+                model_state = keeping(finite)(model_state, state.model_state)
         else:
             state = memory.brought(state, placed, axis, "opt_state")  # for the update alone
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
