@@ -20,7 +20,14 @@ from jax.sharding import NamedSharding
 from shardplug.core.compose import order
 from shardplug.core.facts import Explained, StepFacts
 from shardplug.core.hlo import collectives, gradient_parts, textbook_collectives
-from shardplug.core.memory import any_off, entry_bytes, leafwise, off_devices, peak_bytes
+from shardplug.core.memory import (
+    any_off,
+    entry_bytes,
+    host_values,
+    leafwise,
+    off_devices,
+    peak_bytes,
+)
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.core.step import PRECISIONS
 from shardplug.errors import ConfigError, PluginError
@@ -310,6 +317,12 @@ def explain(
             f"at most {size(brought)} per device at once: XLA:CPU keeps one memory and counts "
             f"no copy, so the peak above leaves it out; on a GPU the update holds it beside "
             f"the parameters and gradients (offload's update=host leaves it on the host)"
+        )
+    if device.platform == "cpu" and host_values(trainer.jaxpr):
+        notes.append(
+            "the step moves activations it saves for the backward pass to host memory "
+            "(--remat offload): XLA:CPU keeps one memory, so the temporaries above count "
+            "them; on a GPU the devices keep none of them between the passes"
         )
     peak = per_device["peak_bytes"]
     if from_backend and device_memory and peak and peak > device_memory:

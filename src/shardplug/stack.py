@@ -65,7 +65,8 @@ def scan(
         with ``per_layer``, also that layer's slice of it: ``fn(params[i], x, per_layer[i])``.
     :param params: a pytree of arrays with one leading layer dimension.
     :param remat: ``none`` keeps each block's activations for the backward pass, ``full``
-        recomputes them, ``dots`` keeps only the weight matrix products' outputs.
+        recomputes them, ``dots`` keeps only the weight matrix products' outputs,
+        ``offload`` recomputes them from the block's input, kept in host memory.
     :param per_layer: arrays with the same leading dimension that the blocks read but that
         are not trained (model state: a router's balancing bias).
     """

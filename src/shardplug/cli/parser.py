@@ -100,8 +100,9 @@ def _what(parser: Any) -> None:
         "--init-from checkpoint's)")  # fmt: skip
     add("--layers", type=_positive(int), default=None, metavar="N",
         help="the transformer's depth, as one layer stack (default 2)")  # fmt: skip
-    add("--remat", choices=("none", "dots", "full"), default=None,
-        help="what each transformer block recomputes in the backward pass (default "
+    add("--remat", choices=("none", "dots", "full", "offload"), default=None,
+        help="what each transformer block recomputes in the backward pass; offload "
+        "recomputes all of it from the block's input, kept in host memory (default "
         "none)")  # fmt: skip
     add("--experts", type=_positive(int), default=None, metavar="E",
         help="make each transformer MLP a routed mixture of E experts")  # fmt: skip

@@ -19,7 +19,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core.remat import saveable
+from shardplug.core.remat import named_input, saveable
 from shardplug.core.sharding import lay_out
 
 #: the name of a stacked parameter's layer where the step uses it (gathered at use)
@@ -71,6 +71,6 @@ def regathered(body: Callable, policy: str) -> Callable:
             return False
         if prim.name == "name" and params.get("name") == GATHERED:
             return False
-        return bool(keeps(prim, *avals, **params))
+        return keeps(prim, *avals, **params)  # a bool, or where ``offload`` moves it
 
-    return jax.checkpoint(body, policy=keep)
+    return jax.checkpoint(named_input(body, policy), policy=keep)

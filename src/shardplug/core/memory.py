@@ -275,6 +275,21 @@ def _depends(jaxpr: Any) -> list[frozenset[int]]:
     return [of(v) for v in jaxpr.outvars]
 
 
+def host_values(jaxpr: Any) -> list[Any]:
+    """The abstract values a traced program computes into host memory, in it and every
+    program nested in it (a loop's body once): what a remat policy that offloads moves (a
+    layer stack's inputs, stacked by its scan, and each layer's on its way)."""
+    host = jax.memory.Space.Host
+    found = []
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        found += [v.aval for v in eqn.outvars if getattr(v.aval, "memory_space", None) == host]
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple) else (value,):
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                    found += host_values(sub)
+    return found
+
+
 def update_in_pieces(
     optimizer: Any,
     grads: Any,

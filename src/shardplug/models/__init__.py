@@ -79,7 +79,7 @@ class ReferenceModel:
         """This model in ``framework`` (``nnx``, ``linen`` or ``equinox``), adapted.
 
         The transformer takes ``layers`` (its depth, default 2), ``remat`` (``none``,
-        ``dots`` or ``full``: what each block recomputes in the backward pass) and
+        ``dots``, ``full`` or ``offload``: what each block recomputes in the backward pass) and
         ``sequence`` (its length, default 32: the position table and the data).
         """
         check_adapter(framework)

@@ -104,6 +104,12 @@ def cut_at_stack(forward, model_state, params, batch, rng) -> StackCut:
             )
         first = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), sp)
         _, aux = jax.eval_shape(lambda w, h: split_aux(block(w, h)), first, x)
+        if _offloads(block, first, x):
+            raise Unscheduled(
+                "pp's 1F1B and zero-bubble schedules keep each stage's residuals in device "
+                "buffers, and this block moves them to host memory (--remat offload): use -o "
+                "pp.schedule=gpipe"
+            )
         seen.update(block=block, sp=sp, aux=aux, layers=layers)
         return _placeholder(x, aux, layers)
 
@@ -132,6 +138,16 @@ def cut_at_stack(forward, model_state, params, batch, rng) -> StackCut:
     view = [ids[id(w)] for w in given]
     return StackCut(runner(stacked), stacked, stack, other, seen["block"], view, tree,
                     seen["aux"], seen["layers"])  # fmt: skip
+
+
+def _offloads(block: Any, w: Any, x: Any) -> bool:
+    """Whether ``block`` keeps any residual for its backward pass in host memory."""
+
+    def residuals(w, h):
+        return jax.tree.leaves(jax.vjp(block, w, h)[1])
+
+    host = jax.memory.Space.Host
+    return any(a.memory_space == host for a in jax.make_jaxpr(residuals)(w, x).out_avals)
 
 
 class Chunk:
