@@ -21,9 +21,9 @@ def reference_trainer(
 
 
 def said(err: str) -> list[str]:
-    """What a command said on standard error besides a run's first line (the devices it
-    uses and why, said by every run)."""
+    """What a command said on standard error besides a run's first lines (the optimizer it
+    trains with, the devices it uses and why: said by every run)."""
     import re
 
-    first = re.compile(r"^shardplug: \S+ on \d+ \w+ devices?( in \d+ processes)? \(")
+    first = re.compile(r"^shardplug: (\S+ on \d+ \w+ devices?( in \d+ processes)? \(|optimizer )")
     return [line for line in err.splitlines() if line and not first.match(line)]

@@ -27,6 +27,7 @@ _EXPORTS = {
     "shardplug.core.means": ("Mean",),
     "shardplug.core.step": ("TrainState",),
     "shardplug.trainer": ("Trainer",),
+    "shardplug.optim": ("Optimizer",),
     "shardplug.task": ("Task", "load_task"),
     "shardplug.data": ("Batches",),
     "shardplug.export": ("export_checkpoint", "load_exported", "load_model"),

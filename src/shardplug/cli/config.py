@@ -16,19 +16,23 @@ from typing import Any, NamedTuple
 
 from shardplug.errors import CheckpointError, ConfigError, MeshError, StrategyOptionError
 
+#: the optimizer's knobs besides ``lr`` (:class:`shardplug.optim.Optimizer`'s fields)
+KNOBS = ("optimizer", "weight_decay", "momentum", "schedule", "warmup", "decay_steps", "end_lr",
+         "clip_norm")  # fmt: skip
 #: what only a reference model takes: a task brings its own
-MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", "experts", "top_k", "capacity_factor",
-              "capacity_groups", "bias_rate")  # fmt: skip
-PRETRAINED_TAKES = ("adapter", "remat", "lr")  # a pretrained model's options from the CLI
+MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", *KNOBS, "experts", "top_k",
+              "capacity_factor", "capacity_groups", "bias_rate")  # fmt: skip
+PRETRAINED_TAKES = ("adapter", "remat", "lr", *KNOBS)  # a pretrained model's, from the CLI
 SIZES = ("sequence", "batch_size")  # the reference model's, or a task function's that takes them
 #: taken from the checkpoint on --resume (a reference model's run; a task's keeps its --task)
 RESUMED = ("model", "adapter", "seed", "batch_size", "lr", "layers", "remat", "sequence",
-           "experts", "top_k", "capacity_factor", "capacity_groups", "bias_rate")  # fmt: skip
+           "experts", "top_k", "capacity_factor", "capacity_groups", "bias_rate",
+           *KNOBS)  # fmt: skip
 #: what shapes the model or its routing: on --resume a flag that disagrees is refused
 SHAPING = ("layers", "experts", "top_k", "capacity_factor", "capacity_groups", "bias_rate")
 #: a run --init-from a checkpoint's, taken from the checkpoint on --resume
 RESUMED_PRETRAINED = ("init_from", "adapter", "seed", "batch_size", "lr", "param_dtype",
-                      "sequence", "data", "tokenizer")  # fmt: skip
+                      "sequence", "data", "tokenizer", *KNOBS)  # fmt: skip
 DEFAULTS = {"model": "transformer", "adapter": "nnx", "seed": 0}
 
 
@@ -57,6 +61,14 @@ class RunConfig:
     bias_rate: float | None = None
     batch_size: int | None = None
     lr: float | None = None
+    optimizer: str | None = None
+    weight_decay: float | None = None
+    momentum: float | None = None
+    schedule: str | None = None
+    warmup: int | None = None
+    decay_steps: int | None = None
+    end_lr: float | None = None
+    clip_norm: float | None = None
     seed: int | None = None
     # how: the strategy and the devices
     strategy: str = "dp"
@@ -115,12 +127,30 @@ class RunConfig:
         """``--sequence`` and ``--batch-size`` as given, for a task function that takes them."""
         return {k: getattr(self, k) for k in SIZES if getattr(self, k) is not None}
 
+    def optim(self, lr: float | None = None) -> Any:
+        """The :class:`shardplug.optim.Optimizer` the flags name, the model's defaults where
+        they say nothing (a reference model's ``lr``); a decaying schedule ending at
+        ``--steps`` unless ``--decay-steps`` says otherwise."""
+        from shardplug.optim import Optimizer
+
+        pretrained = self.init_from is not None
+        schedule = self.schedule or "constant"
+        ends = self.decay_steps
+        if ends is None and schedule != "constant":
+            ends = self.steps or (self.warmup or 0) + 1  # explain plans: the state is alike
+        return Optimizer(
+            name=self.optimizer or ("adamw" if pretrained else "adam"),
+            lr=self.lr or lr or 1e-4, weight_decay=self.weight_decay, momentum=self.momentum,
+            schedule=schedule, warmup=self.warmup or 0, decay_steps=ends,
+            end_lr=self.end_lr or 0.0, clip_norm=self.clip_norm,
+        )  # fmt: skip
+
     def recorded(self) -> dict[str, Any]:
         """What a checkpoint keeps of this run, for ``--resume`` and ``export`` to read."""
         if self.task is not None:
             return {"task": self.task, "seed": self.seed}
         if self.init_from is not None:
-            return {
+            return {**_knobs(self.optim()),
                 "init_from": str(Path(self.init_from).resolve()), "adapter": self.adapter,
                 "seed": self.seed, "batch_size": self.batch_size, "lr": self.lr,
                 "param_dtype": self.param_dtype, "sequence": self.sequence, "data": self.data,
@@ -133,10 +163,17 @@ class RunConfig:
             "model": self.model, "adapter": self.adapter, "seed": self.seed,
             "batch_size": self.batch_size or model.batch_size,
             "lr": self.lr or model.learning_rate, **self.model_options(),
+            **_knobs(self.optim(model.learning_rate)),
         }  # fmt: skip
         if record.get("experts"):
             record.setdefault("top_k", 2)  # recorded, so that a resume can hold to it
         return record
+
+
+def _knobs(optim: Any) -> dict[str, Any]:
+    """An optimizer's knobs as a checkpoint records them (its ``lr`` apart)."""
+    recorded = optim.recorded()
+    return {"optimizer": recorded.pop("name"), **{k: recorded[k] for k in KNOBS[1:]}}
 
 
 def check_what(config: RunConfig) -> None:
@@ -153,6 +190,8 @@ def check_what(config: RunConfig) -> None:
             "--data text:... fine-tunes a pretrained checkpoint on your text: give "
             "--init-from DIR (a --task brings its own data)"
         )
+    if config.task is None:
+        config.optim()  # a knob that is not one, or knobs that do not go together: one line
     if init_from is not None:
         if config.task is not None:
             raise ConfigError("--init-from and --task both say what to train: give one")
@@ -254,7 +293,16 @@ def resumed(config: RunConfig, saved: Mapping[str, Any]) -> RunConfig:
 
 
 def _filled(config: RunConfig, values: Mapping[str, Any], saved: Mapping[str, Any]) -> RunConfig:
-    """``config`` with ``values`` where it says nothing, then checked."""
+    """``config`` with ``values`` where it says nothing, then checked (an optimizer's knob
+    that disagrees with the checkpoint's refused: a resumed run continues its optimizer)."""
+    for name in KNOBS:
+        given, was = getattr(config, name), saved.get(name)
+        if was is not None and given is not None and given != was:
+            raise ConfigError(
+                f"{_flag(name)} {given}: the run in {config.checkpoint_dir} was trained with "
+                f"{name.replace('_', ' ')} {was}, and a resumed run continues its optimizer "
+                f"and schedule: drop {_flag(name)}, or train anew in another --checkpoint-dir"
+            )
     config = dataclasses.replace(
         config, **{k: v for k, v in values.items() if getattr(config, k) is None}
     )
@@ -331,10 +379,12 @@ def axis_names(pairs: Sequence[str]) -> dict[str, str]:
 
 
 class What(NamedTuple):
-    """What a run trains: the task, and the pretrained checkpoint it was made of (if one)."""
+    """What a run trains: the task, the pretrained checkpoint it was made of (if one), and
+    the optimizer the flags made (a task's own: None)."""
 
     task: Any
     pretrained: Any = None
+    optimizer: Any = None
 
 
 def task_of(config: RunConfig, sequence: int | None = None,
@@ -355,19 +405,22 @@ def task_of(config: RunConfig, sequence: int | None = None,
         from shardplug import pretrained
 
         loaded = pretrained.load(config.init_from, dtype=config.param_dtype)
+        optim = config.optim()
         return What(loaded.task(
             config.adapter or DEFAULTS["adapter"], batch_size=config.batch_size,
-            seed=config.seed or 0, sequence=config.sequence, learning_rate=config.lr,
+            seed=config.seed or 0, sequence=config.sequence, optimizer=optim.build(),
             remat=config.remat or "none", tokenizer=config.tokenizer,
             text=config.data.removeprefix("text:") if config.data else None,
-        ), loaded)  # fmt: skip
+        ), loaded, optim)  # fmt: skip
     from shardplug.models import get_model
 
     options = {**config.model_options(), **sizes}
-    return What(get_model(config.model or DEFAULTS["model"]).task(
-        config.adapter or DEFAULTS["adapter"], seed=config.seed or 0, learning_rate=config.lr,
+    model = get_model(config.model or DEFAULTS["model"])
+    optim = config.optim(model.learning_rate)
+    return What(model.task(
+        config.adapter or DEFAULTS["adapter"], seed=config.seed or 0, optimizer=optim.build(),
         **options,
-    ))  # fmt: skip
+    ), None, optim)  # fmt: skip
 
 
 def trainer_for(config: RunConfig, task: Any, strategy: Any, *, allocate: bool = True) -> Any:

@@ -163,13 +163,38 @@ def _how(parser: Any, speed: Any, strategy: bool = True) -> None:
     )  # fmt: skip
 
 
+def _optimizer(parser: Any) -> None:
+    """The optimizer's flags (a reference model's or a pretrained checkpoint's run; a task
+    brings its own): see :class:`shardplug.optim.Optimizer`."""
+    group = parser.add_argument_group("optimizer (a --task brings its own)")
+    add = group.add_argument
+    add("--optimizer", choices=("adam", "adamw", "sgd"), default=None,
+        help="default: adam for a reference model, adamw for --init-from")  # fmt: skip
+    add("--lr", type=_positive(float), default=None,
+        help="the peak learning rate (default: the model's; 1e-4 for --init-from)")  # fmt: skip
+    add("--weight-decay", type=float, default=None, metavar="W",
+        help="adamw's decoupled weight decay, on every parameter (default 1e-4)")  # fmt: skip
+    add("--momentum", type=float, default=None, metavar="M", help="sgd's momentum (default none)")
+    add("--schedule", choices=("constant", "cosine", "linear", "wsd"), default=None,
+        help="after --warmup, the learning rate stays, falls along a cosine or a line to "
+        "--end-lr at --decay-steps, or stays and falls over the last 20%% of them "
+        "(warmup-stable-decay) (default constant)")  # fmt: skip
+    add("--warmup", type=int, default=None, metavar="STEPS",
+        help="steps of linear warmup from 0 (default 0)")  # fmt: skip
+    add("--decay-steps", type=_positive(int), default=None, metavar="STEPS",
+        help="where a decaying --schedule ends (default --steps)")  # fmt: skip
+    add("--end-lr", type=float, default=None, metavar="LR",
+        help="where a decaying --schedule ends (default 0)")  # fmt: skip
+    add("--clip-norm", type=float, default=None, metavar="C",
+        help="clip each step's gradient to this global norm")  # fmt: skip
+
+
 def _train(parser: Any, speed: Any) -> None:
     """The training loop's flags: its length, outputs, profile, checkpoints, processes."""
     add = parser.add_argument
     add("--steps", type=_positive(int), default=100,
         help="train to this step; with --resume, counting the steps already taken "
         "(default 100)")  # fmt: skip
-    add("--lr", type=_positive(float), default=None, help="Adam learning rate")
     add("--log-every", type=_positive(int), default=10)
     add("--skip-memory-check", action="store_true",
         help="start even when the compiled step's peak is more than the devices (or, for "
@@ -252,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     speed = train.add_argument_group("speed")
     _what(train)
+    _optimizer(train)
     _how(train, speed)
     _train(train, speed)
 
@@ -275,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the collectives per step next to the textbook figures, and pictures of the layout.",
     )
     _what(explain)
+    _optimizer(explain)
     _how(explain, explain)
     _output(explain, "PNG picture", "the device's memory, e.g. 80GB, to compare the peak against")
     explain.add_argument("--param", default=None, help="parameter to picture (default: largest)")
@@ -289,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
         "fit, one that moves only parameters and gradients, then the fewest bytes sent.",
     )
     _what(recommend)
+    _optimizer(recommend)
     _how(recommend, recommend, strategy=False)  # it compares the strategies itself
     _output(recommend, None, "each device's memory, e.g. 80GB or 512MiB (default: what a "
             "GPU's backend gives this process; needed on CPUs)")  # fmt: skip
@@ -308,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
         "time, median step, throughput, peak memory, and the ratio shardplug / hand-written.",
     )
     _what(bench)
+    _optimizer(bench)
     _output(bench, "PNG of the bars")
     bench.add_argument("--strategies", default="dp,fsdp,2d,pmap",
                        help="comma-separated strategies or compositions with a hand-written "

@@ -4,6 +4,7 @@ a strategy chosen by name."""
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -28,6 +29,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     quiet_orbax()
     what = task_of(config)  # after the devices: a task file may use JAX as it is imported
     task = what.task
+    from shardplug.distributed import is_primary
+
+    primary = is_primary()  # process 0 alone writes metrics, progress and the summary
     if config.eval_every is not None and task.eval_data is None:
         raise ConfigError(f"--eval-every: task {task.name} has no eval_data to evaluate on")
     trainer = trainer_for(config, task, strategy, allocate=False)
@@ -36,9 +40,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer.allocate()
     if what.pretrained is not None and what.pretrained.tensors is not None:
         _said_read(config, what.pretrained.tensors, trainer, time.perf_counter() - began)
-    from shardplug.distributed import is_primary
-
-    primary = is_primary()  # process 0 alone writes metrics, progress and the summary
     start = trainer.restore() if config.resume else 0
     if start >= config.steps:
         if primary:
@@ -46,6 +47,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                   f"{config.steps}")  # fmt: skip
         return 0
     _check_profile(config, start)
+    if what.optimizer is not None and primary:  # the run's first lines: what it trains with
+        print(f"shardplug: optimizer {what.optimizer.describe()}", file=sys.stderr)
     with logged(config, start, primary) as log:
         evaluation = {}
         if config.eval_every is not None:

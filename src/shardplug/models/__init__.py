@@ -107,11 +107,13 @@ class ReferenceModel:
         batch_size: int | None = None,
         seed: int = 0,
         learning_rate: float | None = None,
+        optimizer: Any = None,
         **options: Any,
     ) -> Any:
-        """This model as a :class:`shardplug.Task`: Adam, and its synthetic data through Grain
-        (:class:`shardplug.data.Batches`, the same batches as :attr:`batches`), with four
-        held-out batches of another seed."""
+        """This model as a :class:`shardplug.Task`: Adam at ``learning_rate`` (or
+        ``optimizer``, an optax transformation: :meth:`shardplug.Optimizer.build`), and its
+        synthetic data through Grain (:class:`shardplug.data.Batches`, the same batches as
+        :attr:`batches`), with four held-out batches of another seed."""
         from shardplug.data import Batches
         from shardplug.task import Task
 
@@ -123,7 +125,7 @@ class ReferenceModel:
         return Task(
             adapter=self.adapter(framework, **options),
             loss_fn=self.loss_fn,
-            optimizer=optax.adam(learning_rate or self.learning_rate),
+            optimizer=optimizer or optax.adam(learning_rate or self.learning_rate),
             data=Batches(
                 synthetic.records(kind, size, seed, **length),
                 size,

@@ -160,8 +160,10 @@ class Pretrained:
     def task(self, framework: str = "nnx", *, batch_size: int | None = None,
              sequence: int | None = None, seed: int = 0, learning_rate: float | None = None,
              remat: str = "none", text: str | None = None,
-             tokenizer: str | pathlib.Path | None = None) -> Any:  # fmt: skip
-        """Fine-tuning as a :class:`shardplug.Task` (AdamW at 1e-4 unless given).
+             tokenizer: str | pathlib.Path | None = None,
+             optimizer: Any = None) -> Any:  # fmt: skip
+        """Fine-tuning as a :class:`shardplug.Task` (AdamW at ``learning_rate``, 1e-4 unless
+        given; or ``optimizer``, an optax transformation: :meth:`shardplug.Optimizer.build`).
 
         With ``text`` (a file, directory or glob: see :mod:`shardplug.pretrained.text`), on
         that text, tokenized by ``tokenizer`` (a directory with ``tokenizer.json``; by default
@@ -204,7 +206,7 @@ class Pretrained:
         return Task(
             adapter=self.adapter(framework, remat=remat),
             loss_fn=self.loss_fn,
-            optimizer=optax.adamw(learning_rate or 1e-4),
+            optimizer=optimizer or optax.adamw(learning_rate or 1e-4),
             data=data,
             name=f"{c.family}:{self.directory.name}",
             flops_per_sample=shape.flops_per_token()["total"] * model_reads,
