@@ -28,6 +28,7 @@ _EXPORTS = {
     "shardplug.core.step": ("TrainState",),
     "shardplug.trainer": ("Trainer",),
     "shardplug.optim": ("Optimizer",),
+    "shardplug.lora": ("LoraAdapter", "with_lora"),
     "shardplug.task": ("Task", "load_task"),
     "shardplug.data": ("Batches",),
     "shardplug.export": ("export_checkpoint", "load_exported", "load_model"),

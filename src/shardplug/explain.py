@@ -252,6 +252,10 @@ def explain(
     analysis = trainer.compiled.memory_analysis()
     hlo_text = trainer.compiled.as_text()
     params_bytes = _tree_bytes(state.params, shardings.params)
+    trains = trainer.adapter.trainable(state.params)  # None: every parameter
+    trains = [True] * len(flat_params) if trains is None else jax.tree.leaves(trains)
+    trained = [p for p, t in zip(flat_params, trains, strict=True) if t]
+    trained_shardings = [s for s, t in zip(flat_shardings, trains, strict=True) if t]
     device = mesh.devices.flat[0]
     from_backend = device_memory is None
     if from_backend:
@@ -259,8 +263,9 @@ def explain(
     per_device = {
         "params_bytes": params_bytes,
         "opt_state_bytes": _tree_bytes(state.opt_state, shardings.opt_state),
-        # the reduced gradient, as the strategy leaves it: laid out like the parameters
-        "grads_bytes": params_bytes,
+        # the reduced gradient, as the strategy leaves it: laid out like the parameters (the
+        # trained ones: a frozen parameter has none)
+        "grads_bytes": _tree_bytes(trained, trained_shardings),
         "model_state_bytes": _tree_bytes(state.model_state, shardings.model_state),
         "batch_bytes": _tree_bytes(jax.tree.map(global_struct, batch), trainer.batch_shardings),
         "temp_bytes": getattr(analysis, "temp_size_in_bytes", None),
@@ -333,7 +338,7 @@ def explain(
         notes.append(note)
     shards = [p.bytes_per_device for p in params]
     parts = _gradient_parts(hlo_text, flat_params, used, mesh, batch_axes)
-    counts = [1] * len(params)
+    counts = [1 if t else 0 for t in trains]  # a frozen parameter's gradient: none
     for group in parts:  # of parameters alike, which one is shared cannot be seen: the first
         counts[group["params"][0]] += group["parts"] - len(group["params"])
         group["params"] = [paths[i] for i in group["params"]]

@@ -12,3 +12,11 @@ def size(n: float | None) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{int(n)} B"
+
+
+def count(n: float) -> str:
+    """``41943040`` as ``41.9M`` (powers of 1000), ``8030261248`` as ``8.03B``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{int(n)}"

@@ -19,6 +19,8 @@ from shardplug.errors import CheckpointError, ConfigError, MeshError, StrategyOp
 #: the optimizer's knobs besides ``lr`` (:class:`shardplug.optim.Optimizer`'s fields)
 KNOBS = ("optimizer", "weight_decay", "momentum", "schedule", "warmup", "decay_steps", "end_lr",
          "clip_norm")  # fmt: skip
+#: the adapters' flags: any run may take them, a resumed run keeps them
+LORA = ("lora", "lora_alpha", "lora_targets")
 #: what only a reference model takes: a task brings its own
 MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", *KNOBS, "experts", "top_k",
               "capacity_factor", "capacity_groups", "bias_rate")  # fmt: skip
@@ -27,12 +29,12 @@ SIZES = ("sequence", "batch_size")  # the reference model's, or a task function'
 #: taken from the checkpoint on --resume (a reference model's run; a task's keeps its --task)
 RESUMED = ("model", "adapter", "seed", "batch_size", "lr", "layers", "remat", "sequence",
            "experts", "top_k", "capacity_factor", "capacity_groups", "bias_rate",
-           *KNOBS)  # fmt: skip
+           *KNOBS, *LORA)  # fmt: skip
 #: what shapes the model or its routing: on --resume a flag that disagrees is refused
 SHAPING = ("layers", "experts", "top_k", "capacity_factor", "capacity_groups", "bias_rate")
 #: a run --init-from a checkpoint's, taken from the checkpoint on --resume
 RESUMED_PRETRAINED = ("init_from", "adapter", "seed", "batch_size", "lr", "param_dtype",
-                      "sequence", "data", "tokenizer", *KNOBS)  # fmt: skip
+                      "sequence", "data", "tokenizer", *KNOBS, *LORA)  # fmt: skip
 DEFAULTS = {"model": "transformer", "adapter": "nnx", "seed": 0}
 
 
@@ -69,6 +71,9 @@ class RunConfig:
     decay_steps: int | None = None
     end_lr: float | None = None
     clip_norm: float | None = None
+    lora: int | None = None
+    lora_alpha: float | None = None
+    lora_targets: str | None = None
     seed: int | None = None
     # how: the strategy and the devices
     strategy: str = "dp"
@@ -147,10 +152,11 @@ class RunConfig:
 
     def recorded(self) -> dict[str, Any]:
         """What a checkpoint keeps of this run, for ``--resume`` and ``export`` to read."""
+        adapters = {k: getattr(self, k) for k in LORA if getattr(self, k) is not None}
         if self.task is not None:
-            return {"task": self.task, "seed": self.seed}
+            return {"task": self.task, "seed": self.seed, **adapters}
         if self.init_from is not None:
-            return {**_knobs(self.optim()),
+            return {**_knobs(self.optim()), **adapters,
                 "init_from": str(Path(self.init_from).resolve()), "adapter": self.adapter,
                 "seed": self.seed, "batch_size": self.batch_size, "lr": self.lr,
                 "param_dtype": self.param_dtype, "sequence": self.sequence, "data": self.data,
@@ -163,7 +169,7 @@ class RunConfig:
             "model": self.model, "adapter": self.adapter, "seed": self.seed,
             "batch_size": self.batch_size or model.batch_size,
             "lr": self.lr or model.learning_rate, **self.model_options(),
-            **_knobs(self.optim(model.learning_rate)),
+            **_knobs(self.optim(model.learning_rate)), **adapters,
         }  # fmt: skip
         if record.get("experts"):
             record.setdefault("top_k", 2)  # recorded, so that a resume can hold to it
@@ -190,6 +196,10 @@ def check_what(config: RunConfig) -> None:
             "--data text:... fine-tunes a pretrained checkpoint on your text: give "
             "--init-from DIR (a --task brings its own data)"
         )
+    if config.lora is None:
+        for name in LORA[1:]:
+            if getattr(config, name) is not None:
+                raise ConfigError(f"{_flag(name)} shapes the adapters: give --lora RANK too")
     if config.task is None:
         config.optim()  # a knob that is not one, or knobs that do not go together: one line
     if init_from is not None:
@@ -269,7 +279,8 @@ def resumed(config: RunConfig, saved: Mapping[str, Any]) -> RunConfig:
             task = "shardplug.builtin_tasks:" + task.removeprefix("shardplug.tasks:")
         config = dataclasses.replace(config, task=task)
     if config.task is not None or config.init_from is not None:
-        return _filled(config, {"seed": saved.get("seed", DEFAULTS["seed"])}, saved)
+        kept = {k: saved.get(k) for k in LORA}
+        return _filled(config, {"seed": saved.get("seed", DEFAULTS["seed"]), **kept}, saved)
     was_run = saved.get("model") or (saved.get("task") and f"task {saved['task']}")
     if was_run and config.model is not None and config.model != saved.get("model"):
         raise ConfigError(
@@ -295,7 +306,7 @@ def resumed(config: RunConfig, saved: Mapping[str, Any]) -> RunConfig:
 def _filled(config: RunConfig, values: Mapping[str, Any], saved: Mapping[str, Any]) -> RunConfig:
     """``config`` with ``values`` where it says nothing, then checked (an optimizer's knob
     that disagrees with the checkpoint's refused: a resumed run continues its optimizer)."""
-    for name in KNOBS:
+    for name in (*KNOBS, *LORA):
         given, was = getattr(config, name), saved.get(name)
         if was is not None and given is not None and given != was:
             raise ConfigError(
@@ -397,6 +408,17 @@ def task_of(config: RunConfig, sequence: int | None = None,
     if sequence is not None:
         sizes = {"sequence": sequence, "batch_size": batch_size or config.batch_size}
         sizes = {k: v for k, v in sizes.items() if v is not None}
+    what = _what(config, sizes)
+    if config.lora is None:
+        return what
+    from shardplug.lora import with_lora
+
+    made = with_lora(what.task, config.lora, alpha=config.lora_alpha, targets=config.lora_targets)
+    return what._replace(task=made)
+
+
+def _what(config: RunConfig, sizes: dict[str, Any]) -> What:
+    """The run's task before any adapters (:func:`task_of`)."""
     if config.task is not None:
         from shardplug.task import load_task
 

@@ -189,6 +189,20 @@ def _optimizer(parser: Any) -> None:
         help="clip each step's gradient to this global norm")  # fmt: skip
 
 
+def _lora(parser: Any) -> None:
+    """Low-rank adapters on the frozen model (:mod:`shardplug.lora`)."""
+    group = parser.add_argument_group("adapters (LoRA)")
+    add = group.add_argument
+    add("--lora", type=_positive(int), default=None, metavar="RANK",
+        help="train low-rank adapters of this rank on the frozen model, not the model "
+        "itself")  # fmt: skip
+    add("--lora-alpha", type=_positive(float), default=None, metavar="A",
+        help="the adapters' scale is A / RANK (default A = RANK)")  # fmt: skip
+    add("--lora-targets", default=None, metavar="REGEX",
+        help="the weights with adapters: a pattern searched in each parameter's path "
+        "(default: every matrix but embeddings, positions, the output head and norms)")  # fmt: skip
+
+
 def _train(parser: Any, speed: Any) -> None:
     """The training loop's flags: its length, outputs, profile, checkpoints, processes."""
     add = parser.add_argument
@@ -278,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     speed = train.add_argument_group("speed")
     _what(train)
     _optimizer(train)
+    _lora(train)
     _how(train, speed)
     _train(train, speed)
 
@@ -302,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _what(explain)
     _optimizer(explain)
+    _lora(explain)
     _how(explain, explain)
     _output(explain, "PNG picture", "the device's memory, e.g. 80GB, to compare the peak against")
     explain.add_argument("--param", default=None, help="parameter to picture (default: largest)")
@@ -317,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _what(recommend)
     _optimizer(recommend)
+    _lora(recommend)
     _how(recommend, recommend, strategy=False)  # it compares the strategies itself
     _output(recommend, None, "each device's memory, e.g. 80GB or 512MiB (default: what a "
             "GPU's backend gives this process; needed on CPUs)")  # fmt: skip
@@ -337,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _what(bench)
     _optimizer(bench)
+    _lora(bench)
     _output(bench, "PNG of the bars")
     bench.add_argument("--strategies", default="dp,fsdp,2d,pmap",
                        help="comma-separated strategies or compositions with a hand-written "
@@ -356,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="npz, or hf: config.json and model.safetensors in the pretrained "
                         "family's names and shapes (a run started --init-from; loadable by "
                         "Hugging Face transformers)")  # fmt: skip
+    export.add_argument("--merge", action="store_true",
+                        help="with --format hf, for a run that trained --lora adapters: write "
+                        "them merged into the base's weights")  # fmt: skip
     export.add_argument("--init-from", default=None, metavar="DIR",
                         help="with --format hf: the checkpoint the run started from (default: "
                         "the one it recorded)")  # fmt: skip

@@ -93,6 +93,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.format == "hf":
         return _export_hf(args)
+    if args.merge:
+        raise ConfigError(
+            "--merge writes a LoRA run merged, in its family's format: add --format hf"
+        )
     task = load_task(args.task) if args.task is not None else None  # a bad one: nothing written
     path = export_checkpoint(args.checkpoint_dir, args.out, step=args.step)
     arrays, info = load_exported(path)
@@ -116,7 +120,7 @@ def _export_hf(args: argparse.Namespace) -> int:
     if args.task is not None:
         raise ConfigError("--format hf writes a pretrained family's checkpoint: drop --task")
     step, config = pretrained.export_checkpoint(
-        args.checkpoint_dir, args.out, init_from=args.init_from, step=args.step
+        args.checkpoint_dir, args.out, init_from=args.init_from, step=args.step, merge=args.merge
     )
     print(f"shardplug: exported step {step} of {args.checkpoint_dir} as a {config.family} "
           f"checkpoint to {args.out}")  # fmt: skip

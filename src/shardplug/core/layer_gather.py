@@ -41,6 +41,15 @@ def layer_specs(specs: dict[int, P]) -> Iterator[None]:
         _LAYER_SPECS.reset(token)
 
 
+def follow(old: Any, new: Any) -> None:
+    """``new`` stands where ``old`` stood (a weight made from a stacked parameter, as LoRA's
+    merge makes one): inside the current :func:`layer_specs`, gather it a layer at a time as
+    ``old`` would have been."""
+    specs = _LAYER_SPECS.get()
+    if specs is not None and id(old) in specs:
+        specs[id(new)] = specs[id(old)]  # this context's own dict: a layer_specs copy
+
+
 def layer_gather(params: Any) -> Callable[[Any], Any] | None:
     """A function constraining one layer's slice of ``params`` where the step uses it; None
     where no parameter of the stack is gathered by layer."""

@@ -45,8 +45,20 @@ def _batch_split(batch_shardings: Any) -> tuple[tuple[str, ...], Any]:
     return (found.pop() if found else ()), split
 
 
-def per_shard_grads(grad_fn, strategy, mesh, state, batch, rng, param_shardings, batch_shardings):
-    """Under ``jax.jit``: each batch shard's gradient, encoded, then summed across shards.
+def rows_only(batch_shardings: Any) -> bool:
+    """Whether the batch is split along its leading dimension alone, over one set of axes
+    (what :func:`per_shard_grads` needs)."""
+    try:
+        axes, _ = _batch_split(batch_shardings)
+    except ConfigError:
+        return False
+    return bool(axes)
+
+
+def per_shard_grads(grad_fn, strategy, mesh, state, batch, rng, param_shardings, batch_shardings,
+                    encodes=True):  # fmt: skip
+    """Under ``jax.jit``: each batch shard's gradient, encoded (where ``encodes``: the
+    strategy's ``encode_grads``), then summed across shards.
 
     The batch's leading dimension (split over the axes A) is reshaped to ``(shards, rows)``
     and the step is vmapped over the shards, so each device computes the gradient of its own
@@ -74,8 +86,11 @@ def per_shard_grads(grad_fn, strategy, mesh, state, batch, rng, param_shardings,
         if means.weighted(metrics):  # the shards' parts are averaged below
             loss, metrics, grads = means.reweigh(loss, metrics, grads, SHARD_AXIS)
         else:
-            means.part_means("each batch shard's rows, encode_grads")
-        return (loss, (metrics, state)), strategy.encode_grads(grads, mesh)
+            means.part_means(
+                "each batch shard's rows, "
+                + ("encode_grads" if encodes else "a gradient summed per shard")
+            )
+        return (loss, (metrics, state)), strategy.encode_grads(grads, mesh) if encodes else grads
 
     with per_device_program(SHARD_AXIS):
         (loss, (metrics, model_state)), encoded = jax.vmap(

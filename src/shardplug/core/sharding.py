@@ -219,10 +219,13 @@ def optimizer_shardings(
     optax's own knowledge of which state leaves are per-parameter, so it holds for any optax
     transformation, chained ones included.
     """
+    masked = optax.transforms.MaskedNode  # a masked-out parameter's place: no state
+
     return optax.tree_utils.tree_map_params(
         optimizer,
-        lambda _, sharding: sharding,
+        lambda state, sharding: state if isinstance(state, masked) else sharding,
         jax.eval_shape(optimizer.init, abstract_params),
         param_shardings,
         transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, masked),
     )

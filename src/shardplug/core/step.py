@@ -21,7 +21,7 @@ from shardplug.core import means, memory
 from shardplug.core.context import batch_axis_name, computing_in, manual_axes
 from shardplug.core.layer_gather import layer_specs
 from shardplug.core.registry import Strategy
-from shardplug.core.shard_grads import per_shard_grads
+from shardplug.core.shard_grads import per_shard_grads, rows_only
 from shardplug.core.sharding import lay_out
 from shardplug.errors import ConfigError
 
@@ -191,6 +191,11 @@ def make_step(
     """
     extras = loss_extras(loss_fn)
     encodes = strategy.encodes_grads
+    # LoRA's merged weights: each shard's gradient contracted to the factors before the sum
+    per_shard = encodes or (
+        getattr(adapter, "reduce_per_shard", False) and batch_shardings is not None
+        and rows_only(batch_shardings)
+    )  # fmt: skip
     compute = _compute_dtype(precision)
 
     # The model state is an argument, not a closure: frameworks that update it in place
@@ -234,7 +239,7 @@ def make_step(
         rng = step_key(state)
         axis = batch_axis_name()  # set inside a per-device program
         given, state = state, memory.brought(state, placed, axis, "params", "model_state")
-        plain = axis is None and not encodes  # under jit, the compiler places the reduction
+        plain = axis is None and not per_shard  # under jit, the compiler places the reduction
         grad_fn = _accumulate(value_and_grad, grad_accum, batch_shardings if plain else None)
         owned = strategy.compute_grads(
             loss_and_grad=value_and_grad, params=state.params, model_state=state.model_state,
@@ -245,10 +250,19 @@ def make_step(
             (loss, (metrics, model_state)), grads = owned
             if encodes:
                 grads = strategy.encode_grads(grads, mesh)
-        elif encodes and axis is None:  # under jit: each shard's gradient, explicitly
-            loss, metrics, model_state, grads = per_shard_grads(
-                grad_fn, strategy, mesh, state, batch, rng, param_shardings, batch_shardings
-            )
+        elif per_shard and axis is None:  # under jit: each shard's gradient, explicitly
+            try:
+                loss, metrics, model_state, grads = per_shard_grads(
+                    grad_fn, strategy, mesh, state, batch, rng, param_shardings,
+                    batch_shardings, encodes,
+                )  # fmt: skip
+            except NotImplementedError:  # an op JAX cannot vmap (ragged_dot's groups)
+                if encodes:
+                    raise
+                grad_fn = _accumulate(value_and_grad, grad_accum, batch_shardings)
+                (loss, (metrics, model_state)), grads = grad_fn(
+                    state.params, state.model_state, batch, rng
+                )
         else:
             (loss, (metrics, model_state)), grads = grad_fn(
                 state.params, state.model_state, batch, rng

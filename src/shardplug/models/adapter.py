@@ -46,6 +46,17 @@ class Adapter(abc.ABC):
     #: own annotations.
     rules: Rules | None = None
 
+    #: sum the gradient across the batch's shards after each shard's is complete (the step's
+    #: per-shard path, :func:`shardplug.core.shard_grads.per_shard_grads`): for a model that
+    #: runs on weights made from smaller trained ones (LoRA's merged adapters), whose
+    #: gradient the compiler would otherwise sum across devices at the weights' full size.
+    reduce_per_shard: bool = False
+
+    def trainable(self, params: Any) -> Any | None:
+        """Which parameters train: a tree of bools like ``params`` (a frozen one gets no
+        gradient and no optimizer state: see :mod:`shardplug.lora`), or None for all."""
+        return None
+
     @abc.abstractmethod
     def init(self, rng: jax.Array) -> tuple[Any, Any]:
         """Build ``(params, state)`` from a PRNG key; must be traceable."""

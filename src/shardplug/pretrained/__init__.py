@@ -297,13 +297,15 @@ def export(params: Any, pretrained: Pretrained | DecoderConfig, directory: str |
 
 def export_checkpoint(checkpoint_dir: str | pathlib.Path, directory: str | pathlib.Path, *,
                       init_from: str | pathlib.Path | None = None, step: int | None = None,
-                      dtype: Any = None) -> tuple[int, DecoderConfig]:  # fmt: skip
+                      dtype: Any = None,
+                      merge: bool = False) -> tuple[int, DecoderConfig]:  # fmt: skip
     """Write a training checkpoint's parameters (``shardplug train --init-from``'s) as a
     checkpoint of the family its run started from (``init_from``, by default the one the run
     recorded). The training checkpoint is read one parameter at a time (the optimizer's
     state not at all), so the host holds at most one parameter, all its layers, whole (or
-    the few a fused tensor holds, such as Phi-3's q, k and v). Returns the step written and
-    the family's config."""
+    the few a fused tensor holds, such as Phi-3's q, k and v). A run that trained low-rank
+    adapters (``--lora``) is written with them merged into its weights (``merge``, which it
+    needs). Returns the step written and the family's config."""
     from shardplug.checkpoint import Checkpoints
 
     checkpoints = Checkpoints(checkpoint_dir, read_only=True)
@@ -315,26 +317,56 @@ def export_checkpoint(checkpoint_dir: str | pathlib.Path, directory: str | pathl
             "give --init-from DIR, the checkpoint whose config it has"
         )
     config = read_config(init_from)
-    stored = {_canonical(n.removeprefix("params/")): _Stored(checkpoints, step, n, meta)
-              for n in meta["arrays"] if n.startswith("params/")}  # fmt: skip
+    run = meta.get("config", {})
+    if run.get("lora") and not merge:
+        raise ConfigError(
+            f"{checkpoint_dir}: the run trained low-rank adapters (--lora {run['lora']}): give "
+            "--merge to write them merged into the base's weights"
+        )
+    if merge and not run.get("lora"):
+        raise ConfigError(f"--merge: {checkpoint_dir}'s run trained no adapters (no --lora)")
+    if merge:
+        stored = _merged(checkpoints, step, meta, run.get("lora_alpha") or run["lora"], run["lora"])
+    else:
+        stored = {_canonical(n.removeprefix("params/")): _Stored(checkpoints, step, n, meta)
+                  for n in meta["arrays"] if n.startswith("params/")}  # fmt: skip
     for name, lazy in stored.items():
         lazy.uses = len(pieces(config, name)) if name in tensors(config) else 0
     _write(stored, config, directory, dtype, lambda array: array)
     return step, config
 
 
+def _merged(checkpoints: Any, step: int, meta: dict[str, Any], alpha: float,
+            rank: int) -> dict[str, Any]:  # fmt: skip
+    """A LoRA run's base parameters, each target's adapters merged in as it is read."""
+    names = [n for n in meta["arrays"] if n.startswith("params/base/")]
+    out: dict[str, Any] = {}
+    for name in names:
+        path = name.removeprefix("params/base/")
+        key = "params/lora/" + path.replace("/", ".")
+        factors = (key + "/l", key + "/r") if key + "/l" in meta["arrays"] else None
+        out[_canonical(path)] = _Stored(checkpoints, step, name, meta, factors, alpha / rank)
+    return out
+
+
 class _Stored:
     """One parameter of a training checkpoint, read when its first piece is asked for and
     let go after its last."""
 
-    def __init__(self, checkpoints: Any, step: int, name: str, meta: dict[str, Any]):
+    def __init__(self, checkpoints: Any, step: int, name: str, meta: dict[str, Any],
+                 factors: tuple[str, str] | None = None, scale: float = 1.0):  # fmt: skip
         self.checkpoints, self.step, self.name = checkpoints, step, name
+        self.factors, self.scale = factors, scale  # LoRA's, merged in as it is read
         self.dtype = np.dtype(jnp.dtype(meta["arrays"][name]["dtype"]))
         self.uses, self._array = 0, None
 
     def __getitem__(self, position: tuple[int, ...]) -> np.ndarray:
         if self._array is None:
             self._array = self.checkpoints.read_arrays(self.step, [self.name])[1][self.name]
+            if self.factors is not None:
+                got = self.checkpoints.read_arrays(self.step, list(self.factors))[1]
+                left, right = (got[f] for f in self.factors)
+                self._array = _merge(self._array, left, right, self.scale)
         out = self._array[position] if position else self._array
         self.uses -= 1
         if self.uses <= 0:
@@ -399,3 +431,13 @@ def _gathered(leaf: jax.Array) -> Any:
             return np.asarray(jax.device_get(part))
 
     return Gather()
+
+
+def _merge(weight: np.ndarray, left: np.ndarray, right: np.ndarray, scale: float) -> np.ndarray:
+    """``weight + scale L @ R`` (:mod:`shardplug.lora`'s factors), in float32, cast back."""
+    cut = left.ndim - 1
+    lead = right.ndim - 1 - (weight.ndim - cut)
+    l2 = left.reshape(*left.shape[:lead], -1, left.shape[-1]).astype(np.float32)
+    r2 = right.reshape(*right.shape[: lead + 1], -1).astype(np.float32)
+    delta = np.matmul(l2, r2).reshape(weight.shape)
+    return (weight.astype(np.float32) + scale * delta).astype(weight.dtype)

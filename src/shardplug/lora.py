@@ -1,0 +1,254 @@
+"""Low-rank adapters (LoRA) on a frozen model, in any framework, under every strategy.
+
+:func:`with_lora` wraps a :class:`shardplug.Task` (or :class:`LoraAdapter` an
+:class:`~shardplug.Adapter`): the parameters become ``{"base": the model's, "lora": the
+factors}``; each target weight ``W`` gets two factors ``L`` and ``R`` of rank ``r``, and the
+model runs on ``W + (alpha / r) L @ R``, merged in the forward pass. The base is frozen: it
+reaches the model through ``jax.lax.stop_gradient``, so no gradient of it is computed, and the
+task's optimizer runs through ``optax.masked`` on the factors alone, so no optimizer state
+exists for it. ``R`` starts at zero: the first step's loss is the base model's, exactly.
+
+A weight's dimensions after its layer-stack dimension (logical name ``layers``) are cut into
+its input and output: where the model annotates ``embed`` first, that one dimension is the
+input; where ``embed`` comes last, it is the output; otherwise the first dimension is the
+input. ``L`` is ``(*layers, *input, r)`` and ``R`` ``(*layers, r, *output)``, annotated with
+the weight's own logical names, so every parallelism lays them out as their weight: ``L``
+split as the weight's input, ``R`` as its output (tensor parallelism's column and row
+splits, fsdp's, a pipeline's stage split of the layers).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from shardplug.core.sharding import leaf_paths
+from shardplug.errors import ConfigError
+from shardplug.models.adapter import Adapter
+
+#: a parameter on a path with a component like these is no target by default: embeddings,
+#: positions, the output head, norms
+NOT_TARGETS = re.compile(
+    r"(^|/)([^/]*embed[^/]*|[^/]*position[^/]*|head|lm_head|wte|wpe|output|[^/]*norm[^/]*)(/|$)"
+)
+LAYERS = "layers"
+
+
+class LoraAdapter(Adapter):
+    """``base`` with low-rank adapters on its ``targets`` (see the module).
+
+    :param base: the model's adapter (``shardplug.from_nnx(...)`` and its kin, or a pretrained
+        checkpoint's).
+    :param rank: each adapter's rank ``r``.
+    :param alpha: the adapters' scale is ``alpha / rank`` (default ``rank``: 1).
+    :param targets: a regular expression searched in each parameter's path; default: every
+        floating-point matrix but embeddings, positions, the output head and norms (the
+        attention and MLP projections).
+    :param seed: the seed of ``L``'s initial values (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``).
+    """
+
+    def __init__(self, base: Adapter, rank: int, *, alpha: float | None = None,
+                 targets: str | None = None, seed: int = 0):  # fmt: skip
+        if not isinstance(base, Adapter):
+            raise ConfigError(f"lora: base must be a shardplug adapter, got {type(base).__name__}")
+        if isinstance(base, LoraAdapter):
+            raise ConfigError("lora: this model already has adapters: give its base instead")
+        if not (isinstance(rank, int) and rank > 0):
+            raise ConfigError(f"lora: rank must be a positive integer, got {rank!r}")
+        if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+            raise ConfigError(f"lora: alpha must be a positive number, got {alpha}")
+        try:
+            self.pattern = None if targets is None else re.compile(targets)
+        except re.error as e:
+            raise ConfigError(
+                f"lora: targets {targets!r} is not a regular expression ({e})"
+            ) from None
+        self.base, self.rank, self.seed = base, rank, seed
+        self.alpha = float(alpha if alpha is not None else rank)
+        self.framework = base.framework
+        abstract_params, _ = base.abstract(jax.random.key(0))
+        self.cuts = self._cuts(abstract_params, base.annotations(abstract_params))
+        self.base_size = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
+        self.size = sum(math.prod(x.shape) for x in jax.tree.leaves(
+            jax.eval_shape(lambda: self._factors(abstract_params))))  # fmt: skip
+        if base.variables is not None:
+            params, state = base.variables
+            self.variables = ({"base": params, "lora": self._factors(params)}, state)
+        if base.weights is not None:
+            self.weights = self._read
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def describe(self) -> str:
+        """One line, as a run says it: ``rank 16, alpha 32 on 224 weights: 41.9M trainable
+        parameters beside 8.03B frozen (0.52%)``."""
+        from shardplug.units import count
+
+        return (f"rank {self.rank}, alpha {self.alpha:g} on {len(self.targets())} weights: "
+                f"{count(self.size)} trainable parameters beside {count(self.base_size)} frozen "
+                f"({100 * self.size / self.base_size:.2g}%)")  # fmt: skip
+
+    reduce_per_shard = True  # each shard's merged-weight gradient contracted to the factors'
+
+    def trainable(self, params: Any) -> Any:
+        """The factors train; the base is frozen."""
+        return {"base": jax.tree.map(lambda _: False, params["base"]),
+                "lora": jax.tree.map(lambda _: True, params["lora"])}  # fmt: skip
+
+    def targets(self) -> list[str]:
+        """The paths of the parameters that have adapters."""
+        return [path for path, cut in self.cuts.items() if cut is not None]
+
+    def init(self, rng: jax.Array) -> tuple[Any, Any]:
+        params, state = self.base.init(rng)
+        return {"base": params, "lora": self._factors(params)}, state
+
+    def model_annotations(self, params: Any) -> Any:
+        base = self.base.annotations(params["base"])
+        if base is None:
+            base = jax.tree.map(lambda _: P(), params["base"])
+        specs = dict(zip(leaf_paths(params["base"]), _specs(base), strict=True))
+        factors = {}
+        for path, cut in self.cuts.items():
+            if cut is None:
+                continue
+            lead, cut_at, ndim = cut
+            names = tuple(specs[path]) + (None,) * (ndim - len(specs[path]))
+            factors[_key(path)] = {
+                "l": P(*names[:cut_at], None),
+                "r": P(*names[:lead], None, *names[cut_at:ndim]),
+            }
+        return {"base": base, "lora": factors}
+
+    def bind(self, params: Any, state: Any, *, rng: jax.Array, train: bool) -> Any:
+        return self.base.bind(self.merged(params), state, rng=rng, train=train)
+
+    def state_of(self, model: Any, state: Any) -> Any:
+        return self.base.state_of(model, state)
+
+    def merged(self, params: Any) -> Any:
+        """The base's parameters with each target's adapter merged in, ``W + scale L @ R``,
+        the base held fixed (``stop_gradient``): the model's own parameters, for its forward
+        pass or to export."""
+        from shardplug.core.layer_gather import follow
+
+        leaves, tree = jax.tree.flatten(params["base"])
+        out = []
+        for path, given in zip(leaf_paths(params["base"]), leaves, strict=True):
+            w = jax.lax.stop_gradient(given)
+            cut = self.cuts.get(path)
+            if cut is not None:
+                f = params["lora"][_key(path)]
+                delta = self.scale * _delta(f["l"], f["r"], cut[0], w.shape)
+                w = w + delta.astype(w.dtype)
+            follow(given, w)  # a stack gathered a layer at a time (fsdp) gathers this alike
+            out.append(w)
+        return jax.tree.unflatten(tree, out)
+
+    def _cuts(self, params: Any, annotations: Any | None) -> dict[str, tuple[int, int, int] | None]:
+        """Each parameter's path: ``(lead, cut, ndim)`` for a target (its layer dimensions,
+        where its input ends, its dimensions), None for the rest."""
+        specs = _specs(annotations) if annotations is not None else None
+        cuts: dict[str, tuple[int, int, int] | None] = {}
+        for i, (path, leaf) in enumerate(zip(leaf_paths(params), jax.tree.leaves(params),
+                                             strict=True)):  # fmt: skip
+            names = tuple(specs[i]) if specs is not None else ()
+            names = names + (None,) * (leaf.ndim - len(names))
+            lead = 1 if names and names[0] == LAYERS else 0
+            chosen = (self.pattern.search(path) is not None if self.pattern is not None
+                      else NOT_TARGETS.search(path) is None)  # fmt: skip
+            usable = jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim - lead >= 2
+            if chosen and not usable and self.pattern is not None:
+                raise ConfigError(
+                    f"lora: targets {self.pattern.pattern!r} match {path}, of shape "
+                    f"{tuple(leaf.shape)} and {leaf.dtype}: an adapter needs a floating-point "
+                    f"weight with an input and an output dimension; narrow the pattern"
+                )
+            if not (chosen and usable):
+                cuts[path] = None
+                continue
+            cut = lead + 1
+            if names[lead] != "embed" and names[leaf.ndim - 1] == "embed":
+                cut = leaf.ndim - 1
+            cuts[path] = (lead, cut, leaf.ndim)
+        if not any(c is not None for c in cuts.values()):
+            said = f"targets {self.pattern.pattern!r}" if self.pattern is not None else "no default"
+            raise ConfigError(
+                f"lora: {said} matches no weight of this model; its parameters are "
+                f"{', '.join(list(cuts)[:6])}: give targets, a pattern searched in these paths"
+            )
+        return cuts
+
+    def _factors(self, params: Any) -> dict[str, Any]:
+        """The adapters' first values: ``L`` uniform in ``+-1/sqrt(fan_in)``, ``R`` zero."""
+        key = jax.random.key(self.seed)
+        factors = {}
+        for i, (path, w) in enumerate(zip(leaf_paths(params), jax.tree.leaves(params),
+                                          strict=True)):  # fmt: skip
+            cut = self.cuts.get(path)
+            if cut is None:
+                continue
+            lead, cut_at, ndim = cut
+            fan_in = math.prod(w.shape[lead:cut_at])
+            bound = 1.0 / math.sqrt(fan_in)
+            l_shape = (*w.shape[:cut_at], self.rank)
+            factors[_key(path)] = {
+                "l": jax.random.uniform(
+                    jax.random.fold_in(key, i), l_shape, jnp.float32, -bound, bound
+                ),
+                "r": jnp.zeros((*w.shape[:lead], self.rank, *w.shape[cut_at:ndim]), jnp.float32),
+            }
+        return factors
+
+    def _read(self, shardings: Any) -> Any:
+        """A pretrained base read into its shardings, the factors made in theirs."""
+        base = self.base.weights(shardings["base"])
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), base)
+        factors = jax.jit(lambda: self._factors(abstract), out_shardings=shardings["lora"])()
+        return {"base": base, "lora": factors}
+
+
+def _delta(left: jax.Array, right: jax.Array, lead: int, shape: tuple[int, ...]) -> jax.Array:
+    """``L @ R`` over the rank, shaped as the weight: one contraction over named dimensions
+    (no reshape, which would merge dimensions the strategy split apart)."""
+    letters = "abcdefghijklmnopqstuvwxyz"  # r is the rank's
+    cut = left.ndim - 1
+    dims = letters[: len(shape)]
+    l_idx = dims[:cut] + "r"
+    r_idx = dims[:lead] + "r" + dims[cut:]
+    return jnp.einsum(f"{l_idx},{r_idx}->{dims}", left, right)
+
+
+def _specs(annotations: Any) -> list[Any]:
+    return jax.tree.leaves(annotations, is_leaf=lambda x: isinstance(x, P))
+
+
+def _key(path: str) -> str:
+    """A target's name among the factors (a path's ``/`` would read as nesting)."""
+    return path.replace("/", ".")
+
+
+def with_lora(task: Any, rank: int, *, alpha: float | None = None, targets: str | None = None,
+         seed: int = 0) -> Any:  # fmt: skip
+    """``task`` fine-tuned through low-rank adapters (see the module and
+    :class:`LoraAdapter`): the same loss and data, the model frozen, its optimizer on the
+    adapters alone."""
+    import dataclasses
+
+    import optax
+
+    adapter = LoraAdapter(task.adapter, rank, alpha=alpha, targets=targets, seed=seed)
+
+    masked = optax.masked(task.optimizer, adapter.trainable)
+    return dataclasses.replace(task, adapter=adapter, optimizer=masked,
+                               name=f"{task.name}+lora{rank}")  # fmt: skip
+
+
+__all__ = ["LoraAdapter", "with_lora"]

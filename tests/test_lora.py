@@ -1,0 +1,211 @@
+"""LoRA (``shardplug.lora``, ``train --lora RANK``): the base frozen (no gradient computed or
+sent, no optimizer state), the first step's loss the base model's exactly, the adapters laid
+out like their weights, the same training as one device under every layout and framework,
+and bad input in one line."""
+
+import functools
+import itertools
+import math
+
+import jax
+import numpy as np
+import pytest
+from helpers import said
+
+import shardplug
+from shardplug.cli import main
+from shardplug.core.sharding import leaf_paths
+from shardplug.errors import ConfigError
+from shardplug.explain import explain
+from shardplug.lora import LoraAdapter
+from shardplug.lora import with_lora as lora
+
+STEPS = 3
+RANK = 4
+MOE = {"experts": 4, "top_k": 2}
+# strategy (options), devices
+LAYOUTS = {
+    "dp": ({}, 2),
+    "fsdp": ({"min_size": 0}, 2),
+    "tp": ({}, 2),
+    "fsdp+tp": ({"min_size": 0}, 4),
+    "fsdp+cp": ({"min_size": 0}, 4),
+    "pp+fsdp": ({"schedule": "gpipe"}, 4),  # its tick schedules need the stack as stored
+    "dp+ep": ({}, 4),
+}
+
+
+@functools.cache
+def base(framework="nnx", moe=False):
+    return shardplug.get_model("transformer").task(framework, layers=2, **(MOE if moe else {}))
+
+
+@functools.cache
+def batches(framework="nnx", moe=False):
+    return tuple(itertools.islice(base(framework, moe).batches(), STEPS))
+
+
+@functools.cache
+def losses(strategy, framework="nnx", moe=False, adapters=True):
+    task = lora(base(framework, moe), RANK) if adapters else base(framework, moe)
+    options, devices = LAYOUTS.get(strategy, ({}, 1))  # "one": one device
+    name = "dp" if strategy == "one" else strategy
+    run = task.trainer(strategy=shardplug.get_strategy(name, **options), devices=devices,
+                       precision="float32")  # fmt: skip
+    before = jax.tree.map(np.asarray, run.state.params)
+    rows = run.fit(iter(batches(framework, moe)), STEPS)
+    return [r["loss"] for r in rows], before, jax.tree.map(np.asarray, run.state.params)
+
+
+def test_the_first_step_is_the_base_models_and_only_the_adapters_change():
+    plain, _, _ = losses("one", adapters=False)
+    got, before, after = losses("one")
+    assert got[0] == plain[0]  # the up-projections start at zero: the same model, exactly
+    assert got[-1] < got[0]
+    for a, b in zip(jax.tree.leaves(before["base"]), jax.tree.leaves(after["base"]), strict=True):
+        np.testing.assert_array_equal(a, b)  # frozen, to the last bit
+    assert all(not np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(before["lora"]), jax.tree.leaves(after["lora"]), strict=True))  # fmt: skip
+
+
+def test_only_the_adapters_have_optimizer_state_and_gradients_sent():
+    task = lora(base(), RANK)
+    run = task.trainer(strategy="dp", devices=2, precision="float32", allocate=False)
+    report = explain(run, batches()[0]).to_dict()
+    factors = run.state.params["lora"]
+    factor_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(factors))
+    per_device = report["per_device"]
+    assert per_device["opt_state_bytes"] == 2 * factor_bytes + 4  # Adam's mu, nu; its count
+    assert per_device["grads_bytes"] == factor_bytes
+    # dp sends each step the adapters' gradients and nothing of the base's
+    sent = [c for c in report["collectives"] if c["kind"] == "all-reduce"]
+    assert sum(c["bytes"] for c in sent) == factor_bytes + 4  # and the loss's mean
+    held = [x.shape for x in jax.tree.leaves(run.state.opt_state) if x.ndim]
+    assert sorted(held) == sorted([x.shape for x in jax.tree.leaves(factors)] * 2)
+
+
+def test_the_adapters_are_laid_out_as_their_weights_input_and_output():
+    task = lora(base(), RANK)
+    run = task.trainer(strategy="tp", devices=2, precision="float32", allocate=False)
+    specs = dict(zip(leaf_paths(run.state.params), (tuple(s.spec) for s in
+                 jax.tree.leaves(run.state_shardings.params)), strict=True))  # fmt: skip
+    for path, (lead, cut, ndim) in ((p, c) for p, c in task.adapter.cuts.items() if c):
+        weight = specs[f"base/{path}"] + (None,) * ndim
+        left = specs[f"lora/{path.replace('/', '.')}/l"] + (None,) * ndim
+        right = specs[f"lora/{path.replace('/', '.')}/r"] + (None,) * ndim
+        assert left[:cut] == weight[:cut] and left[cut] is None, path  # the input's split
+        assert right[lead + 1 : ndim - cut + lead + 1] == weight[cut:ndim], path  # the output's
+    # tensor parallelism splits the MLP's hidden dimension: its up-projection's R, down's L
+    assert specs["lora/blocks.wi/r"][2] == "model" and specs["lora/blocks.wf/l"][1] == "model"
+
+
+@pytest.mark.parametrize("strategy", LAYOUTS)
+def test_a_lora_fine_tune_trains_as_on_one_device(strategy):
+    moe = strategy.endswith("ep")
+    want, _, _ = losses("one", moe=moe)
+    got, _, _ = losses(strategy, moe=moe)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("framework", ["linen", "equinox"])
+def test_every_framework_fine_tunes_alike_under_fsdp_tp(framework):
+    want, _, _ = losses("one", framework)
+    got, _, _ = losses("fsdp+tp", framework)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    plain, _, _ = losses("one", framework, adapters=False)
+    # the same model at first: its merged weights are the base's to the last bit (the
+    # compiled programs differ, so the loss may in its last digits)
+    task = lora(base(framework), RANK)
+    params, _ = task.adapter.init(jax.random.key(0))
+    merged = task.adapter.merged(params)
+    for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(params["base"]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(want[0], plain[0], rtol=1e-6)
+
+
+def test_the_command_line_fine_tunes_a_pretrained_model_and_resumes_its_adapters(tmp_path, capsys):
+    fixture = "tests/fixtures/hf/llama"
+    common = ["train", "--init-from", fixture, "--devices", "2", "--strategy", "fsdp",
+              "--log-every", "1"]  # fmt: skip
+    assert main([*common, "--steps", "2"]) == 0
+    plain_first = _first_loss(capsys.readouterr().out)
+    ckpt = tmp_path / "c"
+    saving = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
+    assert main([*common, "--steps", "2", "--lora", "4", "--lora-alpha", "8", *saving]) == 0
+    out = capsys.readouterr()
+    assert _first_loss(out.out) == plain_first
+    lines = [x for x in out.err.splitlines() if x.startswith("shardplug: lora")]
+    assert lines == ["shardplug: lora rank 4, alpha 8 on 7 weights: 4.1k trainable parameters "
+                     "beside 24.7k frozen (17%)"]  # fmt: skip
+    resume = ["train", "--resume", "--checkpoint-dir", str(ckpt), "--devices", "2"]
+    assert main([*resume, "--steps", "3"]) == 0  # the adapters come back from the checkpoint
+    assert "from step 2" in capsys.readouterr().out
+    assert main([*resume, "--steps", "4", "--lora", "8"]) == 2
+    assert said(capsys.readouterr().err) == [
+        f"shardplug: error: --lora 8: the run in {ckpt} was trained with lora 4, and a resumed "
+        "run continues its optimizer and schedule: drop --lora, or train anew in another "
+        "--checkpoint-dir"
+    ]
+
+
+def _first_loss(out):
+    return next(line for line in out.splitlines() if "loss" in line).split("loss ")[1].split()[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lora-alpha", "2"], "--lora-alpha shapes the adapters: give --lora RANK too"),
+        (["--lora", "2", "--lora-targets", "nothing_like_this"],
+         "lora: targets 'nothing_like_this' matches no weight of this model; its parameters are "
+         "blocks/norm1/bias, blocks/norm1/scale, blocks/norm2/bias, blocks/norm2/scale, "
+         "blocks/wf, blocks/wi: give targets, a pattern searched in these paths"),
+        (["--lora", "2", "--lora-targets", "norm"],
+         "lora: targets 'norm' match blocks/norm1/bias, of shape (2, 64) and float32: an adapter "
+         "needs a floating-point weight with an input and an output dimension; narrow the "
+         "pattern"),
+        (["--lora", "2", "--lora-targets", "("],
+         "lora: targets '(' is not a regular expression (missing ), unterminated subpattern at "
+         "position 0)"),
+    ],
+)  # fmt: skip
+def test_bad_adapters_are_one_line(argv, message, capsys):
+    assert main(["train", "--steps", "1", *argv]) == 2
+    assert said(capsys.readouterr().err) == [f"shardplug: error: {message}"]
+
+
+def test_from_python_bad_adapters_are_typed_errors():
+    with pytest.raises(ConfigError, match="rank must be a positive integer, got 0"):
+        LoraAdapter(base().adapter, 0)
+    with pytest.raises(ConfigError, match="already has adapters"):
+        LoraAdapter(lora(base(), 2).adapter, 2)
+    assert math.isclose(LoraAdapter(base().adapter, 8, alpha=16).scale, 2.0)
+
+
+def test_a_merged_export_gives_the_logits_of_the_base_with_its_adapters(tmp_path, capsys):
+    from shardplug import pretrained
+
+    fixture, ckpt, out = "tests/fixtures/hf/llama", tmp_path / "c", tmp_path / "merged"
+    assert main(["train", "--init-from", fixture, "--devices", "1", "--steps", "2", "--lora",
+                 "4", "--lr", "0.01", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                 "--quiet"]) == 0  # fmt: skip
+    export = ["export", "--checkpoint-dir", str(ckpt), "--out", str(out), "--format", "hf"]
+    capsys.readouterr()
+    assert main(export) == 2
+    assert said(capsys.readouterr().err) == [
+        f"shardplug: error: {ckpt}: the run trained low-rank adapters (--lora 4): give --merge "
+        "to write them merged into the base's weights"
+    ]
+    assert not out.exists()
+    assert main([*export, "--merge"]) == 0
+    tuned = lora(pretrained.load(fixture).task("nnx"), 4)
+    run = tuned.trainer(strategy="dp", devices=1, precision="float32", checkpoint_dir=ckpt)
+    assert run.restore() == 2
+    plain = pretrained.load(out).task("nnx").trainer(strategy="dp", devices=1,
+                                                     precision="float32")  # fmt: skip
+    tokens = np.arange(16, dtype=np.int32).reshape(2, 8)
+    want, got = np.asarray(run.model(tokens)), np.asarray(plain.model(tokens))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    base = pretrained.load(fixture).task("nnx").trainer(strategy="dp", devices=1,
+                                                        precision="float32")  # fmt: skip
+    assert np.abs(np.asarray(base.model(tokens)) - want).max() > 1e-3  # the adapters moved it
