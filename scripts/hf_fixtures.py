@@ -8,6 +8,7 @@ shardplug or of its tests; the files it writes are committed)::
     python -m venv /tmp/hf && /tmp/hf/bin/pip install torch==2.13.0 transformers safetensors
     /tmp/hf/bin/python scripts/hf_fixtures.py            # every family, and the text's
     /tmp/hf/bin/python scripts/hf_fixtures.py phi3       # one family alone (NAME ...)
+    /tmp/hf/bin/pip install peft && /tmp/hf/bin/python scripts/hf_fixtures.py --lora
 
 Each directory holds what ``save_pretrained`` writes (``config.json``, safetensors, for
 ``llama`` split into shards with an index) and ``reference.npz``: ``tokens`` (2, 24) int32
@@ -211,13 +212,46 @@ def write_text() -> None:
     print("text", len(ids), "tokens,", rows, "rows,", tok.get_vocab_size(), "in the vocabulary")
 
 
+LORA = {"r": 4, "lora_alpha": 8}
+
+
+def write_lora() -> None:
+    """``llama_lora/``: low-rank adapters on the written llama by the reference (PEFT), every
+    projection of every layer, both factors drawn at random (``init_lora_weights=False``), as
+    ``save_pretrained`` writes them (``adapter_config.json``, ``adapter_model.safetensors``),
+    and ``reference.npz``: the adapted model's logits on llama's tokens."""
+    import peft
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(ROOT / "llama").eval()
+    torch.manual_seed(1)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapted = peft.get_peft_model(model, peft.LoraConfig(
+        **LORA, target_modules=targets, lora_dropout=0.0, init_lora_weights=False,
+        task_type="CAUSAL_LM"))  # fmt: skip
+    out = ROOT / "llama_lora"
+    shutil.rmtree(out, ignore_errors=True)
+    adapted.save_pretrained(out)
+    config = json.loads((out / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "tests/fixtures/hf/llama"  # not this machine's path
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    (out / "README.md").unlink(missing_ok=True)
+    tokens = np.load(ROOT / "llama" / "reference.npz")["tokens"]
+    with torch.no_grad():
+        logits = adapted(torch.from_numpy(tokens).long()).logits.float().numpy()
+    np.savez(out / "reference.npz", tokens=tokens, logits=logits)
+    print("llama_lora", sorted(p.name for p in out.iterdir()))
+
+
 if __name__ == "__main__":
     import sys
 
-    # --text: the text fixture alone, from the written llama; NAME ...: those families alone
+    # --text: the text fixture alone, from the written llama; --lora: the adapters' alone;
+    # NAME ...: those families alone
     names = [a for a in sys.argv[1:] if a in FAMILIES]
-    if "--text" not in sys.argv:
+    if "--text" not in sys.argv and "--lora" not in sys.argv:
         for family in names or FAMILIES:
             write(family)
-    if "--text" in sys.argv or not names:
+    if "--text" in sys.argv or (not names and "--lora" not in sys.argv):
         write_text()
+    if "--lora" in sys.argv or (not names and "--text" not in sys.argv):
+        write_lora()

@@ -6,6 +6,7 @@ and bad input in one line."""
 import functools
 import itertools
 import math
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -209,3 +210,60 @@ def test_a_merged_export_gives_the_logits_of_the_base_with_its_adapters(tmp_path
     base = pretrained.load(fixture).task("nnx").trainer(strategy="dp", devices=1,
                                                         precision="float32")  # fmt: skip
     assert np.abs(np.asarray(base.model(tokens)) - want).max() > 1e-3  # the adapters moved it
+
+
+PEFT = "tests/fixtures/hf/llama_lora"  # written by PEFT: scripts/hf_fixtures.py --lora
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen", "equinox"])
+def test_peft_adapters_give_the_references_logits(framework):
+    from shardplug.cli.config import RunConfig
+    from shardplug.cli.tasks import task_of
+
+    reference = np.load(f"{PEFT}/reference.npz")
+    config = RunConfig(init_from="tests/fixtures/hf/llama", lora_from=PEFT, adapter=framework)
+    task = task_of(config).task
+    assert (task.adapter.rank, task.adapter.alpha, len(task.adapter.targets())) == (4, 8.0, 7)
+    run = task.trainer(strategy="fsdp", devices=2, precision="float32")
+    got = np.asarray(run.model(reference["tokens"]))
+    np.testing.assert_allclose(got, reference["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_go_out_in_peft_format_and_come_back(tmp_path, capsys):
+    import json
+
+    from shardplug.pretrained.safetensors import Tensors
+
+    ckpt, out = tmp_path / "c", tmp_path / "adapters"
+    assert main(["train", "--init-from", "tests/fixtures/hf/llama", "--lora-from", PEFT,
+                 "--devices", "2", "--steps", "2", "--lr", "0.01", "--checkpoint-dir",
+                 str(ckpt), "--checkpoint-every", "2", "--quiet"]) == 0  # fmt: skip
+    assert main(["export", "--checkpoint-dir", str(ckpt), "--out", str(out), "--format",
+                 "peft"]) == 0  # fmt: skip
+    mine, theirs = Tensors(out), Tensors(PEFT)
+    assert {n: mine.shape(n) for n in mine.names()} == {n: theirs.shape(n) for n in theirs.names()}
+    config, reference = (json.loads((d / "adapter_config.json").read_text())
+                         for d in (out, Path(PEFT)))  # fmt: skip
+    keys = ("peft_type", "r", "lora_alpha", "task_type", "bias", "fan_in_fan_out", "use_rslora")
+    assert {k: config[k] for k in keys} == {k: reference[k] for k in keys}
+    assert sorted(config["target_modules"]) == sorted(reference["target_modules"])
+    # trained: moved from PEFT's values; read back, they make the trained run's model
+    name = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
+    assert not np.array_equal(mine.read(name), theirs.read(name))
+    from shardplug.cli.config import RunConfig
+    from shardplug.cli.tasks import task_of
+
+    config = RunConfig(init_from="tests/fixtures/hf/llama", lora_from=str(out))
+    back = task_of(config).task.trainer(strategy="dp", devices=1, precision="float32")
+    tuned = task_of(RunConfig(init_from="tests/fixtures/hf/llama", lora_from=PEFT)).task
+    trained = tuned.trainer(strategy="dp", devices=1, precision="float32", checkpoint_dir=ckpt)
+    assert trained.restore() == 2
+    tokens = np.load(f"{PEFT}/reference.npz")["tokens"]
+    np.testing.assert_allclose(np.asarray(back.model(tokens)), np.asarray(trained.model(tokens)),
+                               atol=1e-6)  # fmt: skip
+    capsys.readouterr()
+    assert main(["train", "--lora-from", PEFT, "--steps", "1"]) == 2
+    assert said(capsys.readouterr().err) == [
+        "shardplug: error: --lora-from reads PEFT's adapters of a pretrained family: give "
+        "--init-from DIR, the model they adapt"
+    ]

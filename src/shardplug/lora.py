@@ -50,10 +50,13 @@ class LoraAdapter(Adapter):
         floating-point matrix but embeddings, positions, the output head and norms (the
         attention and MLP projections).
     :param seed: the seed of ``L``'s initial values (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``).
+    :param initial: the factors to start from instead (adapters trained before, such as
+        PEFT's: :mod:`shardplug.pretrained.peft`), by their weight's path: ``(L, R)``.
     """
 
     def __init__(self, base: Adapter, rank: int, *, alpha: float | None = None,
-                 targets: str | None = None, seed: int = 0):  # fmt: skip
+                 targets: str | None = None, seed: int = 0,
+                 initial: dict[str, tuple[Any, Any]] | None = None):  # fmt: skip
         if not isinstance(base, Adapter):
             raise ConfigError(f"lora: base must be a shardplug adapter, got {type(base).__name__}")
         if isinstance(base, LoraAdapter):
@@ -68,12 +71,15 @@ class LoraAdapter(Adapter):
             raise ConfigError(
                 f"lora: targets {targets!r} is not a regular expression ({e})"
             ) from None
-        self.base, self.rank, self.seed = base, rank, seed
+        self.base, self.rank, self.seed, self.initial = base, rank, seed, initial or {}
         self.alpha = float(alpha if alpha is not None else rank)
         self.framework = base.framework
         abstract_params, _ = base.abstract(jax.random.key(0))
         self.cuts = self._cuts(abstract_params, base.annotations(abstract_params))
         self.base_size = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
+        unknown = sorted(set(self.initial) - set(self.targets()))
+        if unknown:
+            raise ConfigError(f"lora: initial factors for {unknown[0]}, which has no adapter")
         self.size = sum(math.prod(x.shape) for x in jax.tree.leaves(
             jax.eval_shape(lambda: self._factors(abstract_params))))  # fmt: skip
         if base.variables is not None:
@@ -199,6 +205,18 @@ class LoraAdapter(Adapter):
             fan_in = math.prod(w.shape[lead:cut_at])
             bound = 1.0 / math.sqrt(fan_in)
             l_shape = (*w.shape[:cut_at], self.rank)
+            r_shape = (*w.shape[:lead], self.rank, *w.shape[cut_at:ndim])
+            if path in self.initial:
+                left, right = self.initial[path]
+                if (tuple(left.shape), tuple(right.shape)) != (l_shape, r_shape):
+                    raise ConfigError(
+                        f"lora: {path}'s factors are {tuple(left.shape)} and "
+                        f"{tuple(right.shape)}; its weight {tuple(w.shape)} at rank "
+                        f"{self.rank} takes {l_shape} and {r_shape}"
+                    )
+                factors[_key(path)] = {"l": jnp.asarray(left, jnp.float32),
+                                       "r": jnp.asarray(right, jnp.float32)}  # fmt: skip
+                continue
             factors[_key(path)] = {
                 "l": jax.random.uniform(
                     jax.random.fold_in(key, i), l_shape, jnp.float32, -bound, bound
@@ -236,7 +254,7 @@ def _key(path: str) -> str:
 
 
 def with_lora(task: Any, rank: int, *, alpha: float | None = None, targets: str | None = None,
-         seed: int = 0) -> Any:  # fmt: skip
+              seed: int = 0, initial: dict[str, tuple[Any, Any]] | None = None) -> Any:  # fmt: skip
     """``task`` fine-tuned through low-rank adapters (see the module and
     :class:`LoraAdapter`): the same loss and data, the model frozen, its optimizer on the
     adapters alone."""
@@ -244,7 +262,8 @@ def with_lora(task: Any, rank: int, *, alpha: float | None = None, targets: str 
 
     import optax
 
-    adapter = LoraAdapter(task.adapter, rank, alpha=alpha, targets=targets, seed=seed)
+    adapter = LoraAdapter(task.adapter, rank, alpha=alpha, targets=targets, seed=seed,
+                          initial=initial)  # fmt: skip
 
     masked = optax.masked(task.optimizer, adapter.trainable)
     return dataclasses.replace(task, adapter=adapter, optimizer=masked,

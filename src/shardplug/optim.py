@@ -4,7 +4,7 @@ frozen value (:class:`Optimizer`) that optax builds (:meth:`Optimizer.build`).
 
 The command line's ``--optimizer``, ``--lr``, ``--weight-decay``, ``--momentum``,
 ``--schedule``, ``--warmup``, ``--decay-steps``, ``--end-lr`` and ``--clip-norm`` make one
-(:func:`shardplug.cli.config.task_of`); the run says it in its first lines
+(:func:`shardplug.cli.tasks.task_of`); the run says it in its first lines
 (:meth:`Optimizer.describe`) and a checkpoint records it (:meth:`Optimizer.recorded`), so a
 resumed run continues the same schedule from the step it saved.
 

@@ -1,7 +1,8 @@
 """A command's run, as one typed, frozen value: :class:`RunConfig`, made once from the
 command line (:meth:`RunConfig.of`) and, on ``--resume``, merged once with the checkpoint's
 (:func:`resumed`); and what is made from it, each by one function: the strategy
-(:func:`strategy_of`), the task (:func:`task_of`) and the Trainer (:func:`trainer_for`).
+(:func:`strategy_of`), the task (:func:`shardplug.cli.tasks.task_of`) and the Trainer
+(:func:`trainer_for`).
 
 The command functions read a ``RunConfig`` for the run; a command's own presentation flags
 (``--json``, explain's ``--param``, bench's ``--rounds``) they read from the arguments."""
@@ -12,7 +13,7 @@ import argparse
 import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from shardplug.errors import CheckpointError, ConfigError, MeshError, StrategyOptionError
 
@@ -20,7 +21,7 @@ from shardplug.errors import CheckpointError, ConfigError, MeshError, StrategyOp
 KNOBS = ("optimizer", "weight_decay", "momentum", "schedule", "warmup", "decay_steps", "end_lr",
          "clip_norm")  # fmt: skip
 #: the adapters' flags: any run may take them, a resumed run keeps them
-LORA = ("lora", "lora_alpha", "lora_targets")
+LORA = ("lora", "lora_alpha", "lora_targets", "lora_from")
 #: what only a reference model takes: a task brings its own
 MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", *KNOBS, "experts", "top_k",
               "capacity_factor", "capacity_groups", "bias_rate")  # fmt: skip
@@ -74,6 +75,7 @@ class RunConfig:
     lora: int | None = None
     lora_alpha: float | None = None
     lora_targets: str | None = None
+    lora_from: str | None = None
     seed: int | None = None
     # how: the strategy and the devices
     strategy: str = "dp"
@@ -153,6 +155,8 @@ class RunConfig:
     def recorded(self) -> dict[str, Any]:
         """What a checkpoint keeps of this run, for ``--resume`` and ``export`` to read."""
         adapters = {k: getattr(self, k) for k in LORA if getattr(self, k) is not None}
+        if self.lora_from is not None:
+            adapters["lora_from"] = str(Path(self.lora_from).resolve())
         if self.task is not None:
             return {"task": self.task, "seed": self.seed, **adapters}
         if self.init_from is not None:
@@ -196,8 +200,15 @@ def check_what(config: RunConfig) -> None:
             "--data text:... fine-tunes a pretrained checkpoint on your text: give "
             "--init-from DIR (a --task brings its own data)"
         )
-    if config.lora is None:
-        for name in LORA[1:]:
+    if config.lora_from is not None:
+        if init_from is None:
+            raise ConfigError("--lora-from reads PEFT's adapters of a pretrained family: give "
+                              "--init-from DIR, the model they adapt")  # fmt: skip
+        for name in ("lora_alpha", "lora_targets"):
+            if getattr(config, name) is not None:
+                raise ConfigError(f"{_flag(name)}: --lora-from's adapters bring their own")
+    elif config.lora is None:
+        for name in ("lora_alpha", "lora_targets"):
             if getattr(config, name) is not None:
                 raise ConfigError(f"{_flag(name)} shapes the adapters: give --lora RANK too")
     if config.task is None:
@@ -387,62 +398,6 @@ def axis_names(pairs: Sequence[str]) -> dict[str, str]:
             raise MeshError(f"--axis-name {pair!r} is not ROLE=NAME, e.g. model=tp")
         names[role] = name
     return names
-
-
-class What(NamedTuple):
-    """What a run trains: the task, the pretrained checkpoint it was made of (if one), and
-    the optimizer the flags made (a task's own: None)."""
-
-    task: Any
-    pretrained: Any = None
-    optimizer: Any = None
-
-
-def task_of(config: RunConfig, sequence: int | None = None,
-            batch_size: int | None = None) -> What:  # fmt: skip
-    """The :class:`shardplug.Task` the command line names: the ``--task``, a pretrained
-    checkpoint's fine-tuning, or the reference ``--model``; at another ``sequence`` (and
-    global ``batch_size``) where given, for planning at other lengths. After the devices
-    are set: a task file may use JAX as it is imported."""
-    sizes = config.sizes()
-    if sequence is not None:
-        sizes = {"sequence": sequence, "batch_size": batch_size or config.batch_size}
-        sizes = {k: v for k, v in sizes.items() if v is not None}
-    what = _what(config, sizes)
-    if config.lora is None:
-        return what
-    from shardplug.lora import with_lora
-
-    made = with_lora(what.task, config.lora, alpha=config.lora_alpha, targets=config.lora_targets)
-    return what._replace(task=made)
-
-
-def _what(config: RunConfig, sizes: dict[str, Any]) -> What:
-    """The run's task before any adapters (:func:`task_of`)."""
-    if config.task is not None:
-        from shardplug.task import load_task
-
-        return What(load_task(config.task, **sizes))
-    if config.init_from is not None:
-        from shardplug import pretrained
-
-        loaded = pretrained.load(config.init_from, dtype=config.param_dtype)
-        optim = config.optim()
-        return What(loaded.task(
-            config.adapter or DEFAULTS["adapter"], batch_size=config.batch_size,
-            seed=config.seed or 0, sequence=config.sequence, optimizer=optim.build(),
-            remat=config.remat or "none", tokenizer=config.tokenizer,
-            text=config.data.removeprefix("text:") if config.data else None,
-        ), loaded, optim)  # fmt: skip
-    from shardplug.models import get_model
-
-    options = {**config.model_options(), **sizes}
-    model = get_model(config.model or DEFAULTS["model"])
-    optim = config.optim(model.learning_rate)
-    return What(model.task(
-        config.adapter or DEFAULTS["adapter"], seed=config.seed or 0, optimizer=optim.build(),
-        **options,
-    ), None, optim)  # fmt: skip
 
 
 def trainer_for(config: RunConfig, task: Any, strategy: Any, *, allocate: bool = True) -> Any:

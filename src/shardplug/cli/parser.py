@@ -198,6 +198,9 @@ def _lora(parser: Any) -> None:
         "itself")  # fmt: skip
     add("--lora-alpha", type=_positive(float), default=None, metavar="A",
         help="the adapters' scale is A / RANK (default A = RANK)")  # fmt: skip
+    add("--lora-from", default=None, metavar="DIR",
+        help="with --init-from: start from PEFT's adapters in DIR (adapter_config.json, "
+        "adapter_model.safetensors), their rank, alpha and targets")  # fmt: skip
     add("--lora-targets", default=None, metavar="REGEX",
         help="the weights with adapters: a pattern searched in each parameter's path "
         "(default: every matrix but embeddings, positions, the output head and norms)")  # fmt: skip
@@ -370,10 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint-dir", type=Path, required=True)
     export.add_argument("--out", type=Path, required=True,
                         help="the .npz file to write (with --format hf: a directory)")  # fmt: skip
-    export.add_argument("--format", choices=("npz", "hf"), default="npz",
-                        help="npz, or hf: config.json and model.safetensors in the pretrained "
+    export.add_argument("--format", choices=("npz", "hf", "peft"), default="npz",
+                        help="npz; hf: config.json and model.safetensors in the pretrained "
                         "family's names and shapes (a run started --init-from; loadable by "
-                        "Hugging Face transformers)")  # fmt: skip
+                        "Hugging Face transformers); peft: a --lora run's adapters alone, "
+                        "as PEFT writes them")  # fmt: skip
     export.add_argument("--merge", action="store_true",
                         help="with --format hf, for a run that trained --lora adapters: write "
                         "them merged into the base's weights")  # fmt: skip

@@ -13,9 +13,9 @@ from shardplug.cli.config import (
     check_what,
     plan_batch,
     strategy_of,
-    task_of,
     trainer_for,
 )
+from shardplug.cli.tasks import task_of
 from shardplug.errors import ConfigError
 
 

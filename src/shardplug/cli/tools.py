@@ -93,6 +93,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.format == "hf":
         return _export_hf(args)
+    if args.format == "peft":
+        return _export_peft(args)
     if args.merge:
         raise ConfigError(
             "--merge writes a LoRA run merged, in its family's format: add --format hf"
@@ -124,6 +126,34 @@ def _export_hf(args: argparse.Namespace) -> int:
     )
     print(f"shardplug: exported step {step} of {args.checkpoint_dir} as a {config.family} "
           f"checkpoint to {args.out}")  # fmt: skip
+    return 0
+
+
+def _export_peft(args: argparse.Namespace) -> int:
+    """``export --format peft``: a LoRA run's adapters alone, as PEFT writes them."""
+    from shardplug.checkpoint import Checkpoints
+    from shardplug.pretrained import decoder_name, peft, read_config
+
+    checkpoints = Checkpoints(args.checkpoint_dir, read_only=True)
+    step, meta = checkpoints.read_meta_of(args.step)
+    run = meta.get("config", {})
+    init_from = args.init_from or run.get("init_from")
+    adapters = peft.of_run(run)
+    if adapters is None or init_from is None:
+        raise ConfigError(f"--format peft writes a --lora run's adapters of a pretrained model; "
+                          f"{args.checkpoint_dir}'s run has none")  # fmt: skip
+    names = sorted(n for n in meta["arrays"] if n.startswith("params/lora/"))
+    arrays = checkpoints.read_arrays(step, names)[1]
+    factors: dict[str, list] = {}
+    for name in names:
+        key, part = name.removeprefix("params/lora/").rsplit("/", 1)
+        factors.setdefault(decoder_name(key.replace(".", "/")), [None, None])[
+            part == "r"] = arrays[name]  # fmt: skip
+    rank, alpha = adapters
+    peft.write(args.out, read_config(init_from), {k: tuple(v) for k, v in factors.items()},
+               rank, alpha, str(init_from))  # fmt: skip
+    print(f"shardplug: exported step {step}'s adapters of {args.checkpoint_dir} (rank {rank}, "
+          f"{len(factors)} weights) as PEFT's to {args.out}")  # fmt: skip
     return 0
 
 

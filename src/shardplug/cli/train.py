@@ -14,10 +14,10 @@ from shardplug.cli.config import (
     resumed,
     saved_run,
     strategy_of,
-    task_of,
     trainer_for,
 )
 from shardplug.cli.outputs import logged, plot, summary
+from shardplug.cli.tasks import task_of
 from shardplug.cli.watch import check_memory, quiet_orbax
 from shardplug.errors import ConfigError
 

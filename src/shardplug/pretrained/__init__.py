@@ -66,6 +66,11 @@ def _canonical(path: str) -> str:
     return re.sub(r"^layers_", "layers/", path)
 
 
+def decoder_name(path: str) -> str:
+    """A framework's parameter path as the decoder's name (``arrays/layers/q``: ``layers/q``)."""
+    return _canonical(path)
+
+
 @dataclasses.dataclass(frozen=True)
 class Pretrained:
     """A checkpoint on disk, checked and ready to load: its :class:`DecoderConfig`, the
@@ -317,16 +322,18 @@ def export_checkpoint(checkpoint_dir: str | pathlib.Path, directory: str | pathl
             "give --init-from DIR, the checkpoint whose config it has"
         )
     config = read_config(init_from)
-    run = meta.get("config", {})
-    if run.get("lora") and not merge:
+    from shardplug.pretrained import peft
+
+    adapters = peft.of_run(meta.get("config", {}))
+    if adapters and not merge:
         raise ConfigError(
-            f"{checkpoint_dir}: the run trained low-rank adapters (--lora {run['lora']}): give "
+            f"{checkpoint_dir}: the run trained low-rank adapters (--lora {adapters[0]}): give "
             "--merge to write them merged into the base's weights"
         )
-    if merge and not run.get("lora"):
+    if merge and not adapters:
         raise ConfigError(f"--merge: {checkpoint_dir}'s run trained no adapters (no --lora)")
     if merge:
-        stored = _merged(checkpoints, step, meta, run.get("lora_alpha") or run["lora"], run["lora"])
+        stored = _merged(checkpoints, step, meta, adapters[1], adapters[0])
     else:
         stored = {_canonical(n.removeprefix("params/")): _Stored(checkpoints, step, n, meta)
                   for n in meta["arrays"] if n.startswith("params/")}  # fmt: skip
