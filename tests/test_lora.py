@@ -100,6 +100,18 @@ def test_the_adapters_are_laid_out_as_their_weights_input_and_output():
     assert specs["lora/blocks.wi/r"][2] == "model" and specs["lora/blocks.wf/l"][1] == "model"
 
 
+def test_each_expert_has_adapters_of_its_own_split_as_its_weights():
+    task = lora(base(moe=True), RANK)
+    cuts = task.adapter.cuts
+    assert cuts["blocks/experts_in"] == (2, 3, 4) and cuts.get("blocks/router") is None
+    run = task.trainer(strategy="dp+ep", devices=4, precision="float32", allocate=False)
+    specs = dict(zip(leaf_paths(run.state.params), (tuple(s.spec) for s in
+                 jax.tree.leaves(run.state_shardings.params)), strict=True))  # fmt: skip
+    for factor in ("l", "r"):  # (layers, expert, ...): split over the experts as the weight
+        assert specs[f"lora/blocks.experts_in/{factor}"][:2] == specs["base/blocks/experts_in"][:2]
+    assert run.state.params["lora"]["blocks.experts_in"]["l"].shape == (2, 4, 64, RANK)
+
+
 @pytest.mark.parametrize("strategy", LAYOUTS)
 def test_a_lora_fine_tune_trains_as_on_one_device(strategy):
     moe = strategy.endswith("ep")
@@ -137,15 +149,14 @@ def test_the_command_line_fine_tunes_a_pretrained_model_and_resumes_its_adapters
     assert _first_loss(out.out) == plain_first
     lines = [x for x in out.err.splitlines() if x.startswith("shardplug: lora")]
     assert lines == ["shardplug: lora rank 4, alpha 8 on 7 weights: 4.1k trainable parameters "
-                     "beside 24.7k frozen (17%)"]  # fmt: skip
+                     "beside 24.7k frozen (16.6%)"]  # fmt: skip
     resume = ["train", "--resume", "--checkpoint-dir", str(ckpt), "--devices", "2"]
     assert main([*resume, "--steps", "3"]) == 0  # the adapters come back from the checkpoint
     assert "from step 2" in capsys.readouterr().out
     assert main([*resume, "--steps", "4", "--lora", "8"]) == 2
     assert said(capsys.readouterr().err) == [
         f"shardplug: error: --lora 8: the run in {ckpt} was trained with lora 4, and a resumed "
-        "run continues its optimizer and schedule: drop --lora, or train anew in another "
-        "--checkpoint-dir"
+        "run continues its adapters: drop --lora, or train anew in another --checkpoint-dir"
     ]
 
 
@@ -158,7 +169,7 @@ def _first_loss(out):
     [
         (["--lora-alpha", "2"], "--lora-alpha shapes the adapters: give --lora RANK too"),
         (["--lora", "2", "--lora-targets", "nothing_like_this"],
-         "lora: targets 'nothing_like_this' matches no weight of this model; its parameters are "
+         "lora: targets 'nothing_like_this' match no weight of this model; its parameters are "
          "blocks/norm1/bias, blocks/norm1/scale, blocks/norm2/bias, blocks/norm2/scale, "
          "blocks/wf, blocks/wi: give targets, a pattern searched in these paths"),
         (["--lora", "2", "--lora-targets", "norm"],
@@ -267,3 +278,24 @@ def test_adapters_go_out_in_peft_format_and_come_back(tmp_path, capsys):
         "shardplug: error: --lora-from reads PEFT's adapters of a pretrained family: give "
         "--init-from DIR, the model they adapt"
     ]
+
+
+def test_adapters_train_alike_with_their_optimizer_state_off_the_devices():
+    want, _, _ = losses("fsdp")
+    options, devices = LAYOUTS["fsdp"]
+    for offload in ({}, {"offload.update": "host"}):
+        task = lora(base(), RANK)
+        strategy = shardplug.get_strategy("fsdp", addons=["offload"], **options, **offload)
+        run = task.trainer(strategy=strategy, devices=devices, precision="float32")
+        got = [r["loss"] for r in run.fit(iter(batches()), STEPS)]
+        assert got == want, offload
+
+
+def test_the_default_targets_leave_heads_routers_and_unnamed_kernels_alone():
+    for name, expected in (("mlp", ["fc1/kernel", "fc2/kernel"]),
+                           ("classifier", ["fc1/kernel", "fc2/kernel"])):  # fmt: skip
+        assert lora(shardplug.get_model(name).task("nnx"), 8).adapter.targets() == expected
+    with pytest.raises(ConfigError, match="the default targets match no weight of this model"):
+        lora(shardplug.get_model("cnn").task("nnx"), 8)  # its kernels' dimensions: unnamed
+    with pytest.raises(ConfigError, match="rank 64 is not below its input"):
+        lora(base(), 64, targets="wi")

@@ -6,6 +6,7 @@ exactly, and every bad knob in one line."""
 
 import json
 import math
+import re
 
 import numpy as np
 import optax
@@ -136,3 +137,41 @@ def test_a_bad_knob_is_one_line(flags, message, capsys):
 def test_a_bad_knob_from_python_is_a_typed_error():
     with pytest.raises(ConfigError, match="optimizer must be one of adam, adamw, sgd, got 'lamb'"):
         Optimizer("lamb")
+
+
+def test_a_resume_refuses_to_run_past_its_schedules_end_or_to_change_a_default_knob(
+    tmp_path, capsys
+):
+    ckpt = tmp_path / "c"
+    common = ["train", "--model", "mlp", "--devices", "2", "--quiet"]
+    assert main([*common, "--schedule", "cosine", "--steps", "2", "--checkpoint-dir",
+                 str(ckpt), "--checkpoint-every", "2"]) == 0  # fmt: skip
+    capsys.readouterr()
+    resume = ["train", "--resume", "--checkpoint-dir", str(ckpt)]
+    assert main([*resume, "--steps", "4"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"shardplug: error: --steps 4: the run in {ckpt} has a cosine schedule that ends at "
+        "step 2 (its first run's --steps); the steps after it would train at --end-lr 0: give "
+        "--steps 2, or train anew with --decay-steps"
+    ]
+    assert main([*resume, "--steps", "2", "--clip-norm", "1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"shardplug: error: --clip-norm 1.0: the run in {ckpt} was trained with the default "
+        "clip norm, and a resumed run continues its optimizer and schedule: drop --clip-norm, "
+        "or train anew in another --checkpoint-dir"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"lr": None}, "--lr must be a number, got None"),
+        ({"warmup": 2.5}, "--warmup must be a whole number of steps, got 2.5"),
+        ({"decay_steps": 5}, "--decay-steps is where a decaying --schedule ends; constant has"),
+        ({"schedule": "wsd", "warmup": 9, "decay_steps": 10},
+         "a wsd schedule falls over its last 2 steps (20% of 10), from step 8; a --warmup of 9"),
+    ],
+)  # fmt: skip
+def test_from_python_each_bad_value_is_a_typed_error(options, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Optimizer("adam", **{"lr": 1e-3, **options})

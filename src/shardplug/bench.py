@@ -353,7 +353,8 @@ def bench(
         name = f"{strategy} by hand"
         contenders.append(_HandWritten(name, "hand-written", t, model, first, samples, tokens,
                                        strategy))  # fmt: skip
-    if task.adapter.framework == "nnx" and "dp" in strategies:
+    # Flax's own loop trains an NNX module whole: not a model wrapped in adapters (LoRA)
+    if task.adapter.framework == "nnx" and hasattr(task.adapter, "graphdef") and "dp" in strategies:
         say("compiling the nnx.jit loop")
         contenders.append(_NnxJit("dp as nnx.jit", trainers["dp"], model, first, samples, tokens))
     say("compiling one device")

@@ -8,7 +8,8 @@ reaches the model through ``jax.lax.stop_gradient``, so no gradient of it is com
 task's optimizer runs through ``optax.masked`` on the factors alone, so no optimizer state
 exists for it. ``R`` starts at zero: the first step's loss is the base model's, exactly.
 
-A weight's dimensions after its layer-stack dimension (logical name ``layers``) are cut into
+A weight's dimensions after its stacked ones (logical names ``layers`` and ``expert``: each
+layer's, each expert's weight gets adapters of its own) are cut into
 its input and output: where the model annotates ``embed`` first, that one dimension is the
 input; where ``embed`` comes last, it is the output; otherwise the first dimension is the
 input. ``L`` is ``(*layers, *input, r)`` and ``R`` ``(*layers, r, *output)``, annotated with
@@ -32,11 +33,14 @@ from shardplug.errors import ConfigError
 from shardplug.models.adapter import Adapter
 
 #: a parameter on a path with a component like these is no target by default: embeddings,
-#: positions, the output head, norms
+#: positions, the output head, norms, a mixture's router
 NOT_TARGETS = re.compile(
-    r"(^|/)([^/]*embed[^/]*|[^/]*position[^/]*|head|lm_head|wte|wpe|output|[^/]*norm[^/]*)(/|$)"
+    r"(^|/)([^/]*embed[^/]*|[^/]*position[^/]*|head|lm_head|wte|wpe|out|output|logits"
+    r"|[^/]*norm[^/]*|[^/]*router[^/]*)(/|$)"
 )
-LAYERS = "layers"
+#: leading dimensions that hold one weight each (a layer stack's layers, a mixture's experts):
+#: each gets adapters of its own
+STACKED = ("layers", "expert", "experts")
 
 
 class LoraAdapter(Adapter):
@@ -47,8 +51,8 @@ class LoraAdapter(Adapter):
     :param rank: each adapter's rank ``r``.
     :param alpha: the adapters' scale is ``alpha / rank`` (default ``rank``: 1).
     :param targets: a regular expression searched in each parameter's path; default: every
-        floating-point matrix but embeddings, positions, the output head and norms (the
-        attention and MLP projections).
+        floating-point matrix but embeddings, positions, the output head, norms and a
+        mixture's router (the attention and MLP projections, each expert's).
     :param seed: the seed of ``L``'s initial values (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``).
     :param initial: the factors to start from instead (adapters trained before, such as
         PEFT's: :mod:`shardplug.pretrained.peft`), by their weight's path: ``(L, R)``.
@@ -99,7 +103,7 @@ class LoraAdapter(Adapter):
 
         return (f"rank {self.rank}, alpha {self.alpha:g} on {len(self.targets())} weights: "
                 f"{count(self.size)} trainable parameters beside {count(self.base_size)} frozen "
-                f"({100 * self.size / self.base_size:.2g}%)")  # fmt: skip
+                f"({100 * self.size / self.base_size:.3g}%)")  # fmt: skip
 
     reduce_per_shard = True  # each shard's merged-weight gradient contracted to the factors'
 
@@ -167,27 +171,39 @@ class LoraAdapter(Adapter):
                                              strict=True)):  # fmt: skip
             names = tuple(specs[i]) if specs is not None else ()
             names = names + (None,) * (leaf.ndim - len(names))
-            lead = 1 if names and names[0] == LAYERS else 0
+            lead = 0
+            while lead < leaf.ndim and names[lead] in STACKED:
+                lead += 1
             chosen = (self.pattern.search(path) is not None if self.pattern is not None
                       else NOT_TARGETS.search(path) is None)  # fmt: skip
-            usable = jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim - lead >= 2
-            if chosen and not usable and self.pattern is not None:
+            cut = lead + 1
+            if lead < leaf.ndim and names[lead] != "embed" and names[leaf.ndim - 1] == "embed":
+                cut = leaf.ndim - 1
+            # a weight of more than two dimensions says by its names which are its input
+            # (a convolution's kernel or an unnamed stack does not: no target by default)
+            named = any(n is not None for n in names[lead:])
+            fan_in, fan_out = math.prod(leaf.shape[lead:cut]), math.prod(leaf.shape[cut:])
+            why = None
+            if not jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.ndim - lead < 2:
+                why = ("an adapter needs a floating-point weight with an input and an output "
+                       "dimension")  # fmt: skip
+            elif leaf.ndim - lead > 2 and not named:
+                why = ("its dimensions are not named (the model's annotations or rules), so "
+                       "which are its input is not known")  # fmt: skip
+            elif self.rank >= min(fan_in, fan_out):
+                why = (f"rank {self.rank} is not below its input ({fan_in}) and output "
+                       f"({fan_out}): an adapter would be no smaller than the weight")  # fmt: skip
+            if chosen and why is not None and self.pattern is not None:
                 raise ConfigError(
                     f"lora: targets {self.pattern.pattern!r} match {path}, of shape "
-                    f"{tuple(leaf.shape)} and {leaf.dtype}: an adapter needs a floating-point "
-                    f"weight with an input and an output dimension; narrow the pattern"
+                    f"{tuple(leaf.shape)} and {leaf.dtype}: {why}; narrow the pattern"
                 )
-            if not (chosen and usable):
-                cuts[path] = None
-                continue
-            cut = lead + 1
-            if names[lead] != "embed" and names[leaf.ndim - 1] == "embed":
-                cut = leaf.ndim - 1
-            cuts[path] = (lead, cut, leaf.ndim)
+            cuts[path] = (lead, cut, leaf.ndim) if chosen and why is None else None
         if not any(c is not None for c in cuts.values()):
-            said = f"targets {self.pattern.pattern!r}" if self.pattern is not None else "no default"
+            said = (f"targets {self.pattern.pattern!r}" if self.pattern is not None
+                    else "the default targets")  # fmt: skip
             raise ConfigError(
-                f"lora: {said} matches no weight of this model; its parameters are "
+                f"lora: {said} match no weight of this model; its parameters are "
                 f"{', '.join(list(cuts)[:6])}: give targets, a pattern searched in these paths"
             )
         return cuts

@@ -68,6 +68,16 @@ class Optimizer:
             raise ConfigError(
                 f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
             )
+        for field in ("lr", "weight_decay", "momentum", "end_lr", "clip_norm"):
+            value = getattr(self, field)
+            if (value is None and field != "lr") or (
+                isinstance(value, int | float) and not isinstance(value, bool)):  # fmt: skip
+                continue
+            raise ConfigError(f"{_flag(field)} must be a number, got {value!r}")
+        for field in ("warmup", "decay_steps"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ConfigError(f"{_flag(field)} must be a whole number of steps, got {value!r}")
         for field, value in (("lr", self.lr), ("clip_norm", self.clip_norm)):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{_flag(field)} must be a positive number, got {value}")
@@ -87,6 +97,9 @@ class Optimizer:
         if self.schedule == "constant":
             if self.end_lr:
                 raise ConfigError("--end-lr is where a decaying --schedule ends; constant has none")
+            if self.decay_steps is not None:
+                raise ConfigError("--decay-steps is where a decaying --schedule ends; constant "
+                                  "has none: give --schedule cosine, linear or wsd")  # fmt: skip
             return
         if self.decay_steps is None or self.decay_steps <= self.warmup:
             raise ConfigError(
@@ -96,6 +109,13 @@ class Optimizer:
             )
         if self.end_lr > self.lr:
             raise ConfigError(f"--end-lr {self.end_lr} is above --lr {self.lr}: a decay falls")
+        falling = max(1, round(WSD_DECAY * self.decay_steps))
+        if self.schedule == "wsd" and self.warmup > self.decay_steps - falling:
+            raise ConfigError(
+                f"a wsd schedule falls over its last {falling} steps (20% of "
+                f"{self.decay_steps}), from step {self.decay_steps - falling}; a --warmup of "
+                f"{self.warmup} runs into that: give a shorter warmup or more steps"
+            )
 
     def learning_rate(self) -> Any:
         """The learning rate: the number itself where it is constant with no warmup, else an

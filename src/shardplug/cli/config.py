@@ -155,8 +155,11 @@ class RunConfig:
     def recorded(self) -> dict[str, Any]:
         """What a checkpoint keeps of this run, for ``--resume`` and ``export`` to read."""
         adapters = {k: getattr(self, k) for k in LORA if getattr(self, k) is not None}
-        if self.lora_from is not None:
+        if self.lora_from is not None:  # its rank and alpha too: the files may move
             adapters["lora_from"] = str(Path(self.lora_from).resolve())
+            from shardplug.pretrained.peft import settings
+
+            adapters["lora_from_rank"], adapters["lora_from_alpha"] = settings(self.lora_from)
         if self.task is not None:
             return {"task": self.task, "seed": self.seed, **adapters}
         if self.init_from is not None:
@@ -319,17 +322,34 @@ def _filled(config: RunConfig, values: Mapping[str, Any], saved: Mapping[str, An
     that disagrees with the checkpoint's refused: a resumed run continues its optimizer)."""
     for name in (*KNOBS, *LORA):
         given, was = getattr(config, name), saved.get(name)
-        if was is not None and given is not None and given != was:
-            raise ConfigError(
-                f"{_flag(name)} {given}: the run in {config.checkpoint_dir} was trained with "
-                f"{name.replace('_', ' ')} {was}, and a resumed run continues its optimizer "
-                f"and schedule: drop {_flag(name)}, or train anew in another --checkpoint-dir"
-            )
+        if name == "lora_from" and given is not None:
+            given = str(Path(given).resolve())
+        recorded = name in saved or (name in LORA and saved)  # a run without adapters: None
+        if given is None or not recorded or given == was:
+            continue
+        had = f"{name.replace('_', ' ')} {was}"
+        if was is None:
+            had = "no adapters" if name in LORA else f"the default {name.replace('_', ' ')}"
+        keeps = "its adapters" if name in LORA else "its optimizer and schedule"
+        raise ConfigError(
+            f"{_flag(name)} {getattr(config, name)}: the run in {config.checkpoint_dir} was "
+            f"trained with {had}, and a resumed run continues {keeps}: drop {_flag(name)}, "
+            f"or train anew in another --checkpoint-dir"
+        )
     config = dataclasses.replace(
         config, **{k: v for k, v in values.items() if getattr(config, k) is None}
     )
     if config.seed is None:
         config = dataclasses.replace(config, seed=DEFAULTS["seed"])
+    if saved and config.schedule not in (None, "constant") and config.decay_steps and (
+        config.steps or 0) > config.decay_steps:  # fmt: skip
+        raise ConfigError(
+            f"--steps {config.steps}: the run in {config.checkpoint_dir} has a "
+            f"{config.schedule} schedule that ends at step {config.decay_steps} (its first "
+            f"run's --steps); the steps after it would train at --end-lr "
+            f"{config.end_lr or 0:g}: give --steps {config.decay_steps}, or train anew with "
+            f"--decay-steps"
+        )
     check_what(config)
     return config
 

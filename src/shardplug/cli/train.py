@@ -49,7 +49,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     _check_profile(config, start)
     if what.optimizer is not None and primary:  # the run's first lines: what it trains with
         print(f"shardplug: optimizer {what.optimizer.describe()}", file=sys.stderr)
-    if config.lora is not None and primary:
+    if (config.lora is not None or config.lora_from is not None) and primary:
         print(f"shardplug: lora {task.adapter.describe()}", file=sys.stderr)
     with logged(config, start, primary) as log:
         evaluation = {}

@@ -239,8 +239,10 @@ def leafwise(optimizer: Any, grads: Any, opt_state: Any, params: Any) -> list[in
 
     count = len(jax.tree.leaves(params))
     index = jax.tree.unflatten(jax.tree.structure(params), list(range(count)))
+    masked = optax.MaskedNode  # a parameter an optax.masked update leaves alone: no state
     labels = jax.tree.leaves(optax.tree_utils.tree_map_params(
-        optimizer, lambda _, i: i, opt_state, index, transform_non_params=lambda _: -1,
+        optimizer, lambda s, i: s if isinstance(s, masked) else i, opt_state, index,
+        transform_non_params=lambda _: -1, is_leaf=lambda x: isinstance(x, masked),
     ))  # fmt: skip
     if len(labels) != len(jax.tree.leaves(opt_state)):
         return None
@@ -341,8 +343,11 @@ def update_in_pieces(
                              strict=True))}  # fmt: skip
         here = jax.device_put(brought[1], device) if away[i] else p_leaves[i]
         state = optax.tree_utils.tree_map_params(
-            optimizer, lambda k, j, i=i: k if j == i else optax.MaskedNode(), positions, index,
-            transform_non_params=lambda k: k,
+            optimizer,
+            lambda k, j, i=i: k if j == i and not isinstance(k, optax.MaskedNode)
+            else optax.MaskedNode(),
+            positions, index, transform_non_params=lambda k: k,
+            is_leaf=lambda x: isinstance(x, optax.MaskedNode),
         )  # fmt: skip
         present = jax.tree.leaves(state)  # the state leaves this piece reads, in tree order
         before = state = jax.tree.map(lambda k, values=values: values[k], state)

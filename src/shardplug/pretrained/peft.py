@@ -129,15 +129,22 @@ def write(directory: str | pathlib.Path, c: DecoderConfig, factors: dict[str, An
     (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
+def settings(directory: str | pathlib.Path) -> tuple[int, float]:
+    """``(rank, alpha)`` of PEFT's adapters in ``directory``, from their config."""
+    where = pathlib.Path(directory) / CONFIG
+    if not where.is_file():
+        raise PretrainedError(f"--lora-from {directory}: no {CONFIG} there (PEFT's adapters)")
+    config = json.loads(where.read_text())
+    return int(config["r"]), float(config["lora_alpha"])
+
+
 def of_run(run: dict[str, Any]) -> tuple[int, float] | None:
     """``(rank, alpha)`` of the adapters a run recorded in its checkpoints' config (``--lora``
     or ``--lora-from``'s), or None for a run without."""
+    if run.get("lora_from_rank"):
+        return int(run["lora_from_rank"]), float(run["lora_from_alpha"])
     if run.get("lora_from"):
-        where = pathlib.Path(run["lora_from"]) / CONFIG
-        if not where.is_file():
-            raise PretrainedError(f"{where}: the run's --lora-from adapters are gone from there")
-        config = json.loads(where.read_text())
-        return int(config["r"]), float(config["lora_alpha"])
+        return settings(run["lora_from"])
     if run.get("lora"):
         return int(run["lora"]), float(run.get("lora_alpha") or run["lora"])
     return None
