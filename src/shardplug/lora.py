@@ -156,7 +156,7 @@ class LoraAdapter(Adapter):
             cut = self.cuts.get(path)
             if cut is not None:
                 f = params["lora"][_key(path)]
-                delta = self.scale * _delta(f["l"], f["r"], cut[0], w.shape)
+                delta = self.scale * low_rank_delta(f["l"], f["r"], cut[0], w.shape)
                 w = w + delta.astype(w.dtype)
             follow(given, w)  # a stack gathered a layer at a time (fsdp) gathers this alike
             out.append(w)
@@ -249,15 +249,17 @@ class LoraAdapter(Adapter):
         return {"base": base, "lora": factors}
 
 
-def _delta(left: jax.Array, right: jax.Array, lead: int, shape: tuple[int, ...]) -> jax.Array:
+def low_rank_delta(left: Any, right: Any, lead: int, shape: tuple[int, ...],
+                   einsum: Any = jnp.einsum) -> Any:  # fmt: skip
     """``L @ R`` over the rank, shaped as the weight: one contraction over named dimensions
-    (no reshape, which would merge dimensions the strategy split apart)."""
+    (no reshape, which would merge dimensions the strategy split apart); ``einsum``:
+    ``numpy.einsum`` for host arrays (an export's merge)."""
     letters = "abcdefghijklmnopqstuvwxyz"  # r is the rank's
     cut = left.ndim - 1
     dims = letters[: len(shape)]
     l_idx = dims[:cut] + "r"
     r_idx = dims[:lead] + "r" + dims[cut:]
-    return jnp.einsum(f"{l_idx},{r_idx}->{dims}", left, right)
+    return einsum(f"{l_idx},{r_idx}->{dims}", left, right)
 
 
 def _specs(annotations: Any) -> list[Any]:

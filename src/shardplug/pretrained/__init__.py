@@ -442,9 +442,9 @@ def _gathered(leaf: jax.Array) -> Any:
 
 def _merge(weight: np.ndarray, left: np.ndarray, right: np.ndarray, scale: float) -> np.ndarray:
     """``weight + scale L @ R`` (:mod:`shardplug.lora`'s factors), in float32, cast back."""
-    cut = left.ndim - 1
-    lead = right.ndim - 1 - (weight.ndim - cut)
-    l2 = left.reshape(*left.shape[:lead], -1, left.shape[-1]).astype(np.float32)
-    r2 = right.reshape(*right.shape[: lead + 1], -1).astype(np.float32)
-    delta = np.matmul(l2, r2).reshape(weight.shape)
-    return (weight.astype(np.float32) + scale * delta).astype(weight.dtype)
+    from shardplug.lora import low_rank_delta
+
+    lead = right.ndim - 1 - (weight.ndim - (left.ndim - 1))
+    f32 = np.float32
+    delta = low_rank_delta(left.astype(f32), right.astype(f32), lead, weight.shape, np.einsum)
+    return (weight.astype(f32) + scale * delta).astype(weight.dtype)

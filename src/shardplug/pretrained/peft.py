@@ -53,10 +53,7 @@ def read(directory: str | pathlib.Path, c: DecoderConfig) -> tuple[int, float, d
     from shardplug.pretrained.safetensors import Tensors
 
     directory = pathlib.Path(directory)
-    where = directory / CONFIG
-    if not where.is_file():
-        raise PretrainedError(f"--lora-from {directory}: no {CONFIG} there (PEFT's adapters)")
-    config = json.loads(where.read_text())
+    where, config = directory / CONFIG, _config(directory)
     if config.get("peft_type") != "LORA":
         raise PretrainedError(f"{where}: peft_type {config.get('peft_type')!r}, not LORA")
     for key, plain in UNSUPPORTED.items():
@@ -129,12 +126,17 @@ def write(directory: str | pathlib.Path, c: DecoderConfig, factors: dict[str, An
     (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
-def settings(directory: str | pathlib.Path) -> tuple[int, float]:
-    """``(rank, alpha)`` of PEFT's adapters in ``directory``, from their config."""
+def _config(directory: str | pathlib.Path) -> dict[str, Any]:
+    """PEFT's ``adapter_config.json`` in ``directory``; one line where there is none."""
     where = pathlib.Path(directory) / CONFIG
     if not where.is_file():
         raise PretrainedError(f"--lora-from {directory}: no {CONFIG} there (PEFT's adapters)")
-    config = json.loads(where.read_text())
+    return json.loads(where.read_text())
+
+
+def settings(directory: str | pathlib.Path) -> tuple[int, float]:
+    """``(rank, alpha)`` of PEFT's adapters in ``directory``, from their config."""
+    config = _config(directory)
     return int(config["r"]), float(config["lora_alpha"])
 
 
