@@ -16,10 +16,20 @@ input. ``L`` is ``(*layers, *input, r)`` and ``R`` ``(*layers, r, *output)``, an
 the weight's own logical names, so every parallelism lays them out as their weight: ``L``
 split as the weight's input, ``R`` as its output (tensor parallelism's column and row
 splits, fsdp's, a pipeline's stage split of the layers).
+
+A weight of a layer stack (``layers`` first) is merged one layer at a time, inside the
+stack's loop (:func:`shardplug.core.layer_gather.made_by_layer`): the step never holds the
+whole merged model, nor its gradient.
+
+QLoRA: with ``quantize`` (``int8``, ``int4`` or ``nf4``) the frozen base's targets are
+stored quantized by Qwix (:func:`qwix.quantize`; 8-bit with one scale per output, 4-bit with
+one per block of 64 inputs, as QLoRA's) and dequantized in the forward pass, a layer at a
+time in a stack: the base costs 1 or 1/2 byte a parameter where it is the adapters' target.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any
@@ -28,9 +38,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core.layer_stack import LAYERS
 from shardplug.core.sharding import leaf_paths
 from shardplug.errors import ConfigError
 from shardplug.models.adapter import Adapter
+from shardplug.quantize import QTYPES, Quantized, is_quantized, layout, quantized
 
 #: a parameter on a path with a component like these is no target by default: embeddings,
 #: positions, the output head, norms, a mixture's router
@@ -56,17 +68,23 @@ class LoraAdapter(Adapter):
     :param seed: the seed of ``L``'s initial values (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``).
     :param initial: the factors to start from instead (adapters trained before, such as
         PEFT's: :mod:`shardplug.pretrained.peft`), by their weight's path: ``(L, R)``.
+    :param quantize: QLoRA: store the targets' frozen weights quantized, ``int8``, ``int4``
+        or ``nf4`` (see the module).
     """
 
     def __init__(self, base: Adapter, rank: int, *, alpha: float | None = None,
                  targets: str | None = None, seed: int = 0,
-                 initial: dict[str, tuple[Any, Any]] | None = None):  # fmt: skip
+                 initial: dict[str, tuple[Any, Any]] | None = None,
+                 quantize: str | None = None):  # fmt: skip
         if not isinstance(base, Adapter):
             raise ConfigError(f"lora: base must be a shardplug adapter, got {type(base).__name__}")
         if isinstance(base, LoraAdapter):
             raise ConfigError("lora: this model already has adapters: give its base instead")
         if not (isinstance(rank, int) and rank > 0):
             raise ConfigError(f"lora: rank must be a positive integer, got {rank!r}")
+        if quantize is not None and quantize not in QTYPES:
+            raise ConfigError(f"lora: quantize must be one of {', '.join(QTYPES)}, got "
+                              f"{quantize!r}")  # fmt: skip
         if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
             raise ConfigError(f"lora: alpha must be a positive number, got {alpha}")
         try:
@@ -76,9 +94,12 @@ class LoraAdapter(Adapter):
                 f"lora: targets {targets!r} is not a regular expression ({e})"
             ) from None
         self.base, self.rank, self.seed, self.initial = base, rank, seed, initial or {}
+        self.quantize = quantize
         self.alpha = float(alpha if alpha is not None else rank)
         self.framework = base.framework
         abstract_params, _ = base.abstract(jax.random.key(0))
+        self.abstract_base = abstract_params
+        self.paths = leaf_paths(abstract_params)
         self.cuts = self._cuts(abstract_params, base.annotations(abstract_params))
         self.base_size = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
         unknown = sorted(set(self.initial) - set(self.targets()))
@@ -88,7 +109,8 @@ class LoraAdapter(Adapter):
             jax.eval_shape(lambda: self._factors(abstract_params))))  # fmt: skip
         if base.variables is not None:
             params, state = base.variables
-            self.variables = ({"base": params, "lora": self._factors(params)}, state)
+            self.variables = ({"base": self._stored(params), "lora": self._factors(params)},
+                              state)  # fmt: skip
         if base.weights is not None:
             self.weights = self._read
 
@@ -101,9 +123,10 @@ class LoraAdapter(Adapter):
         parameters beside 8.03B frozen (0.52%)``."""
         from shardplug.units import count
 
+        stored = f" in {self.quantize}" if self.quantize else ""
         return (f"rank {self.rank}, alpha {self.alpha:g} on {len(self.targets())} weights: "
-                f"{count(self.size)} trainable parameters beside {count(self.base_size)} frozen "
-                f"({100 * self.size / self.base_size:.3g}%)")  # fmt: skip
+                f"{count(self.size)} trainable parameters beside {count(self.base_size)} frozen"
+                f"{stored} ({100 * self.size / self.base_size:.3g}%)")  # fmt: skip
 
     reduce_per_shard = True  # each shard's merged-weight gradient contracted to the factors'
 
@@ -118,13 +141,19 @@ class LoraAdapter(Adapter):
 
     def init(self, rng: jax.Array) -> tuple[Any, Any]:
         params, state = self.base.init(rng)
-        return {"base": params, "lora": self._factors(params)}, state
+        return {"base": self._stored(params), "lora": self._factors(params)}, state
 
     def model_annotations(self, params: Any) -> Any:
-        base = self.base.annotations(params["base"])
+        plain = jax.tree.map(_abstract, params["base"], is_leaf=is_quantized)
+        base = self.base.annotations(plain)
         if base is None:
-            base = jax.tree.map(lambda _: P(), params["base"])
-        specs = dict(zip(leaf_paths(params["base"]), _specs(base), strict=True))
+            base = jax.tree.map(lambda _: P(), plain)
+        specs = dict(zip(self.paths, _specs(base), strict=True))
+        if self.quantize is not None:  # qvalue as the weight, its scale where it has the dim
+            stored = jax.tree.leaves(params["base"], is_leaf=is_quantized)
+            base = jax.tree.unflatten(jax.tree.structure(plain), [
+                layout(w, specs[path]) for path, w in zip(self.paths, stored, strict=True)
+            ])  # fmt: skip
         factors = {}
         for path, cut in self.cuts.items():
             if cut is None:
@@ -147,26 +176,54 @@ class LoraAdapter(Adapter):
         """The base's parameters with each target's adapter merged in, ``W + scale L @ R``,
         the base held fixed (``stop_gradient``): the model's own parameters, for its forward
         pass or to export."""
-        from shardplug.core.layer_gather import follow
+        from shardplug.core.layer_gather import follow, made_by_layer
 
-        leaves, tree = jax.tree.flatten(params["base"])
+        leaves, tree = jax.tree.flatten(params["base"], is_leaf=is_quantized)
         out = []
-        for path, given in zip(leaf_paths(params["base"]), leaves, strict=True):
+        for path, given in zip(self.paths, leaves, strict=True):
             w = jax.lax.stop_gradient(given)
+            for old, new in zip(jax.tree.leaves(given), jax.tree.leaves(w), strict=True):
+                follow(old, new)  # a stack gathered a layer at a time (fsdp) gathers this alike
             cut = self.cuts.get(path)
-            if cut is not None:
-                f = params["lora"][_key(path)]
-                delta = self.scale * low_rank_delta(f["l"], f["r"], cut[0], w.shape)
-                w = w + delta.astype(w.dtype)
-            follow(given, w)  # a stack gathered a layer at a time (fsdp) gathers this alike
-            out.append(w)
+            if cut is None:
+                out.append(w)
+                continue
+            f = params["lora"][_key(path)]
+            parts = (w, f["l"], f["r"])
+            whole = self._made(parts, cut[0])
+            follow(given, whole)
+            if path in self.by_layer:  # a layer stack makes one layer's at a time instead
+                made_by_layer(whole, parts, lambda layer, lead=cut[0] - 1: self._made(layer, lead))
+            out.append(whole)
         return jax.tree.unflatten(tree, out)
+
+    def _made(self, parts: tuple[Any, Any, Any], lead: int) -> Any:
+        """``W + scale L @ R`` of a weight's parts (``W`` dequantized where it is stored
+        quantized); ``lead``: its stacked dimensions."""
+        w, left, right = parts
+        if is_quantized(w):
+            w = w.dequantized()
+        return w + (self.scale * low_rank_delta(left, right, lead, w.shape)).astype(w.dtype)
+
+    def _stored(self, params: Any) -> Any:
+        """The base's parameters as stored: each target quantized where asked (QLoRA)."""
+        if self.quantize is None:
+            return params
+        leaves, tree = jax.tree.flatten(params)
+        return jax.tree.unflatten(tree, [
+            w if self.cuts.get(path) is None else self._quantized(w, self.cuts[path])
+            for path, w in zip(self.paths, leaves, strict=True)
+        ])  # fmt: skip
+
+    def _quantized(self, w: Any, cut: tuple[int, int, int]) -> Quantized:
+        return quantized(w, self.quantize, cut[0], cut[1])
 
     def _cuts(self, params: Any, annotations: Any | None) -> dict[str, tuple[int, int, int] | None]:
         """Each parameter's path: ``(lead, cut, ndim)`` for a target (its layer dimensions,
         where its input ends, its dimensions), None for the rest."""
         specs = _specs(annotations) if annotations is not None else None
         cuts: dict[str, tuple[int, int, int] | None] = {}
+        self.by_layer: set[str] = set()  # targets stacked by a layer stack (a scan's)
         for i, (path, leaf) in enumerate(zip(leaf_paths(params), jax.tree.leaves(params),
                                              strict=True)):  # fmt: skip
             names = tuple(specs[i]) if specs is not None else ()
@@ -199,6 +256,8 @@ class LoraAdapter(Adapter):
                     f"{tuple(leaf.shape)} and {leaf.dtype}: {why}; narrow the pattern"
                 )
             cuts[path] = (lead, cut, leaf.ndim) if chosen and why is None else None
+            if cuts[path] is not None and names[0] == LAYERS:
+                self.by_layer.add(path)
         if not any(c is not None for c in cuts.values()):
             said = (f"targets {self.pattern.pattern!r}" if self.pattern is not None
                     else "the default targets")  # fmt: skip
@@ -243,10 +302,17 @@ class LoraAdapter(Adapter):
 
     def _read(self, shardings: Any) -> Any:
         """A pretrained base read into its shardings, the factors made in theirs."""
-        base = self.base.weights(shardings["base"])
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), base)
-        factors = jax.jit(lambda: self._factors(abstract), out_shardings=shardings["lora"])()
-        return {"base": base, "lora": factors}
+        stored = jax.tree.leaves(shardings["base"], is_leaf=is_quantized)
+        plain = [s.values if is_quantized(s) else s for s in stored]  # the weight's own
+        tree = jax.tree.structure(self.abstract_base)
+        leaves = jax.tree.leaves(self.base.weights(jax.tree.unflatten(tree, plain)))
+        for i, (path, sharding) in enumerate(zip(self.paths, stored, strict=True)):
+            if is_quantized(sharding):  # one weight at a time, let go as it is quantized
+                quantize = functools.partial(self._quantized, cut=self.cuts[path])
+                leaves[i] = jax.jit(quantize, out_shardings=sharding)(leaves[i])
+        factors = jax.jit(lambda: self._factors(self.abstract_base),
+                          out_shardings=shardings["lora"])()  # fmt: skip
+        return {"base": jax.tree.unflatten(tree, leaves), "lora": factors}
 
 
 def low_rank_delta(left: Any, right: Any, lead: int, shape: tuple[int, ...],
@@ -262,6 +328,11 @@ def low_rank_delta(left: Any, right: Any, lead: int, shape: tuple[int, ...],
     return einsum(f"{l_idx},{r_idx}->{dims}", left, right)
 
 
+def _abstract(w: Any) -> Any:
+    """A stored base weight as the model takes it: its shape and dtype."""
+    return jax.ShapeDtypeStruct(w.shape, w.dtype)
+
+
 def _specs(annotations: Any) -> list[Any]:
     return jax.tree.leaves(annotations, is_leaf=lambda x: isinstance(x, P))
 
@@ -272,7 +343,8 @@ def _key(path: str) -> str:
 
 
 def with_lora(task: Any, rank: int, *, alpha: float | None = None, targets: str | None = None,
-              seed: int = 0, initial: dict[str, tuple[Any, Any]] | None = None) -> Any:  # fmt: skip
+              seed: int = 0, initial: dict[str, tuple[Any, Any]] | None = None,
+              quantize: str | None = None) -> Any:  # fmt: skip
     """``task`` fine-tuned through low-rank adapters (see the module and
     :class:`LoraAdapter`): the same loss and data, the model frozen, its optimizer on the
     adapters alone."""
@@ -281,7 +353,7 @@ def with_lora(task: Any, rank: int, *, alpha: float | None = None, targets: str 
     import optax
 
     adapter = LoraAdapter(task.adapter, rank, alpha=alpha, targets=targets, seed=seed,
-                          initial=initial)  # fmt: skip
+                          initial=initial, quantize=quantize)  # fmt: skip
 
     masked = optax.masked(task.optimizer, adapter.trainable)
     return dataclasses.replace(task, adapter=adapter, optimizer=masked,

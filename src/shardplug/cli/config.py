@@ -21,7 +21,7 @@ from shardplug.errors import CheckpointError, ConfigError, MeshError, StrategyOp
 KNOBS = ("optimizer", "weight_decay", "momentum", "schedule", "warmup", "decay_steps", "end_lr",
          "clip_norm")  # fmt: skip
 #: the adapters' flags: any run may take them, a resumed run keeps them
-LORA = ("lora", "lora_alpha", "lora_targets", "lora_from")
+LORA = ("lora", "lora_alpha", "lora_targets", "lora_from", "lora_quantize")
 #: what only a reference model takes: a task brings its own
 MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", *KNOBS, "experts", "top_k",
               "capacity_factor", "capacity_groups", "bias_rate")  # fmt: skip
@@ -76,6 +76,7 @@ class RunConfig:
     lora_alpha: float | None = None
     lora_targets: str | None = None
     lora_from: str | None = None
+    lora_quantize: str | None = None
     seed: int | None = None
     # how: the strategy and the devices
     strategy: str = "dp"
@@ -214,6 +215,9 @@ def check_what(config: RunConfig) -> None:
         for name in ("lora_alpha", "lora_targets"):
             if getattr(config, name) is not None:
                 raise ConfigError(f"{_flag(name)} shapes the adapters: give --lora RANK too")
+        if config.lora_quantize is not None:
+            raise ConfigError("--lora-quantize stores the frozen base that adapters train on "
+                              "(QLoRA): give --lora RANK too")  # fmt: skip
     if config.task is None:
         config.optim()  # a knob that is not one, or knobs that do not go together: one line
     if init_from is not None:
@@ -330,6 +334,8 @@ def _filled(config: RunConfig, values: Mapping[str, Any], saved: Mapping[str, An
         had = f"{name.replace('_', ' ')} {was}"
         if was is None:
             had = "no adapters" if name in LORA else f"the default {name.replace('_', ' ')}"
+            if name == "lora_quantize" and (saved.get("lora") or saved.get("lora_from")):
+                had = "its base unquantized"
         keeps = "its adapters" if name in LORA else "its optimizer and schedule"
         raise ConfigError(
             f"{_flag(name)} {getattr(config, name)}: the run in {config.checkpoint_dir} was "

@@ -201,6 +201,10 @@ def _lora(parser: Any) -> None:
     add("--lora-from", default=None, metavar="DIR",
         help="with --init-from: start from PEFT's adapters in DIR (adapter_config.json, "
         "adapter_model.safetensors), their rank, alpha and targets")  # fmt: skip
+    add("--lora-quantize", default=None, choices=("int8", "int4", "nf4"),
+        help="QLoRA: keep the frozen weights the adapters train on quantized by Qwix, 8-bit "
+        "or 4-bit (int4, or nf4: QLoRA's NormalFloat), dequantized a layer at a time in the "
+        "forward pass")  # fmt: skip
     add("--lora-targets", default=None, metavar="REGEX",
         help="the weights with adapters: a pattern searched in each parameter's path "
         "(default: every matrix but embeddings, positions, the output head and norms)")  # fmt: skip

@@ -36,7 +36,8 @@ def task_of(config: RunConfig, sequence: int | None = None,
         return what
     from shardplug.lora import with_lora
 
-    made = with_lora(what.task, config.lora, alpha=config.lora_alpha, targets=config.lora_targets)
+    made = with_lora(what.task, config.lora, alpha=config.lora_alpha, targets=config.lora_targets,
+                     quantize=config.lora_quantize)  # fmt: skip
     return what._replace(task=made)
 
 
@@ -57,7 +58,7 @@ def _lora_from(config: RunConfig, what: What) -> Any:
         p: factors[decoder_name(p)] for p in leaf_paths(params) if decoder_name(p) in factors
     }
     return with_lora(what.task, rank, alpha=alpha, targets=peft.targets_pattern(list(initial)),
-                     initial=initial)  # fmt: skip
+                     initial=initial, quantize=config.lora_quantize)  # fmt: skip
 
 
 def _what(config: RunConfig, sizes: dict[str, Any]) -> What:

@@ -6,12 +6,19 @@ to :func:`layer_specs`, by the parameter's id).
 The layer stack's scan then constrains each layer's slice to that layout inside the loop
 (:func:`layer_gather`), and :func:`regathered` keeps the gathered layer out of the backward
 pass's residuals, gathering it again there: ZeRO-3, one layer whole at a time.
+
+A stacked weight the step makes from parts before the model runs (LoRA's ``W + s L @ R``,
+a quantized base dequantized) may say how one layer's is made from one layer's parts
+(:func:`made_by_layer`): a stack then scans over the parts and makes each layer's weight
+inside its loop (:func:`made_of`), one layer's at a time; the whole weight, made for a model
+that reads it elsewhere, is left unused and the compiler drops it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,14 +38,41 @@ _LAYER_SPECS: contextvars.ContextVar[dict[int, P] | None] = contextvars.ContextV
 )
 
 
+#: id(a stacked weight made whole) -> (a reference to it, its parts, how a layer's is made)
+_MADE: contextvars.ContextVar[dict[int, tuple[Any, Any, Callable[[Any], Any]]] | None] = (
+    contextvars.ContextVar("shardplug_made_by_layer", default=None)
+)
+
+
 @contextlib.contextmanager
 def layer_specs(specs: dict[int, P]) -> Iterator[None]:
-    """Inside, the stacked parameters named by id are gathered one layer at a time."""
+    """Inside, the stacked parameters named by id are gathered one layer at a time (and
+    weights made by layer, :func:`made_by_layer`, are made inside the stack's loop)."""
     token = _LAYER_SPECS.set({**(_LAYER_SPECS.get() or {}), **specs})
+    made = _MADE.set({**(_MADE.get() or {})})
     try:
         yield
     finally:
+        _MADE.reset(made)
         _LAYER_SPECS.reset(token)
+
+
+def made_by_layer(whole: Any, parts: Any, make: Callable[[Any], Any]) -> None:
+    """``whole``, a stacked weight, is ``make`` applied to ``parts`` (arrays stacked alike)
+    layer by layer: inside the current :func:`layer_specs`, a layer stack given ``whole``
+    runs on ``parts`` and calls ``make`` on each layer's slice of them in its loop."""
+    made = _MADE.get()
+    if made is not None:
+        made[id(whole)] = (weakref.ref(whole), parts, make)
+
+
+def made_of(leaf: Any) -> tuple[Any, Callable[[Any], Any]] | None:
+    """The parts of ``leaf`` and how a layer of it is made of theirs, where
+    :func:`made_by_layer` said; else None."""
+    entry = (_MADE.get() or {}).get(id(leaf))
+    if entry is None or entry[0]() is not leaf:  # an id reused by another array
+        return None
+    return entry[1], entry[2]
 
 
 def follow(old: Any, new: Any) -> None:

@@ -22,7 +22,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core import ops
-from shardplug.core.layer_gather import layer_gather, layer_specs, regathered
+from shardplug.core.layer_gather import layer_gather, layer_specs, made_of, regathered
 from shardplug.core.mesh import is_explicit
 from shardplug.core.remat import remat
 from shardplug.errors import ConfigError
@@ -51,6 +51,7 @@ def run_stack(fn: Callable[..., Any], params: Any, x: jax.Array, policy: str = "
     block's tokens (a mixture of experts' :class:`~shardplug.moe.Tally`): the stack then
     returns ``(x, aux)`` with aux stacked over the layers (a supplied loop that runs the
     blocks on microbatches sums each layer's over them)."""
+    params, fn = _made_in_the_loop(params, fn)
     if per_layer is not None:
         params, user = (params, per_layer), fn
         fn = lambda layer, h: user(layer[0], h, layer[1])  # noqa: E731
@@ -69,6 +70,22 @@ def run_stack(fn: Callable[..., Any], params: Any, x: jax.Array, policy: str = "
         return supplied(block, params, x, layers=layers)
     h, aux = jax.lax.scan(lambda h, layer: split_aux(block(layer, h)), x, params)
     return h if aux is None else (h, aux)
+
+
+def _made_in_the_loop(params: Any, fn: Callable[..., Any]) -> tuple[Any, Callable[..., Any]]:
+    """``params`` with each weight made by layer (``layer_gather.made_by_layer``) replaced by
+    its parts, and ``fn`` making each layer's weight from them first."""
+    leaves, treedef = jax.tree.flatten(params)
+    recipes = [made_of(leaf) for leaf in leaves]
+    if all(r is None for r in recipes):
+        return params, fn
+    parts = [leaf if r is None else r[0] for leaf, r in zip(leaves, recipes, strict=True)]
+
+    def made(layer, *rest):
+        weights = [p if r is None else r[1](p) for p, r in zip(layer, recipes, strict=True)]
+        return fn(jax.tree.unflatten(treedef, weights), *rest)
+
+    return parts, made
 
 
 def off_the_layers(params: Any) -> tuple[Any, dict[int, P]]:

@@ -209,7 +209,6 @@ def update_on_host(
     ``keep(new, old)``: what a step that judges itself keeps (its verdict, on the host).
 
     :return: the new parameters and optimizer state."""
-    import optax
     from jax.experimental.compute_on import compute_on
 
     host, device = jax.memory.Space.Host, jax.memory.Space.Device
@@ -219,7 +218,7 @@ def update_on_host(
     grads = _to(host, grads)
     with compute_on("device_host"):
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
-        new = optax.apply_updates(params, updates)
+        new = applied(params, updates)
         if keep is not None:
             new, opt_state = keep((new, opt_state), (params, state.opt_state))
     new = jax.tree.map(lambda x, o: x if o else jax.device_put(x, device), new, params_off)
@@ -353,7 +352,7 @@ def update_in_pieces(
         before = state = jax.tree.map(lambda k, values=values: values[k], state)
         param = only(i, [here if k == i else x for k, x in enumerate(p_leaves)])
         updates, state = optimizer.update(only(i, g_leaves), state, param)
-        new = optax.apply_updates(param, updates)
+        new = applied(param, updates)
         if keep is not None:
             new, state = keep((new, state), (param, before))
         new_params[i] = jax.tree.leaves(new)[0]
@@ -369,3 +368,16 @@ def update_in_pieces(
         for k in shared:  # every piece computes the same: the last one's is kept
             new_state[k] = done[k]
     return jax.tree.unflatten(p_def, new_params), jax.tree.unflatten(s_def, new_state)
+
+
+def applied(params: Any, updates: Any) -> Any:
+    """``optax.apply_updates``, an integer parameter (a quantized frozen base's) kept as it
+    is: it has no gradient, and 4-bit integers take no arithmetic with floats."""
+    import jax.numpy as jnp
+
+    def apply(p: Any, u: Any) -> Any:
+        if p is None or not jnp.issubdtype(p.dtype, jnp.inexact):
+            return p
+        return jnp.asarray(p + u).astype(p.dtype)
+
+    return jax.tree.map(apply, params, updates, is_leaf=lambda x: x is None)

@@ -219,7 +219,11 @@ def make_step(
     def loss_of(params, model_state, batch, rng):
         return forward(prepare(params), model_state, batch, rng)
 
-    value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
+    differentiated = jax.value_and_grad(loss_of, has_aux=True, allow_int=True)
+
+    def value_and_grad(params, *rest):  # a frozen integer parameter's (a quantized base's):
+        out, grads = differentiated(params, *rest)  # zero, of its own dtype, not float0
+        return out, jax.tree.map(_zero_if_integer, grads, params)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         with means.normalised(loss_normalised):
@@ -309,7 +313,7 @@ def make_step(
         else:
             state = memory.brought(state, placed, axis, "opt_state")  # for the update alone
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
+            params = memory.applied(state.params, updates)
             if finite is not None:
                 params, opt_state, model_state = jax.tree.map(
                     functools.partial(_keep_if_not, finite),
@@ -320,6 +324,14 @@ def make_step(
         return new, out
 
     return step
+
+
+def _zero_if_integer(grad: Any, param: Any) -> Any:
+    """An integer parameter's gradient (``float0``) as zeros of its dtype: an update that
+    leaves it as it is, through every reduction and optimizer."""
+    if grad.dtype == jax.dtypes.float0:
+        return jnp.zeros(param.shape, param.dtype, out_sharding=jax.typeof(param).sharding)
+    return grad
 
 
 def _compute_dtype(precision: str) -> Any:

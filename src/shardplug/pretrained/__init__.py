@@ -333,7 +333,10 @@ def export_checkpoint(checkpoint_dir: str | pathlib.Path, directory: str | pathl
     if merge and not adapters:
         raise ConfigError(f"--merge: {checkpoint_dir}'s run trained no adapters (no --lora)")
     if merge:
-        stored = _merged(checkpoints, step, meta, adapters[1], adapters[0])
+        base = None  # a run whose checkpoints hold the adapters alone: its base read again
+        if meta.get("frozen"):
+            base = load(init_from, dtype=meta.get("config", {}).get("param_dtype"))
+        stored = _merged(checkpoints, step, meta, adapters[1], adapters[0], base)
     else:
         stored = {_canonical(n.removeprefix("params/")): _Stored(checkpoints, step, n, meta)
                   for n in meta["arrays"] if n.startswith("params/")}  # fmt: skip
@@ -343,16 +346,27 @@ def export_checkpoint(checkpoint_dir: str | pathlib.Path, directory: str | pathl
     return step, config
 
 
-def _merged(checkpoints: Any, step: int, meta: dict[str, Any], alpha: float,
-            rank: int) -> dict[str, Any]:  # fmt: skip
-    """A LoRA run's base parameters, each target's adapters merged in as it is read."""
-    names = [n for n in meta["arrays"] if n.startswith("params/base/")]
+def _merged(checkpoints: Any, step: int, meta: dict[str, Any], alpha: float, rank: int,
+            base: Pretrained | None) -> dict[str, Any]:  # fmt: skip
+    """A LoRA run's base parameters, each target's adapters merged in as it is read (a base
+    the checkpoints do not hold read from ``base``, the pretrained checkpoint)."""
+    arrays, frozen = meta["arrays"], meta.get("frozen", {})
+    qtype = meta.get("config", {}).get("lora_quantize")  # QLoRA: its targets stored quantized
+    names = [n for n in (*arrays, *frozen) if n.startswith("params/base/")]
+    if qtype:
+        stems = {n.removesuffix("/values") for n in names if n.endswith("/values")}
+        held = {s for s in stems if s + "/scale" in arrays or s + "/scale" in frozen}
+        names = [n.rsplit("/", 1)[0] if n.rsplit("/", 1)[0] in held else n for n in names]
+        names = list(dict.fromkeys(names))
     out: dict[str, Any] = {}
     for name in names:
         path = name.removeprefix("params/base/")
         key = "params/lora/" + path.replace("/", ".")
-        factors = (key + "/l", key + "/r") if key + "/l" in meta["arrays"] else None
-        out[_canonical(path)] = _Stored(checkpoints, step, name, meta, factors, alpha / rank)
+        factors = (key + "/l", key + "/r") if key + "/l" in arrays else None
+        quantized = qtype if name + "/values" in arrays or name + "/values" in frozen else None
+        source = base if name in frozen or name + "/values" in frozen else None
+        out[_canonical(path)] = _Stored(checkpoints, step, name, meta, factors, alpha / rank,
+                                        quantized, source)  # fmt: skip
     return out
 
 
@@ -361,15 +375,25 @@ class _Stored:
     let go after its last."""
 
     def __init__(self, checkpoints: Any, step: int, name: str, meta: dict[str, Any],
-                 factors: tuple[str, str] | None = None, scale: float = 1.0):  # fmt: skip
+                 factors: tuple[str, str] | None = None, scale: float = 1.0,
+                 quantized: str | None = None, base: Pretrained | None = None):  # fmt: skip
         self.checkpoints, self.step, self.name = checkpoints, step, name
         self.factors, self.scale = factors, scale  # LoRA's, merged in as it is read
-        self.dtype = np.dtype(jnp.dtype(meta["arrays"][name]["dtype"]))
+        self.quantized = quantized  # QLoRA's qtype: the base's values and scale, dequantized
+        self.base, self.meta = base, meta  # where a frozen base not written is read from
+        stored = name + "/scale" if quantized else name
+        self.dtype = (base.dtype if base is not None
+                      else np.dtype(jnp.dtype(meta["arrays"][stored]["dtype"])))  # fmt: skip
         self.uses, self._array = 0, None
 
     def __getitem__(self, position: tuple[int, ...]) -> np.ndarray:
         if self._array is None:
-            self._array = self.checkpoints.read_arrays(self.step, [self.name])[1][self.name]
+            if self.base is not None:
+                self._array = self._from_base()
+            elif self.quantized:
+                self._array = self._dequantized()
+            else:
+                self._array = self.checkpoints.read_arrays(self.step, [self.name])[1][self.name]
             if self.factors is not None:
                 got = self.checkpoints.read_arrays(self.step, list(self.factors))[1]
                 left, right = (got[f] for f in self.factors)
@@ -379,6 +403,34 @@ class _Stored:
         if self.uses <= 0:
             self._array = None
         return out
+
+    def _from_base(self) -> np.ndarray:
+        """The frozen weight read from the pretrained checkpoint again (quantized and
+        dequantized as the run's was)."""
+        from shardplug.quantize import quantized
+
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        weight = self.base._leaf(_canonical(self.name.removeprefix("params/base/")), one)
+        if self.quantized:
+            left, right = (self.meta["arrays"][f]["shape"] for f in self.factors)
+            cut = len(left) - 1
+            lead = len(right) - 1 - (weight.ndim - cut)
+            weight = quantized(weight, self.quantized, lead, cut).dequantized()
+        return np.asarray(weight)
+
+    def _dequantized(self) -> np.ndarray:
+        """A QLoRA base weight, dequantized (a 4-bit one's packed dimension: its input's last,
+        the second last of its factor ``L``)."""
+        from shardplug.quantize import Quantized
+
+        names = [self.name + "/values", self.name + "/scale", *self.factors]
+        got = self.checkpoints.read_arrays(self.step, names)[1]
+        values, scale, left = got[names[0]], got[names[1]], got[names[2]]
+        axis = left.ndim - 2 - values.ndim  # from the last
+        packed = self.quantized != "int8" and values.shape[axis] * 2 == left.shape[-2]
+        stored = Quantized(jnp.asarray(values), jnp.asarray(scale), self.quantized,
+                           axis if packed else None)  # fmt: skip
+        return np.asarray(stored.dequantized())
 
 
 def _write(
