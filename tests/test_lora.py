@@ -299,3 +299,26 @@ def test_the_default_targets_leave_heads_routers_and_unnamed_kernels_alone():
         lora(shardplug.get_model("cnn").task("nnx"), 8)  # its kernels' dimensions: unnamed
     with pytest.raises(ConfigError, match="rank 64 is not below its input"):
         lora(base(), 64, targets="wi")
+
+
+def test_checkpoints_hold_the_adapters_alone_and_refuse_another_base(tmp_path):
+    from shardplug.errors import CheckpointError
+
+    task = lora(base(), RANK)
+    run = task.trainer(strategy="fsdp", devices=2, precision="float32", checkpoint_dir=tmp_path)
+    run.fit(iter(batches()), STEPS)  # saves its last step
+    run.checkpoints.wait()
+    meta = run.checkpoints.read_meta(STEPS)
+    frozen = {"params/base/" + p for p in leaf_paths(run.state.params["base"])}
+    assert set(meta["frozen"]) == frozen  # their fingerprints alone
+    assert not any(n.startswith("params/base/") for n in meta["arrays"])
+    again = task.trainer(strategy="tp", devices=2, precision="float32", checkpoint_dir=tmp_path)
+    assert again.restore() == STEPS  # onto another layout, its base made as before
+    for a, b in zip(jax.tree.leaves(run.state.params), jax.tree.leaves(again.state.params),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, b)
+    other = task.trainer(strategy="dp", devices=2, precision="float32", checkpoint_dir=tmp_path,
+                         seed=1)  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"holds adapters trained on another base: \d+ "
+                       r"of its 15 frozen arrays differ \(params/base/"):  # fmt: skip
+        other.restore()

@@ -21,7 +21,7 @@ import os
 import re
 import tempfile
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,22 +142,31 @@ class Checkpoints:
     def path(self, step: int) -> Path:
         return self.directory / str(step)
 
-    def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> Path:
+    def save(
+        self, step: int, state: Any, meta: Mapping[str, Any], frozen: Collection[str] = ()
+    ) -> Path:
         """Start writing ``state`` as checkpoint ``step``; returns before the files are written.
 
         The devices' arrays are copied to host memory first, so training may go on (and
         donate the state) at once. ``meta`` is stored as JSON with the names, shapes, dtypes
-        and fingerprints of the arrays added.
+        and fingerprints of the arrays added. The arrays named in ``frozen`` (a frozen base's,
+        under adapters) are not written, only their fingerprints: a restore takes them from
+        the state it is given, and refuses one whose differ.
         """
         names, leaves, _ = state_leaves(state)
+        prints = dict(zip(names, fingerprints(leaves), strict=True))
+        kept = [(n, x) for n, x in zip(names, leaves, strict=True) if n not in frozen]
+        names, leaves = [n for n, _ in kept], [x for _, x in kept]
         record = {
             "format": FORMAT,
             "step": int(step),
             "saved_at": datetime.datetime.now(datetime.UTC).isoformat(),
             **meta,
             "arrays": describe(names, leaves),
-            "fingerprints": dict(zip(names, fingerprints(leaves), strict=True)),
+            "fingerprints": {n: prints[n] for n in names},
         }
+        if frozen:
+            record["frozen"] = {n: prints[n] for n in prints if n in frozen}
         arrays = [_storable(x) for x in leaves]
         ocp = self._ocp
         self._manager.save(
@@ -294,12 +303,21 @@ class Checkpoints:
             raise _Damaged(str(exc)) from None
         names, leaves, treedef = state_leaves(like)
         expected = describe(names, leaves)
-        _check_same_arrays(self.path(step), meta.get("arrays", {}), expected)
-        arrays = self._read(step, meta, names, jax.tree.leaves(shardings))
+        frozen = meta.get("frozen", {})
+        if frozen:
+            _check_frozen(self.path(step), frozen, dict(zip(names, leaves, strict=True)))
+        read = [n for n in names if n not in frozen]
+        _check_same_arrays(self.path(step), meta.get("arrays", {}),
+                           {n: expected[n] for n in read})  # fmt: skip
+        where = dict(zip(names, jax.tree.leaves(shardings), strict=True))
+        arrays = dict(zip(read, self._read(step, meta, read, [where[n] for n in read]),
+                          strict=True))  # fmt: skip
         out = [
-            jax.random.wrap_key_data(a, impl=expected[n]["key"]) if "key" in expected[n] else a
-            for n, a in zip(names, arrays, strict=True)
-        ]
+            leaf if n in frozen
+            else jax.random.wrap_key_data(arrays[n], impl=expected[n]["key"])
+            if "key" in expected[n] else arrays[n]
+            for n, leaf in zip(names, leaves, strict=True)
+        ]  # fmt: skip
         return jax.tree.unflatten(treedef, out), meta
 
     def _quarantine(self, step: int) -> Path | None:
@@ -424,6 +442,29 @@ def _check_writable(directory: Path) -> None:
             f"checkpoint directory {directory} is not writable ({exc.strerror or exc}): "
             f"choose another --checkpoint-dir"
         ) from None
+
+
+def _check_frozen(path: Path, frozen: Mapping[str, int], live: Mapping[str, Any]) -> None:
+    """A checkpoint that holds adapters alone restores only onto the base they were trained
+    on: the frozen arrays of the state given, fingerprinted as the run saved them."""
+    missing = [n for n in frozen if n not in live]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} is of a different model: its frozen {missing[0]} is not in it"
+        )
+    if not all(isinstance(live[n], jax.Array) for n in frozen):
+        raise CheckpointError(
+            f"checkpoint {path} holds adapters without their frozen base: restore it into a "
+            "trainer that holds the base (allocated)"
+        )
+    found = fingerprints([live[n] for n in frozen])
+    wrong = [n for n, f in zip(frozen, found, strict=True) if frozen[n] != f]
+    if wrong:
+        raise CheckpointError(
+            f"checkpoint {path} holds adapters trained on another base: {len(wrong)} of its "
+            f"{len(frozen)} frozen arrays differ ({', '.join(wrong[:3])}"
+            f"{', ...' if len(wrong) > 3 else ''}); resume on the base it was trained on"
+        )
 
 
 def _check_same_arrays(path: Path, saved: Mapping[str, Any], expected: Mapping[str, Any]) -> None:

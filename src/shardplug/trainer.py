@@ -84,7 +84,8 @@ class Trainer:
             data_timeout=data_timeout, flops_per_sample=flops_per_sample, peak_tflops=peak_tflops,
         )  # fmt: skip
         self._saver = RunCheckpoints.at(self.settings, lambda run: run_meta(
-            self.strategy, self.mesh, self.config, self._train, self._data, run))  # fmt: skip
+            self.strategy, self.mesh, self.config, self._train, self._data, run),
+            adapter)  # fmt: skip
         self.checkpoints = self._saver and self._saver.store
         self.restored_meta: dict[str, Any] | None = None
         self.adapter, self.loss_fn, self.optimizer = adapter, loss_fn, optimizer

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from shardplug.core.step import _finite
 from shardplug.errors import CheckpointError, NonFiniteError
 from shardplug.loop import feed
@@ -37,6 +39,17 @@ def run_meta(
     return meta
 
 
+def frozen_names(adapter: Any, state: Any) -> set[str]:
+    """The checkpoint names of the parameters ``adapter`` keeps frozen (a LoRA run's base)."""
+    mask = None if adapter is None else adapter.trainable(state.params)
+    if mask is None:
+        return set()
+    from shardplug.checkpoint import state_leaves
+
+    names = [n for n in state_leaves(state)[0] if n.startswith("params/")]
+    return {n for n, t in zip(names, jax.tree.leaves(mask), strict=True) if not t}
+
+
 class RunCheckpoints:
     """The checkpoints of one run (see the module).
 
@@ -45,19 +58,22 @@ class RunCheckpoints:
         state...), asked at each save for the run as it stands.
     """
 
-    def __init__(self, store: Any, meta: Callable[[RunState], dict[str, Any]]):
+    def __init__(self, store: Any, meta: Callable[[RunState], dict[str, Any]],
+                 adapter: Any = None):  # fmt: skip
         self.store = store
         self.meta = meta
+        self.adapter = adapter  # the model's: its frozen parameters are not written
 
     @classmethod
-    def at(cls, settings: Any, meta: Callable[[RunState], dict[str, Any]]) -> RunCheckpoints | None:
+    def at(cls, settings: Any, meta: Callable[[RunState], dict[str, Any]],
+           adapter: Any = None) -> RunCheckpoints | None:  # fmt: skip
         """The checkpoints of a run with these :class:`~shardplug.settings.Settings` (in its
         ``checkpoint_dir``, keeping ``keep``), or None without a directory."""
         if settings.checkpoint_dir is None:
             return None
         from shardplug.checkpoint import Checkpoints
 
-        return cls(Checkpoints(settings.checkpoint_dir, keep=settings.keep), meta)
+        return cls(Checkpoints(settings.checkpoint_dir, keep=settings.keep), meta, adapter)
 
     @property
     def directory(self) -> Any:
@@ -68,7 +84,12 @@ class RunCheckpoints:
         state = run.state()
         if not bool(_finite(state.params)):  # never save a broken model
             raise NonFiniteError.at(run.step - 1, self.last(run), "the parameters are")
-        path = self.store.save(run.step, state, {"data_position": run.step, **self.meta(run)})
+        meta = {"data_position": run.step, **self.meta(run)}
+        frozen = frozen_names(self.adapter, state)
+        if frozen:  # a frozen base: its fingerprints alone (adapters' checkpoints stay small)
+            path = self.store.save(run.step, state, meta, frozen=frozen)
+        else:
+            path = self.store.save(run.step, state, meta)
         run.saved_step = run.step
         return str(path)
 
