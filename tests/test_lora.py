@@ -6,6 +6,7 @@ and bad input in one line."""
 import functools
 import itertools
 import math
+import shutil
 from pathlib import Path
 
 import jax
@@ -221,6 +222,25 @@ def test_a_merged_export_gives_the_logits_of_the_base_with_its_adapters(tmp_path
     base = pretrained.load(fixture).task("nnx").trainer(strategy="dp", devices=1,
                                                         precision="float32")  # fmt: skip
     assert np.abs(np.asarray(base.model(tokens)) - want).max() > 1e-3  # the adapters moved it
+    # the checkpoints hold no base: the whole parameters cannot go to .npz, and a merge reads
+    # the base again, refusing one that is not the run's
+    assert main(["export", "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "w.npz")]) == 2
+    assert said(capsys.readouterr().err) == [
+        f"shardplug: error: {ckpt}: its checkpoints hold low-rank adapters without their frozen "
+        "base: export --format peft writes the adapters; a pretrained run's whole model, export "
+        "--format hf --merge"
+    ]
+    other = tmp_path / "other"
+    shutil.copytree(fixture, other)
+    shard = other / "model-00003-of-00003.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x10  # one bit of the last tensor's data
+    shard.write_bytes(bytes(data))
+    assert main([*export[:4], str(tmp_path / "m2"), *export[5:], "--merge", "--init-from",
+                 str(other)]) == 2  # fmt: skip
+    err = said(capsys.readouterr().err)
+    assert len(err) == 1 and "is not the base the run's adapters were trained on" in err[0]
+    assert not (tmp_path / "m2" / "model.safetensors").exists()
 
 
 PEFT = "tests/fixtures/hf/llama_lora"  # written by PEFT: scripts/hf_fixtures.py --lora
@@ -322,3 +342,19 @@ def test_checkpoints_hold_the_adapters_alone_and_refuse_another_base(tmp_path):
     with pytest.raises(CheckpointError, match=r"holds adapters trained on another base: \d+ "
                        r"of its 15 frozen arrays differ \(params/base/"):  # fmt: skip
         other.restore()
+
+
+def test_a_frozen_base_stays_frozen_whatever_the_optimizer():
+    import optax
+
+    adapter = LoraAdapter(base().adapter, RANK)  # no masked optimizer: adamw decays everything
+    decaying = optax.adamw(1e-2, weight_decay=0.5)
+    run = shardplug.Trainer(adapter, loss_fn=base().loss_fn, optimizer=decaying, strategy="dp",
+                            devices=1, precision="float32")  # fmt: skip
+    before = jax.tree.map(np.asarray, run.state.params)
+    run.fit(iter(batches()), STEPS)
+    for a, b in zip(jax.tree.leaves(before["base"]), jax.tree.leaves(run.state.params["base"]),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(before["lora"]["blocks.wi"]["r"],
+                              run.state.params["lora"]["blocks.wi"]["r"])  # fmt: skip

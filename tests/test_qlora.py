@@ -150,7 +150,7 @@ def test_the_command_line_trains_resumes_and_exports_a_quantized_base(tmp_path, 
              "4", "--lr", "0.01", "--checkpoint-dir", str(ckpt),
              "--checkpoint-every", "2"]  # fmt: skip
     assert main([*train, "--steps", "2", "--lora-quantize", "nf4", "--quiet"]) == 0
-    assert "frozen in nf4" in capsys.readouterr().err
+    assert "(16.6%); the targets stored in nf4" in capsys.readouterr().err
     resume = ["train", "--resume", "--checkpoint-dir", str(ckpt), "--devices", "2", "--quiet"]
     assert main([*resume, "--steps", "3", "--strategy", "tp"]) == 0
     assert main([*resume, "--steps", "4", "--lora-quantize", "int8"]) == 2

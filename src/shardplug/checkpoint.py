@@ -208,7 +208,9 @@ class Checkpoints:
         """The newest good checkpoint (or ``step``), read into ``shardings``.
 
         :param like: a state of the same structure (arrays or ``jax.ShapeDtypeStruct``); the
-            checkpoint's arrays must have its names, shapes and dtypes.
+            checkpoint's arrays must have its names, shapes and dtypes. For a checkpoint
+            saved with ``frozen`` arrays, ``like`` holds them (arrays): they are taken from it,
+            their fingerprints compared with the saved ones.
         :param shardings: a ``NamedSharding`` per leaf of ``like``: each device reads only its
             own shards, whatever strategy, device count or mesh saved them.
         :param quarantine: rename a damaged checkpoint to ``<step>.damaged`` so that a run
@@ -304,16 +306,16 @@ class Checkpoints:
         names, leaves, treedef = state_leaves(like)
         expected = describe(names, leaves)
         frozen = meta.get("frozen", {})
-        if frozen:
-            _check_frozen(self.path(step), frozen, dict(zip(names, leaves, strict=True)))
         read = [n for n in names if n not in frozen]
         _check_same_arrays(self.path(step), meta.get("arrays", {}),
                            {n: expected[n] for n in read})  # fmt: skip
+        if frozen:
+            _check_frozen(self.path(step), frozen, dict(zip(names, leaves, strict=True)))
         where = dict(zip(names, jax.tree.leaves(shardings), strict=True))
         arrays = dict(zip(read, self._read(step, meta, read, [where[n] for n in read]),
                           strict=True))  # fmt: skip
         out = [
-            leaf if n in frozen
+            jax.device_put(leaf, where[n]) if n in frozen
             else jax.random.wrap_key_data(arrays[n], impl=expected[n]["key"])
             if "key" in expected[n] else arrays[n]
             for n, leaf in zip(names, leaves, strict=True)

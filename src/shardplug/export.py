@@ -41,7 +41,14 @@ def export_checkpoint(
         raise ConfigError(f"export file {out} must end in .npz")
     if out.exists():
         raise ConfigError(f"{out} already exists: choose another file or remove it first")
-    step, arrays, meta = Checkpoints(checkpoint_dir, read_only=True).read_arrays(step)
+    checkpoints = Checkpoints(checkpoint_dir, read_only=True)
+    if checkpoints.read_meta_of(step)[1].get("frozen"):
+        raise ConfigError(
+            f"{checkpoint_dir}: its checkpoints hold low-rank adapters without their frozen "
+            "base: export --format peft writes the adapters; a pretrained run's whole model, "
+            "export --format hf --merge"
+        )
+    step, arrays, meta = checkpoints.read_arrays(step)
     entries: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
     for name, value in arrays.items():

@@ -30,6 +30,7 @@ time in a stack: the base costs 1 or 1/2 byte a parameter where it is the adapte
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import re
 from typing import Any
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core.layer_stack import LAYERS
+from shardplug.core.mesh import is_explicit
 from shardplug.core.sharding import leaf_paths
 from shardplug.errors import ConfigError
 from shardplug.models.adapter import Adapter
@@ -123,10 +125,10 @@ class LoraAdapter(Adapter):
         parameters beside 8.03B frozen (0.52%)``."""
         from shardplug.units import count
 
-        stored = f" in {self.quantize}" if self.quantize else ""
+        stored = f"; the targets stored in {self.quantize}" if self.quantize else ""
         return (f"rank {self.rank}, alpha {self.alpha:g} on {len(self.targets())} weights: "
-                f"{count(self.size)} trainable parameters beside {count(self.base_size)} frozen"
-                f"{stored} ({100 * self.size / self.base_size:.3g}%)")  # fmt: skip
+                f"{count(self.size)} trainable parameters beside {count(self.base_size)} frozen "
+                f"({100 * self.size / self.base_size:.3g}%){stored}")  # fmt: skip
 
     reduce_per_shard = True  # each shard's merged-weight gradient contracted to the factors'
 
@@ -203,7 +205,10 @@ class LoraAdapter(Adapter):
         w, left, right = parts
         if is_quantized(w):
             w = w.dequantized()
-        return w + (self.scale * low_rank_delta(left, right, lead, w.shape)).astype(w.dtype)
+        delta = (self.scale * low_rank_delta(left, right, lead, w.shape)).astype(w.dtype)
+        if is_explicit(jax.sharding.get_abstract_mesh()):  # laid out as the weight it joins
+            delta = jax.sharding.reshard(delta, jax.typeof(w).sharding.spec)
+        return w + delta
 
     def _stored(self, params: Any) -> Any:
         """The base's parameters as stored: each target quantized where asked (QLoRA)."""
@@ -305,11 +310,20 @@ class LoraAdapter(Adapter):
         stored = jax.tree.leaves(shardings["base"], is_leaf=is_quantized)
         plain = [s.values if is_quantized(s) else s for s in stored]  # the weight's own
         tree = jax.tree.structure(self.abstract_base)
-        leaves = jax.tree.leaves(self.base.weights(jax.tree.unflatten(tree, plain)))
-        for i, (path, sharding) in enumerate(zip(self.paths, stored, strict=True)):
-            if is_quantized(sharding):  # one weight at a time, let go as it is quantized
-                quantize = functools.partial(self._quantized, cut=self.cuts[path])
-                leaves[i] = jax.jit(quantize, out_shardings=sharding)(leaves[i])
+
+        def each(i: int, leaf: Any) -> Any:  # QLoRA: a target quantized as soon as it is read
+            if not is_quantized(stored[i]):
+                return leaf
+            quantize = functools.partial(self._quantized, cut=self.cuts[self.paths[i]])
+            return jax.jit(quantize, out_shardings=stored[i])(leaf)  # the read one let go
+
+        read = self.base.weights
+        if "each" in inspect.signature(read).parameters:  # one weight on the devices at a time
+            leaves = jax.tree.leaves(read(jax.tree.unflatten(tree, plain), each=each),
+                                     is_leaf=is_quantized)  # fmt: skip
+        else:
+            leaves = jax.tree.leaves(read(jax.tree.unflatten(tree, plain)))
+            leaves = [each(i, leaf) for i, leaf in enumerate(leaves)]
         factors = jax.jit(lambda: self._factors(self.abstract_base),
                           out_shardings=shardings["lora"])()  # fmt: skip
         return {"base": jax.tree.unflatten(tree, leaves), "lora": factors}

@@ -68,9 +68,13 @@ class Quantized:
 
 
 def quantized(w: jax.Array, qtype: str, lead: int, cut: int) -> Quantized:
-    """``w`` (its first ``lead`` dimensions stacked, its input ``lead:cut``) quantized."""
+    """``w`` (its first ``lead`` dimensions stacked, its input ``lead:cut``) quantized: a
+    stacked weight a layer at a time (each its own scales), so the temporaries are one
+    layer's."""
     import qwix
 
+    if lead > 0:
+        return jax.lax.map(lambda one: quantized(one, qtype, lead - 1, cut - 1), w)
     ndim = w.ndim
     if qtype == "int8":
         channels, tiles = (*range(lead), *range(cut, ndim)), {}

@@ -20,6 +20,7 @@ import optax
 from shardplug.core import means, memory
 from shardplug.core.context import batch_axis_name, computing_in, manual_axes
 from shardplug.core.layer_gather import layer_specs
+from shardplug.core.mesh import is_explicit
 from shardplug.core.registry import Strategy
 from shardplug.core.shard_grads import per_shard_grads, rows_only
 from shardplug.core.sharding import lay_out
@@ -192,9 +193,10 @@ def make_step(
     extras = loss_extras(loss_fn)
     encodes = strategy.encodes_grads
     # LoRA's merged weights: each shard's gradient contracted to the factors before the sum
+    # (not on explicit axes, where a vmap over the shards refuses weights split along them)
     per_shard = encodes or (
         getattr(adapter, "reduce_per_shard", False) and batch_shardings is not None
-        and rows_only(batch_shardings)
+        and rows_only(batch_shardings) and not is_explicit(mesh)
     )  # fmt: skip
     compute = _compute_dtype(precision)
 
@@ -320,6 +322,10 @@ def make_step(
                     (params, opt_state, model_state),
                     (state.params, state.opt_state, state.model_state),
                 )
+        frozen = adapter.trainable(given.params)
+        if frozen is not None:  # a frozen parameter stays as it was, whatever the optimizer
+            params = jax.tree.map(lambda new, old, t: new if t else old, params, given.params,
+                                  frozen)  # fmt: skip
         new = TrainState(state.step + 1, params, opt_state, model_state, state.rng)
         return new, out
 

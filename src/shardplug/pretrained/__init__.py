@@ -114,10 +114,12 @@ class Pretrained:
         made.weights = self.place
         return made
 
-    def place(self, shardings: Any) -> Any:
+    def place(self, shardings: Any, each: Callable[[int, jax.Array], Any] | None = None) -> Any:
         """The parameters, read from the files into ``shardings`` (a tree of
         ``NamedSharding`` shaped like a framework's parameters): each device's block is
-        read once (devices holding the same block share the read) and nothing else."""
+        read once (devices holding the same block share the read) and nothing else. With
+        ``each``, ``each(i, leaf)`` stands for the ``i``-th leaf as soon as it is read (a
+        QLoRA base quantizes each weight before the next is read)."""
         if self.tensors is None:
             raise PretrainedError(
                 f"{self.directory}: no *.safetensors there: a config alone plans (explain, "
@@ -125,7 +127,9 @@ class Pretrained:
             )
         paths = leaf_paths(shardings)
         leaves = jax.tree.leaves(shardings)
-        made = [self._leaf(_canonical(p), s) for p, s in zip(paths, leaves, strict=True)]
+        keep = each or (lambda _, leaf: leaf)
+        made = [keep(i, self._leaf(_canonical(p), s))
+                for i, (p, s) in enumerate(zip(paths, leaves, strict=True))]  # fmt: skip
         return jax.tree.unflatten(jax.tree.structure(shardings), made)
 
     def _leaf(self, name: str, sharding: Any) -> jax.Array:
@@ -332,105 +336,20 @@ def export_checkpoint(checkpoint_dir: str | pathlib.Path, directory: str | pathl
         )
     if merge and not adapters:
         raise ConfigError(f"--merge: {checkpoint_dir}'s run trained no adapters (no --lora)")
+    from shardplug.pretrained.checkpointed import Lazy, merged
+
     if merge:
         base = None  # a run whose checkpoints hold the adapters alone: its base read again
         if meta.get("frozen"):
             base = load(init_from, dtype=meta.get("config", {}).get("param_dtype"))
-        stored = _merged(checkpoints, step, meta, adapters[1], adapters[0], base)
+        stored = merged(checkpoints, step, meta, adapters[1], adapters[0], base, _canonical)
     else:
-        stored = {_canonical(n.removeprefix("params/")): _Stored(checkpoints, step, n, meta)
+        stored = {_canonical(n.removeprefix("params/")): Lazy(checkpoints, step, n, meta)
                   for n in meta["arrays"] if n.startswith("params/")}  # fmt: skip
     for name, lazy in stored.items():
         lazy.uses = len(pieces(config, name)) if name in tensors(config) else 0
     _write(stored, config, directory, dtype, lambda array: array)
     return step, config
-
-
-def _merged(checkpoints: Any, step: int, meta: dict[str, Any], alpha: float, rank: int,
-            base: Pretrained | None) -> dict[str, Any]:  # fmt: skip
-    """A LoRA run's base parameters, each target's adapters merged in as it is read (a base
-    the checkpoints do not hold read from ``base``, the pretrained checkpoint)."""
-    arrays, frozen = meta["arrays"], meta.get("frozen", {})
-    qtype = meta.get("config", {}).get("lora_quantize")  # QLoRA: its targets stored quantized
-    names = [n for n in (*arrays, *frozen) if n.startswith("params/base/")]
-    if qtype:
-        stems = {n.removesuffix("/values") for n in names if n.endswith("/values")}
-        held = {s for s in stems if s + "/scale" in arrays or s + "/scale" in frozen}
-        names = [n.rsplit("/", 1)[0] if n.rsplit("/", 1)[0] in held else n for n in names]
-        names = list(dict.fromkeys(names))
-    out: dict[str, Any] = {}
-    for name in names:
-        path = name.removeprefix("params/base/")
-        key = "params/lora/" + path.replace("/", ".")
-        factors = (key + "/l", key + "/r") if key + "/l" in arrays else None
-        quantized = qtype if name + "/values" in arrays or name + "/values" in frozen else None
-        source = base if name in frozen or name + "/values" in frozen else None
-        out[_canonical(path)] = _Stored(checkpoints, step, name, meta, factors, alpha / rank,
-                                        quantized, source)  # fmt: skip
-    return out
-
-
-class _Stored:
-    """One parameter of a training checkpoint, read when its first piece is asked for and
-    let go after its last."""
-
-    def __init__(self, checkpoints: Any, step: int, name: str, meta: dict[str, Any],
-                 factors: tuple[str, str] | None = None, scale: float = 1.0,
-                 quantized: str | None = None, base: Pretrained | None = None):  # fmt: skip
-        self.checkpoints, self.step, self.name = checkpoints, step, name
-        self.factors, self.scale = factors, scale  # LoRA's, merged in as it is read
-        self.quantized = quantized  # QLoRA's qtype: the base's values and scale, dequantized
-        self.base, self.meta = base, meta  # where a frozen base not written is read from
-        stored = name + "/scale" if quantized else name
-        self.dtype = (base.dtype if base is not None
-                      else np.dtype(jnp.dtype(meta["arrays"][stored]["dtype"])))  # fmt: skip
-        self.uses, self._array = 0, None
-
-    def __getitem__(self, position: tuple[int, ...]) -> np.ndarray:
-        if self._array is None:
-            if self.base is not None:
-                self._array = self._from_base()
-            elif self.quantized:
-                self._array = self._dequantized()
-            else:
-                self._array = self.checkpoints.read_arrays(self.step, [self.name])[1][self.name]
-            if self.factors is not None:
-                got = self.checkpoints.read_arrays(self.step, list(self.factors))[1]
-                left, right = (got[f] for f in self.factors)
-                self._array = _merge(self._array, left, right, self.scale)
-        out = self._array[position] if position else self._array
-        self.uses -= 1
-        if self.uses <= 0:
-            self._array = None
-        return out
-
-    def _from_base(self) -> np.ndarray:
-        """The frozen weight read from the pretrained checkpoint again (quantized and
-        dequantized as the run's was)."""
-        from shardplug.quantize import quantized
-
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        weight = self.base._leaf(_canonical(self.name.removeprefix("params/base/")), one)
-        if self.quantized:
-            left, right = (self.meta["arrays"][f]["shape"] for f in self.factors)
-            cut = len(left) - 1
-            lead = len(right) - 1 - (weight.ndim - cut)
-            weight = quantized(weight, self.quantized, lead, cut).dequantized()
-        return np.asarray(weight)
-
-    def _dequantized(self) -> np.ndarray:
-        """A QLoRA base weight, dequantized (a 4-bit one's packed dimension: its input's last,
-        the second last of its factor ``L``)."""
-        from shardplug.quantize import Quantized
-
-        names = [self.name + "/values", self.name + "/scale", *self.factors]
-        got = self.checkpoints.read_arrays(self.step, names)[1]
-        values, scale, left = got[names[0]], got[names[1]], got[names[2]]
-        axis = left.ndim - 2 - values.ndim  # from the last
-        packed = self.quantized != "int8" and values.shape[axis] * 2 == left.shape[-2]
-        stored = Quantized(jnp.asarray(values), jnp.asarray(scale), self.quantized,
-                           axis if packed else None)  # fmt: skip
-        return np.asarray(stored.dequantized())
 
 
 def _write(
@@ -490,13 +409,3 @@ def _gathered(leaf: jax.Array) -> Any:
             return np.asarray(jax.device_get(part))
 
     return Gather()
-
-
-def _merge(weight: np.ndarray, left: np.ndarray, right: np.ndarray, scale: float) -> np.ndarray:
-    """``weight + scale L @ R`` (:mod:`shardplug.lora`'s factors), in float32, cast back."""
-    from shardplug.lora import low_rank_delta
-
-    lead = right.ndim - 1 - (weight.ndim - (left.ndim - 1))
-    f32 = np.float32
-    delta = low_rank_delta(left.astype(f32), right.astype(f32), lead, weight.shape, np.einsum)
-    return (weight.astype(f32) + scale * delta).astype(weight.dtype)
