@@ -162,10 +162,8 @@ def documents() -> list[str]:
 
 
 def write_text() -> None:
-    """The tokenizer and the reference's loss on every packed row of the fixture's text,
-    packed as shardplug packs it: each document's ids (the tokenizer adds ``<s>``) then
-    ``</s>``, all concatenated and cut into rows of SEQUENCE + 1 tokens overlapping by one;
-    a target that starts a new document does not count."""
+    """The tokenizer (a small BPE trained on the fixture's text), then the reference's loss
+    on its packed rows (:func:`write_text_reference`)."""
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
@@ -180,28 +178,50 @@ def write_text() -> None:
     )
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(ROOT / "llama" / "tokenizer.json"))
-    ids, owner = [], []
+    write_text_reference()
+
+
+def write_text_reference() -> None:
+    """The reference's loss on every packed row of the fixture's text, packed as shardplug
+    packs it: each document's ids (the tokenizer adds ``<s>``) then ``</s>``, all
+    concatenated and cut into rows of SEQUENCE + 1 tokens overlapping by one; a target that
+    starts a new document does not count, and each document is on its own: every piece of a
+    row that one document holds runs through the model alone, at its positions in its
+    document (``position_ids``), so no document attends to another."""
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(ROOT / "llama" / "tokenizer.json"))
+    ids, owner, place = [], [], []
     for n, doc in enumerate(documents()):
         piece = [*tok.encode(doc).ids, 2]
         ids += piece
         owner += [n] * len(piece)
-    ids, owner = np.array(ids, np.int32), np.array(owner)
+        place += list(range(len(piece)))
+    ids, owner, place = np.array(ids, np.int32), np.array(owner), np.array(place)
     rows = (len(ids) - 1) // SEQUENCE
-    tokens = np.stack([ids[r * SEQUENCE : r * SEQUENCE + SEQUENCE + 1] for r in range(rows)])
-    docs = np.stack([owner[r * SEQUENCE : r * SEQUENCE + SEQUENCE + 1] for r in range(rows)])
+    window = [slice(r * SEQUENCE, r * SEQUENCE + SEQUENCE + 1) for r in range(rows)]
+    tokens = np.stack([ids[w] for w in window])
+    docs = np.stack([owner[w] for w in window])
+    places = np.stack([place[w] for w in window])
     mask = (docs[:, 1:] == docs[:, :-1]).astype(np.int32)
     model = transformers.LlamaForCausalLM.from_pretrained(ROOT / "llama").eval()
+    losses = np.zeros((rows, SEQUENCE), np.float32)
     with torch.no_grad():
-        logits = model(torch.from_numpy(tokens[:, :-1]).long()).logits.float()
-        losses = (
-            torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]),
-                torch.from_numpy(tokens[:, 1:]).long().reshape(-1),
-                reduction="none",
-            )
-            .reshape(rows, SEQUENCE)
-            .numpy()
-        )
+        for r in range(rows):
+            inputs, targets = tokens[r, :-1], tokens[r, 1:]
+            start = 0
+            while start < SEQUENCE:  # each document's piece of the row alone
+                end = start
+                while end < SEQUENCE and docs[r, end] == docs[r, start]:
+                    end += 1
+                logits = model(
+                    torch.from_numpy(inputs[None, start:end]).long(),
+                    position_ids=torch.from_numpy(places[r, None, start:end]).long(),
+                ).logits.float()[0]
+                losses[r, start:end] = torch.nn.functional.cross_entropy(
+                    logits, torch.from_numpy(targets[start:end]).long(), reduction="none"
+                ).numpy()
+                start = end
     np.savez(
         ROOT / "llama" / "text_reference.npz",
         tokens=tokens,
@@ -245,9 +265,13 @@ def write_lora() -> None:
 if __name__ == "__main__":
     import sys
 
-    # --text: the text fixture alone, from the written llama; --lora: the adapters' alone;
+    # --text: the text fixture alone, from the written llama; --text-reference: its
+    # reference's loss alone, from the written tokenizer; --lora: the adapters' alone;
     # NAME ...: those families alone
     names = [a for a in sys.argv[1:] if a in FAMILIES]
+    if "--text-reference" in sys.argv:
+        write_text_reference()
+        sys.exit()
     if "--text" not in sys.argv and "--lora" not in sys.argv:
         for family in names or FAMILIES:
             write(family)

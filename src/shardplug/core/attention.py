@@ -9,17 +9,23 @@ a multiple of 8 and at most 128, or 256 on Hopper), and says once why when they 
 It is also an operation a parallelism may compute its own way (:mod:`shardplug.core.ops`):
 one that splits the sequence supplies attention over it through its ``operations`` hook, so
 the model's code does not change between strategies.
+
+Packed documents: ``segment_ids`` (each token's document, ``(batch, sequence)``) keep each
+query to the keys of its own document, in every path: XLA's and cuDNN's as a mask, ``cp``'s
+ring and gather with each block's ids beside its keys. A parallelism's attention that does
+not take ``segment_ids`` is given the same mask instead.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
 from shardplug.core import ops
-from shardplug.errors import warn_once
+from shardplug.errors import ConfigError, warn_once
 
 Implementation = Literal["cudnn", "xla"]
 
@@ -36,6 +42,7 @@ def attention(
     mask: jax.Array | None = None,
     scale: float | None = None,
     implementation: Implementation | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention over ``(batch, sequence, heads, head_dim)`` arrays.
 
@@ -45,6 +52,8 @@ def attention(
     NVIDIA GPUs where the inputs qualify, XLA's otherwise; name one to insist (``"cudnn"``
     raises where it cannot run). Under a parallelism that supplies attention (over a
     sequence split across devices) that parallelism's implementation runs instead.
+    ``segment_ids`` (``(batch, sequence)`` integers, the same for queries and keys): a query
+    attends only to keys of its own segment (packed documents that do not see each other).
 
     Example, in any framework's forward pass::
 
@@ -52,24 +61,61 @@ def attention(
         out = shardplug.attention(q, k, v, causal=True)  # (batch, seq, heads, head_dim)
     """
     ops.read_sequence(query.shape[1], key.shape[1])
+    if segment_ids is not None:
+        _check_segments(segment_ids, query, key)
     override = ops.supplied("attention")
     if override is not None:
-        return override(query, key, value, causal=causal, bias=bias, mask=mask, scale=scale)
+        if segment_ids is None:
+            return override(query, key, value, causal=causal, bias=bias, mask=mask, scale=scale)
+        if _takes_segments(override):
+            return override(query, key, value, causal=causal, bias=bias, mask=mask,
+                            scale=scale, segment_ids=segment_ids)  # fmt: skip
+        return override(query, key, value, causal=causal, bias=bias, scale=scale,
+                        mask=with_segments(mask, segment_ids, segment_ids))  # fmt: skip
     return attention_kernel(query, key, value, causal=causal, bias=bias, mask=mask,
-                            scale=scale, implementation=implementation)  # fmt: skip
+                            scale=scale, implementation=implementation,
+                            segment_ids=segment_ids)  # fmt: skip
+
+
+def with_segments(mask: jax.Array | None, query_ids: jax.Array, key_ids: jax.Array) -> jax.Array:
+    """``mask`` (``(batch, heads or 1, queries, keys)``, or None) and each query's segment
+    equal to each key's: ``(batch, 1 or heads, queries, keys)``."""
+    same = query_ids[:, None, :, None] == key_ids[:, None, None, :]
+    return same if mask is None else jnp.logical_and(mask, same)
+
+
+def _check_segments(ids: Any, query: Any, key: Any) -> None:
+    if ids.ndim != 2 or ids.shape != (query.shape[0], query.shape[1]) or (
+        key.shape[1] != query.shape[1]
+    ):  # fmt: skip
+        raise ConfigError(
+            f"shardplug.attention: segment_ids {tuple(ids.shape)} must be (batch, sequence) = "
+            f"{(query.shape[0], query.shape[1])}, the queries' and the keys' (self-attention)"
+        )
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ConfigError(f"shardplug.attention: segment_ids must be integers, got {ids.dtype}")
+
+
+def _takes_segments(fn: Any) -> bool:
+    try:
+        return "segment_ids" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def attention_kernel(
     query: jax.Array, key: jax.Array, value: jax.Array, *, causal: bool = False,
     bias: jax.Array | None = None, mask: jax.Array | None = None, scale: float | None = None,
     lengths: jax.Array | None = None, implementation: Implementation | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:  # fmt: skip
     """:func:`attention` on the arrays as they are, no parallelism's in its place: the fused
     kernel where the devices and inputs qualify, XLA's otherwise. A parallelism's own
     attention (``Operations(attention=...)``) calls it on the blocks it has gathered or
     dealt, so it runs cuDNN's fused attention where :func:`attention` would; ``lengths``
     (one per row) masks the keys past each row's length, as padding to split a sequence
-    evenly needs (``jax.nn.dot_product_attention``'s ``key_value_seq_lengths``).
+    evenly needs (``jax.nn.dot_product_attention``'s ``key_value_seq_lengths``);
+    ``segment_ids`` join the mask (cuDNN's fused kernel takes it as one).
 
     Example, attention over keys and values gathered whole along a sequence axis::
 
@@ -79,6 +125,8 @@ def attention_kernel(
             return attention_kernel(query, key, value, causal=causal, bias=bias, mask=mask,
                                     scale=scale)
     """
+    if segment_ids is not None:
+        mask = with_segments(mask, segment_ids, segment_ids)
     if implementation is None:
         implementation, why = choose(query, key, value, platform=_platform())
         if why is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -155,6 +156,7 @@ def read_sequence(*lengths: int) -> None:
 
 
 def _counted(fn: Callable[..., Any], name: str, called: dict[str, bool]) -> Callable[..., Any]:
+    @functools.wraps(fn)  # its signature read through: what it takes (attention's segment_ids)
     def counted(*args: Any, **kwargs: Any) -> Any:
         called[name] = True
         return fn(*args, **kwargs)

@@ -229,7 +229,12 @@ class Pretrained:
         tokens, targets = batch["tokens"], batch.get("targets")
         if targets is None:  # next-token: the model reads all but the last
             tokens, targets = tokens[:, :-1], tokens[:, 1:]
-        out = model(tokens)
+        packed = {
+            k: batch[k][:, -tokens.shape[1] :]
+            for k in ("segment_ids", "positions")
+            if batch.get(k) is not None
+        }  # documents packed in a row: each on its own
+        out = model(tokens, **packed)
         logits, tallies = out if isinstance(out, tuple) else (out, None)
         losses = optax.softmax_cross_entropy_with_integer_labels(
             logits.astype(jnp.float32), targets

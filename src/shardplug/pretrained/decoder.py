@@ -26,7 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardplug import moe, stack
+from shardplug.core import ops
 from shardplug.core.attention import attention
+from shardplug.errors import warn_once
 from shardplug.pretrained.config import DecoderConfig
 
 Table = dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]
@@ -105,34 +107,52 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     turned = 2 * cos.shape[-1]
     if turned < x.shape[-1]:
         return jnp.concatenate([_rotate(x[..., :turned], cos, sin), x[..., turned:]], -1)
-    cos, sin = (t[None, :, None, :].astype(x.dtype) for t in (cos, sin))
+    # (sequence, frequencies), or a row's own positions': (rows, sequence, frequencies)
+    cos, sin = ((t[None] if t.ndim == 2 else t)[:, :, None, :].astype(x.dtype)
+                for t in (cos, sin))  # fmt: skip
     first, second = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
 
 
-def _angles(c: DecoderConfig, length: int, local: bool) -> tuple[jax.Array, jax.Array]:
+def _angles(c: DecoderConfig, positions: jax.Array, local: bool) -> tuple[jax.Array, jax.Array]:
     inv = jnp.asarray(c.inverse_frequencies(local), jnp.float32)
-    angle = jnp.arange(length, dtype=jnp.float32)[:, None] * inv[None, :]
+    angle = positions.astype(jnp.float32)[..., None] * inv.reshape((1,) * positions.ndim + (-1,))
     return jnp.cos(angle), jnp.sin(angle)
 
 
-def forward(c: DecoderConfig, p: dict[str, Any], tokens: jax.Array, remat: str = "none"):
+def forward(c: DecoderConfig, p: dict[str, Any], tokens: jax.Array, remat: str = "none",
+            segment_ids: jax.Array | None = None, positions: jax.Array | None = None):  # fmt: skip
     """Logits (batch, sequence, vocab) of ``tokens`` (batch, sequence); with experts
     ``(logits, tallies)``, the tallies each layer's :class:`shardplug.moe.Tally`.
 
     A sliding layer sees the keys less than ``sliding_window`` positions back: a mask, given
     only where the sequence is longer than the window (so elsewhere attention keeps its
-    fused kernels and ``cp`` its ring; with the mask ``cp`` gathers the keys instead)."""
+    fused kernels and ``cp`` its ring; with the mask ``cp`` gathers the keys instead).
+
+    Packed documents: ``segment_ids`` (batch, sequence) keep each token's attention to its
+    own document, and ``positions`` (each token's place in its document) restart the rotary
+    positions at each; under ``pp`` (whose stages take the activations alone) neither reaches
+    the layers yet, and that is said once."""
     length = tokens.shape[1]
     act = jax.nn.silu if c.activation == "silu" else partial(jax.nn.gelu, approximate=True)
+    if (segment_ids is not None or positions is not None) and ops.supplied("layer_stack"):
+        warn_once(
+            "packed documents under pp: the pipeline's stages take the activations alone, so "
+            "each document attends to those packed before it in its row, its positions "
+            "running on (segment ids and positions are not applied)"
+        )
+        segment_ids = positions = None
+    if positions is None:
+        positions = jnp.arange(length)
     windowed = c.sliding_window is not None and length > c.sliding_window
     mixed = c.local_rope is not None and len(set(c.layer_types)) > 1
-    cos, sin = _angles(c, length, local=c.local_rope is not None and "full" not in c.layer_types)
+    cos, sin = _angles(c, positions,
+                       local=c.local_rope is not None and "full" not in c.layer_types)  # fmt: skip
     per_layer = {}
     if windowed or mixed:
         per_layer["sliding"] = jnp.asarray([t == "sliding" for t in c.layer_types])
     if mixed:
-        local_cos, local_sin = _angles(c, length, local=True)
+        local_cos, local_sin = _angles(c, positions, local=True)
 
     def norm(x, weight):
         return rms_norm(x, weight, c.norm_eps, c.traits.norm_plus_one)
@@ -154,12 +174,13 @@ def forward(c: DecoderConfig, p: dict[str, Any], tokens: jax.Array, remat: str =
             c_, s_ = (jnp.where(pl["sliding"], a, b) for a, b in ((local_cos, cos),
                                                                    (local_sin, sin)))  # fmt: skip
         mask = None
-        if windowed:
-            position = jnp.arange(length)
+        if windowed:  # by each token's place in its document
+            place = jnp.broadcast_to(positions, (1, length) if positions.ndim == 1 else
+                                     positions.shape)  # fmt: skip
             reach = jnp.where(pl["sliding"], c.sliding_window, length + 1)
-            mask = ((position[:, None] - position[None, :]) < reach)[None, None]
+            mask = ((place[:, :, None] - place[:, None, :]) < reach)[:, None]
         out = attention(_rotate(q, c_, s_), _rotate(k, c_, s_), v, causal=True, mask=mask,
-                        scale=c.query_scale)  # fmt: skip
+                        scale=c.query_scale, segment_ids=segment_ids)  # fmt: skip
         out = out.reshape(batch, length, c.heads * c.head_dim) @ lp["o"]
         x = x + (norm(out, lp["post_attention_norm"]) if c.traits.post_norms else out)
         h = norm(x, lp["mlp_norm"])
@@ -214,9 +235,10 @@ class NnxDecoder(nnx.Module):
         self.outer = NnxParams(outer, dtype, rngs, plus_one=plus_one)
         self.layers = NnxParams(layer, dtype, rngs, count=config.layers, plus_one=plus_one)
 
-    def __call__(self, tokens: jax.Array):
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None):  # fmt: skip
         arrays = {**self.outer.arrays(), "layers": self.layers.arrays()}
-        return forward(self.config, arrays, tokens, self.remat)
+        return forward(self.config, arrays, tokens, self.remat, segment_ids, positions)
 
 
 class LinenDecoder(nn.Module):
@@ -227,7 +249,8 @@ class LinenDecoder(nn.Module):
     remat: str = "none"
 
     @nn.compact
-    def __call__(self, tokens: jax.Array):
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None):  # fmt: skip
         outer, layer = table(self.config)
 
         def made(name, shape, names):
@@ -244,7 +267,7 @@ class LinenDecoder(nn.Module):
         arrays["layers"] = {
             n: made(f"layers_{n}", (count, *s), (stack.LAYERS, *a)) for n, (s, a) in layer.items()
         }
-        return forward(self.config, arrays, tokens, self.remat)
+        return forward(self.config, arrays, tokens, self.remat, segment_ids, positions)
 
 
 class EqxDecoder(eqx.Module):
@@ -266,8 +289,9 @@ class EqxDecoder(eqx.Module):
                             for n, (s, _) in layer.items()}  # fmt: skip
         self.arrays, self.config, self.remat = arrays, config, remat
 
-    def __call__(self, tokens: jax.Array):
-        return forward(self.config, self.arrays, tokens, self.remat)
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None):  # fmt: skip
+        return forward(self.config, self.arrays, tokens, self.remat, segment_ids, positions)
 
 
 def eqx_rules(c: DecoderConfig) -> dict[str, tuple[str | None, ...]]:

@@ -6,9 +6,11 @@ fine-tune on.
 encoded by the tokenizer (``tokenizer.json``, through the ``tokenizers`` package, with its
 special tokens: Llama's ``<s>``, Qwen's none) and ended by the config's ``eos_token_id``; the
 documents are concatenated and cut into rows of ``sequence + 1`` tokens that overlap by one,
-so that every token is predicted once. Document boundaries are masked **in the loss**: a
-target that begins a new document (predicted from the end of the one before) does not count
-(``loss_mask``), but attention within a row still reaches back across the boundary. The rows
+so that every token is predicted once. Each document is on its own, as if it had a row to
+itself: a target that begins a new document (predicted from the end of the one before) does
+not count (``loss_mask``), each token carries its document's id (``segment_ids``) so that
+attention reaches no other document, and its position within its document (``positions``),
+from which the model's positions restart at each document. The rows
 are a Grain ``MapDataset``, shuffled per epoch by :class:`shardplug.data.Batches`, whose
 position goes into every checkpoint: a resumed run reads the rows the uninterrupted one
 would have. The whole corpus is tokenized when the run starts and held as int32 ids
@@ -93,11 +95,16 @@ def read_tokenizer(directory: str | pathlib.Path, vocab: int) -> Any:
 
 class Packed:
     """The rows of packed documents: ``Packed(...)[i]`` is ``{"tokens": (sequence + 1,),
-    "loss_mask": (sequence,)}``; :attr:`dataset` is the rows as a Grain ``MapDataset``."""
+    "loss_mask", "segment_ids", "positions": (sequence,)}`` (the last two of the tokens the
+    model reads: each one's document, numbered from 0 in the row, and its place in it);
+    :attr:`dataset` is the rows as a Grain ``MapDataset``."""
 
     def __init__(self, ids: np.ndarray, owner: np.ndarray, sequence: int):
         self.ids, self.owner, self.sequence = ids, owner, sequence
         self.rows = (len(ids) - 1) // sequence
+        starts = np.flatnonzero(np.diff(owner, prepend=-1)) if len(owner) else owner
+        first = np.repeat(starts, np.diff(np.append(starts, len(owner))))
+        self.place = (np.arange(len(owner)) - first).astype(np.int32)  # within its document
 
     def __len__(self) -> int:
         return self.rows
@@ -106,7 +113,10 @@ class Packed:
         start = row * self.sequence
         window = slice(start, start + self.sequence + 1)
         owner = self.owner[window]
-        return {"tokens": self.ids[window], "loss_mask": (owner[1:] == owner[:-1]).astype(np.int32)}
+        return {"tokens": self.ids[window],
+                "loss_mask": (owner[1:] == owner[:-1]).astype(np.int32),
+                "segment_ids": (owner[:-1] - owner[0]).astype(np.int32),
+                "positions": self.place[window][:-1]}  # fmt: skip
 
     @property
     def dataset(self) -> grain.MapDataset:

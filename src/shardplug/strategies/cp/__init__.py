@@ -109,9 +109,10 @@ class ContextParallel:
         else:
             ring = gathered_attention(axis)
 
-        def attend(*args, **kwargs):
+        def attend(query, key, value, *, causal, bias, mask, scale, segment_ids=None):
             self._judged = True  # the sequence splits from here on: cp divides the work
-            return ring(*args, **kwargs)
+            return ring(query, key, value, causal=causal, bias=bias, mask=mask, scale=scale,
+                        segment_ids=segment_ids)  # fmt: skip
 
         return Operations(attention=attend, unused=lambda _: self._unused(axis, mesh, sequences))
 

@@ -47,7 +47,7 @@ def gathered_attention(axis: str):
     """An attention function (cp's ``Operations(attention=...)``): keys and values whole along
     the sequence (gathered over ``axis``), queries and output split over it."""
 
-    def attend(query, key, value, *, causal, bias, mask, scale):
+    def attend(query, key, value, *, causal, bias, mask, scale, segment_ids=None):
         size = jax.sharding.get_abstract_mesh().shape[axis]
         length = query.shape[1]
         (query, key, value), bias, mask = pad_sequence((query, key, value), bias, mask, size)
@@ -55,6 +55,11 @@ def gathered_attention(axis: str):
         query = lay_out(query, split)
         key, value = lay_out(key, whole), lay_out(value, whole)
         padded = query.shape[1] != length
+        if segment_ids is not None:  # the queries' ids split as they are, the keys' whole
+            ids = _pad_ids(segment_ids, query.shape[1])
+            mine, theirs = lay_out(ids, P(_U, axis)), lay_out(ids, P(_U, None))
+            same = mine[:, None, :, None] == theirs[:, None, None, :]
+            mask = same if mask is None else jnp.logical_and(mask, same)
         # XLA's: cuDNN's wrapper has no partitioning rule for split queries against whole keys
         out = jax.nn.dot_product_attention(
             query, key, value, bias=bias, mask=mask, scale=scale, is_causal=causal,
@@ -78,14 +83,15 @@ def ring_attention(axis: str, balance: bool = True, on_ring=None):
     ``on_ring()`` is called each time the ring itself is traced (not its gathered fallback)."""
     gathered = gathered_attention(axis)
 
-    def attend(query, key, value, *, causal, bias, mask, scale):
+    def attend(query, key, value, *, causal, bias, mask, scale, segment_ids=None):
         mesh = jax.sharding.get_abstract_mesh()
-        # the ring takes plain (causal) attention; inside another per-device program (pp's
-        # schedule) XLA's partitioner refuses its nested manual axes: gathered there
+        # the ring takes plain (causal) attention, packed documents' ids too; inside another
+        # per-device program (pp's schedule) XLA's partitioner refuses its nested manual
+        # axes: gathered there
         nested = any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
         if bias is not None or mask is not None or nested:
             return gathered(query, key, value, causal=causal, bias=bias, mask=mask,
-                            scale=scale)  # fmt: skip
+                            scale=scale, segment_ids=segment_ids)  # fmt: skip
         if on_ring is not None:
             on_ring()
         size = mesh.shape[axis]
@@ -103,15 +109,23 @@ def ring_attention(axis: str, balance: bool = True, on_ring=None):
             valid=valid,
         )  # fmt: skip
         split = P(None, axis)
+        blocks = (query, key, value)
+        if segment_ids is not None:  # each block's ids go round the ring with its keys
+            blocks += (lay_out(_pad_ids(segment_ids, query.shape[1]), P(_U, axis)),)
         out = jax.shard_map(
-            block, in_specs=(split, split, split), out_specs=split, axis_names={axis}
-        )(query, key, value)
+            block, in_specs=(split,) * len(blocks), out_specs=split, axis_names={axis}
+        )(*blocks)
         return out[:, :length]
 
     return attend
 
 
-def _ring(q, k, v, *, axis, size, causal, scale, balance, valid=None):
+def _pad_ids(ids, length):
+    """Segment ids padded at the end to ``length`` with -1, no real segment's."""
+    return jnp.pad(ids, ((0, 0), (0, length - ids.shape[1])), constant_values=-1)
+
+
+def _ring(q, k, v, ids=None, *, axis, size, causal, scale, balance, valid=None):
     """One device's share of ring attention: its queries against every block of keys.
 
     Causal and ``balance``, the blocks are first dealt zig-zag (:func:`_deal`): device ``i``
@@ -122,13 +136,16 @@ def _ring(q, k, v, *, axis, size, causal, scale, balance, valid=None):
     causal attention without the deal does (all of them, masked), all devices the same; the
     output is dealt back, so nothing outside sees the order. Key and value blocks carry
     their own heads, which may be fewer than the queries' (grouped-query attention): only
-    they go round the ring. ``valid``: keys at positions from it on are padding, masked."""
+    they go round the ring. ``valid``: keys at positions from it on are padding, masked.
+    ``ids``: my block's segment ids; each key block's go round with it, and a query meets
+    only its own segment's keys."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     me = jax.lax.axis_index(axis)
     perm = [(d, (d + 1) % size) for d in range(size)]
     dealt = causal and balance
     if dealt:
         q, k, v = (_deal(x, axis, size) for x in (q, k, v))
+        ids = None if ids is None else _deal(ids, axis, size)
     length = q.shape[1]
     half = length // 2
 
@@ -139,23 +156,33 @@ def _ring(q, k, v, *, axis, size, causal, scale, balance, valid=None):
             return (me * length + places)[:, None] >= keys[None, :]
         return None if valid is None else jnp.broadcast_to(keys < valid, (length, length))
 
-    def meet(acc, k, v, step):
+    def joined(mask, mine, theirs):  # and the queries' segments equal to the keys'
+        if ids is None:
+            return mask
+        same = (mine[:, :, None] == theirs[:, None, :])[:, None]  # (rows, 1, queries, keys)
+        return same if mask is None else jnp.logical_and(mask[None, None], same)
+
+    def meet(acc, k, v, theirs, step):
         source = (me - step) % size  # whose keys and values these are
         if not dealt:
-            return softmax_meet(q, k, v, acc, scale, seen(source))
+            return softmax_meet(q, k, v, acc, scale, joined(seen(source), ids, theirs))
 
         def earlier(acc):  # all my queries against its first half
-            return softmax_meet(q, k[:, :half], v[:, :half], acc, scale)
+            mask = joined(None, ids, None if ids is None else theirs[:, :half])
+            return softmax_meet(q, k[:, :half], v[:, :half], acc, scale, mask)
 
         def later(acc):  # my second half of queries against all of it
-            mine = softmax_meet(q[:, half:], k, v, softmax_rows(acc, slice(half, None)), scale)
+            mask = joined(None, None if ids is None else ids[:, half:], theirs)
+            mine = softmax_meet(q[:, half:], k, v, softmax_rows(acc, slice(half, None)), scale,
+                                mask)  # fmt: skip
             return softmax_join(softmax_rows(acc, slice(None, half)), mine)
 
         return jax.lax.cond(source < me, earlier, later, acc)
 
     def meet_and_pass(carry, step):  # the block passed on is the next step's carry: kept,
-        acc, k, v = carry  # not recomputed by the checkpoint
-        return (meet(acc, k, v, step), *jax.lax.ppermute((k, v), axis, perm)), None
+        acc, k, v, theirs = carry  # not recomputed by the checkpoint
+        passed = jax.lax.ppermute((k, v, theirs), axis, perm)
+        return (meet(acc, k, v, theirs, step), *passed), None
 
     acc = softmax_start(q, v.shape[-1])
     mine = seen(me)
@@ -163,12 +190,15 @@ def _ring(q, k, v, *, axis, size, causal, scale, balance, valid=None):
         places = jnp.arange(half)
         where = jnp.concatenate([me * half + places, (2 * size - 1 - me) * half + places])
         mine = where[:, None] >= where[None, :]
+    mine = joined(mine, ids, ids)
     # every meeting recomputed for the backward pass: only the running sums are kept
     acc = jax.checkpoint(lambda acc, k, v: softmax_meet(q, k, v, acc, scale, mine))(acc, k, v)
-    k, v = jax.lax.ppermute((k, v), axis, perm)
+    theirs = ids if ids is not None else jnp.zeros((q.shape[0], 0), jnp.int32)
+    k, v, theirs = jax.lax.ppermute((k, v, theirs), axis, perm)
     steps = jnp.arange(1, size - 1)
-    acc, k, v = jax.lax.scan(jax.checkpoint(meet_and_pass), (acc, k, v), steps)[0]
-    out = softmax_end(jax.checkpoint(meet)(acc, k, v, size - 1), q.dtype)
+    acc, k, v, theirs = jax.lax.scan(jax.checkpoint(meet_and_pass), (acc, k, v, theirs),
+                                     steps)[0]  # fmt: skip
+    out = softmax_end(jax.checkpoint(meet)(acc, k, v, theirs, size - 1), q.dtype)
     return _deal(out, axis, size, back=True) if dealt else out
 
 
