@@ -63,7 +63,8 @@ def test_the_packer_writes_each_tokens_document_and_place():
     ("framework", "strategy", "options", "devices"),
     [("nnx", "dp", {}, 2), ("nnx", "fsdp+tp", {}, 4), ("nnx", "fsdp+cp", {}, 4),
      ("nnx", "fsdp+cp", {"attention": "gather"}, 4), ("nnx", "cp", {"balance": "none"}, 4),
-     ("linen", "fsdp+cp", {}, 4), ("equinox", "fsdp+cp", {}, 4)],
+     ("linen", "fsdp+cp", {}, 4), ("equinox", "fsdp+cp", {}, 4), ("linen", "dp", {}, 2),
+     ("equinox", "dp", {}, 2)],
 )  # fmt: skip
 def test_a_packed_row_scores_each_document_as_alone(framework, strategy, options, devices):
     run = task(framework).trainer(strategy=shardplug.get_strategy(strategy, **options),
@@ -101,3 +102,50 @@ def test_under_pp_packed_documents_are_said_to_see_each_other():
                          precision="float32")  # fmt: skip
     with pytest.warns(shardplug.errors.ShardplugWarning, match="packed documents under pp"):
         run.evaluate(iter([packed(documents())]))
+
+
+@pytest.mark.parametrize(("causal", "balance", "length"),
+                         [(True, True, 30), (False, True, 30), (False, False, 31)])  # fmt: skip
+def test_the_rings_ids_go_round_with_their_keys_gradients_too(causal, balance, length):
+    """cp's ring alone (4 devices, a length they do not divide: padded) against XLA's
+    attention masked by the same ids: the output and all three gradients."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from shardplug.core.attention import with_segments
+    from shardplug.strategies.cp.ring import gathered_attention, ring_attention
+
+    auto = (jax.sharding.AxisType.Auto,)
+    mesh = jax.make_mesh((4,), ("context",), auto, devices=jax.devices()[:4])
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, length, 2, 8))
+    ids = jnp.asarray(np.repeat(np.arange(length) // 7, 1)[None].repeat(2, 0))  # 7-token documents
+
+    def loss(attend, q, k, v):
+        out = attend(q, k, v, causal=causal, bias=None, mask=None, scale=None, segment_ids=ids)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+    def reference(q, k, v, *, causal, bias, mask, scale, segment_ids):
+        mask = with_segments(None, segment_ids, segment_ids)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, mask=mask)
+
+    want = jax.value_and_grad(functools.partial(loss, reference), argnums=(0, 1, 2))(q, k, v)
+    for scheme in (ring_attention("context", balance=balance), gathered_attention("context")):
+        with jax.set_mesh(mesh):  # the schemes pad the sequence and split it themselves
+            step = jax.value_and_grad(functools.partial(loss, scheme), argnums=(0, 1, 2))
+            got = jax.jit(step)(q, k, v)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_loss_takes_ids_per_token_read_or_per_token_of_the_row():
+    model = task().trainer(strategy="dp", devices=1, precision="float32").model
+    batch = packed(documents())
+    loss_fn = task().loss_fn
+    want = loss_fn(model, batch)[0].total
+    row = {k: np.concatenate([batch[k], batch[k][:, -1:] + 1], 1) for k in ("segment_ids",
+                                                                          "positions")}  # fmt: skip
+    assert loss_fn(model, {**batch, **row})[0].total == want  # the last, never read, cut
+    said = r"batch positions \(2, 17\): give \(rows, 19\), one per token the model reads, or "
+    with pytest.raises(ConfigError, match=said + r"\(rows, 20\), one per token of the row"):
+        loss_fn(model, {**batch, "positions": batch["positions"][:, :17]})

@@ -11,9 +11,10 @@ one that splits the sequence supplies attention over it through its ``operations
 the model's code does not change between strategies.
 
 Packed documents: ``segment_ids`` (each token's document, ``(batch, sequence)``) keep each
-query to the keys of its own document, in every path: XLA's and cuDNN's as a mask, ``cp``'s
-ring and gather with each block's ids beside its keys. A parallelism's attention that does
-not take ``segment_ids`` is given the same mask instead.
+query to the keys of its own document, in every path: XLA's as a mask (on a GPU too, said
+once: cuDNN's fused kernel through JAX would take them only as a dense bias), ``cp``'s ring
+and gather with each block's ids beside its keys. A parallelism's attention that does not
+take ``segment_ids`` (a keyword of its own) is given the same mask instead.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def attention_kernel(
     dealt, so it runs cuDNN's fused attention where :func:`attention` would; ``lengths``
     (one per row) masks the keys past each row's length, as padding to split a sequence
     evenly needs (``jax.nn.dot_product_attention``'s ``key_value_seq_lengths``);
-    ``segment_ids`` join the mask (cuDNN's fused kernel takes it as one).
+    ``segment_ids`` join the mask (and take XLA's path, said once on a GPU).
 
     Example, attention over keys and values gathered whole along a sequence axis::
 
@@ -127,6 +128,11 @@ def attention_kernel(
     """
     if segment_ids is not None:
         mask = with_segments(mask, segment_ids, segment_ids)
+        if implementation is None and _platform() == "gpu":
+            implementation = "xla"  # correct, said; the fused kernel's packed form: not yet
+            _say_once("segment_ids take XLA's attention: cuDNN's fused attention through JAX "
+                      "takes them only as a dense bias, whose gradient it materialises (and "
+                      "refuses for odd lengths)")  # fmt: skip
     if implementation is None:
         implementation, why = choose(query, key, value, platform=_platform())
         if why is not None:

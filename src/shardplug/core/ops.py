@@ -25,7 +25,9 @@ from shardplug.errors import CompositionError, PluginError
 class Attention(Protocol):
     """``(query, key, value, *, causal, bias, mask, scale) -> output``: what
     :func:`shardplug.attention` returns, over ``(batch, sequence, heads, head_dim)`` arrays
-    (key and value may have fewer heads, dividing the query's)."""
+    (key and value may have fewer heads, dividing the query's). One that declares a
+    ``segment_ids=None`` keyword of its own is given packed documents' ids
+    (``(batch, sequence)``); one that does not, their mask, joined to ``mask``."""
 
     def __call__(self, query: Any, key: Any, value: Any, *, causal: bool, bias: Any,
                  mask: Any, scale: float | None) -> Any: ...  # fmt: skip

@@ -78,6 +78,7 @@ def softmax_meet(
 def softmax_end(acc: Softmax, dtype: Any) -> jax.Array:
     """The attention output of a finished running softmax, ``(rows, queries, heads, dim)``."""
     _, total, out = acc
+    total = jnp.where(total > 0, total, 1.0)  # a query that saw no key (padding): 0, not 0/0
     return (out / total.transpose(0, 2, 1)[..., None]).astype(dtype)
 
 
