@@ -1,10 +1,12 @@
-"""cp's attention schemes side by side: keys and values all-gathered, or passed round the
-ring, with and without the zig-zag balance of causal work.
+"""cp's attention schemes side by side: keys and values all-gathered, passed round the ring
+(with and without the zig-zag balance of causal work), or all-to-all (Ulysses: the heads
+split for attention).
 
 The reference transformer (NNX, causal) at ``--sequences`` (default 1024 and 4096), batch 4,
 under ``cp`` on ``--devices`` simulated CPU devices (context = devices), with
-``attention="gather"``, ``attention="ring"`` and ``balance="none"`` (every block pair
-computed, masked) and the default ``attention="ring"``, ``balance="zigzag"``: each step
+``scheme="gather"``, ``scheme="ring"`` and ``balance="none"`` (every block pair computed,
+masked), the default ``scheme="ring"``, ``balance="zigzag"``, and ``scheme="ulysses"``: each
+step
 compiled, its compiled temporaries (``memory_analysis``), its collectives, and the median
 step time over interleaved rounds, reported as ratios to the gather. The same losses are
 asserted, so all compute the same thing. A GPU run records the attention function's
@@ -22,9 +24,10 @@ import statistics
 import time
 
 SCHEMES = {
-    "gather": {"attention": "gather"},
-    "ring": {"attention": "ring", "balance": "none"},
-    "ring+zigzag": {"attention": "ring", "balance": "zigzag"},
+    "gather": {"scheme": "gather"},
+    "ring": {"scheme": "ring", "balance": "none"},
+    "ring+zigzag": {"scheme": "ring", "balance": "zigzag"},
+    "ulysses": {"scheme": "ulysses"},
 }
 
 
@@ -119,6 +122,7 @@ def attention_alone(sequences: list[int], devices: int, rounds: int) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from shardplug.strategies.cp.ring import gathered_attention, ring_attention
+    from shardplug.strategies.cp.ulysses import ulysses_attention
 
     mesh = jax.make_mesh((devices,), ("context",), devices=jax.devices()[:devices])
     split = P(None, "context")
@@ -134,6 +138,7 @@ def attention_alone(sequences: list[int], devices: int, rounds: int) -> dict:
         "ring": ring_attention("context", balance=False),
         "ring+zigzag": ring_attention("context", balance=True),
         "gather": gathered_attention("context"),
+        "ulysses": ulysses_attention("context", gathered_attention("context")),
     }
     out = {}
     for length in sequences:

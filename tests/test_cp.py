@@ -280,9 +280,13 @@ def test_explain_shows_cp_share_and_takes_the_ring_for_no_pipeline():
 
 
 def test_an_unknown_attention_scheme_is_one_line():
-    expected = r"'gather' .* or 'ring' .* got 'bogus'"
+    expected = r"scheme must be 'ring' .*'gather' .* or 'ulysses' .* got 'bogus'"
     with pytest.raises(shardplug.StrategyOptionError, match=expected):
-        shardplug.get_strategy("dp+cp", **{"cp.attention": "bogus"})
+        shardplug.get_strategy("dp+cp", **{"cp.attention": "bogus"})  # the older name
+    with pytest.raises(shardplug.StrategyOptionError, match=expected):
+        shardplug.get_strategy("dp+cp", **{"cp.scheme": "bogus"})
+    with pytest.raises(shardplug.StrategyOptionError, match="attention is the older name"):
+        shardplug.get_strategy("cp", scheme="ring", attention="gather")
     with pytest.raises(shardplug.StrategyOptionError, match=r"balance must be 'zigzag' .*'odd'"):
         shardplug.get_strategy("cp", balance="odd")
 

@@ -7,9 +7,11 @@ activation along it; parameters are replicated over ``context`` (an ``fsdp`` of 
 composition stores them split over it too, as torchtitan shards over dp_shard x cp).
 Attention sees the whole sequence: cp supplies :func:`shardplug.attention`'s operation
 (:mod:`.ring`), ring attention (the key/value blocks passed round ``context``;
-``attention="ring"``, the default by measurement) or an attention whose keys and values are
-all-gathered (``attention="gather"``). Causal, the ring deals each layer's blocks zig-zag for
-its span and back (``balance="zigzag"``, the default), so every device computes the same
+``scheme="ring"``, the default by measurement), an attention whose keys and values are
+all-gathered (``scheme="gather"``), or all-to-all attention (``scheme="ulysses"``,
+:mod:`.ulysses`: the heads split over ``context`` for attention, the sequences whole).
+``attention=`` is the older name of ``scheme=``. Causal, the ring deals each layer's blocks
+zig-zag for its span and back (``balance="zigzag"``, the default), so every device computes the same
 half of the causal work and skips the other; positions and targets are those of the sequence
 as it is: nothing outside attention sees an order but the real one. Any length: attention
 pads the sequence to whole blocks and masks the padding. A model that computes attention
@@ -33,6 +35,9 @@ from shardplug.plugin import (
     warn_once,
 )
 from shardplug.strategies.cp.ring import gathered_attention, ring_attention
+from shardplug.strategies.cp.ulysses import ulysses_attention
+
+SCHEMES = ("ring", "gather", "ulysses")
 
 
 class ContextParallel:
@@ -46,11 +51,19 @@ class ContextParallel:
         Capability.BATCH_SPLIT: "context parallelism alone splits the sequence, not the rows",
     }
 
-    def __init__(self, attention: str = "ring", balance: str = "zigzag", sequence: str = ""):
-        if attention not in ("gather", "ring"):
+    def __init__(self, scheme: str | None = None, balance: str = "zigzag", sequence: str = "",
+                 attention: str | None = None):  # fmt: skip
+        if scheme is not None and attention is not None and scheme != attention:
             raise StrategyOptionError(
-                f"cp option attention must be 'gather' (keys and values all-gathered) or "
-                f"'ring' (passed round the ring), got {attention!r}"
+                f"cp options scheme {scheme!r} and attention {attention!r}: attention is the "
+                "older name of scheme; give one"
+            )
+        attention = scheme or attention or "ring"
+        if attention not in SCHEMES:
+            raise StrategyOptionError(
+                f"cp option scheme must be 'ring' (keys and values passed round the ring), "
+                f"'gather' (all-gathered) or 'ulysses' (all-to-all: the heads split), got "
+                f"{attention!r}"
             )
         if balance not in ("zigzag", "none"):
             raise StrategyOptionError(
@@ -65,6 +78,7 @@ class ContextParallel:
         self._sequences: dict[str, tuple[int, bool]] = {}
         self._judged = False  # whether a program of the run was judged to divide the work
         self._ring_ran = False  # whether the last traced program went round the ring
+        self._all_to_all: list[int] = []  # the last program's ulysses blocks, in bytes
 
     @hookimpl
     def parallel_axis(self):
@@ -104,8 +118,11 @@ class ContextParallel:
         def ran() -> None:
             self._ring_ran = True
 
+        self._all_to_all = []
         if self.attention == "ring":
             ring = ring_attention(axis, self.balance == "zigzag", on_ring=ran)
+        elif self.attention == "ulysses":
+            ring = ulysses_attention(axis, gathered_attention(axis), self._all_to_all.append)
         else:
             ring = gathered_attention(axis)
 
@@ -178,6 +195,20 @@ class ContextParallel:
             if ring
             else "its attention gathers the keys and values (all-gathers; no ring)"
         )
+        if self.attention == "ulysses" and self._all_to_all:
+            a2a = [c for c in found if c["kind"] == "all-to-all"]
+            # each block's (C-1)/C leaves its device, forward and again for the gradient: per
+            # attention the model's code calls (a layer stack's, once for all its layers)
+            textbook = 2 * sum(self._all_to_all) * (parts - 1) // parts
+            report.update(all_to_alls=sum(c["count"] for c in a2a),
+                          all_to_all_bytes=sum(c["wire_bytes"] for c in a2a),
+                          all_to_all_textbook_per_layer=textbook)  # fmt: skip
+            how = (
+                f"its attention's all-to-alls send {report['all_to_all_bytes'] / 2**20:.2f} "
+                f"MiB per device per step ({report['all_to_alls']} of them); the textbook, "
+                f"{textbook / 2**20:.3f} MiB a layer (its query, key, value and output "
+                f"blocks, (C-1)/C of each, forward and backward)"
+            )
         note = (
             f"the sequence is split over {list(axes)}: each device holds {length // parts} of "
             f"the {length} positions of every row and every activation along them; {how}"

@@ -1,0 +1,98 @@
+"""cp's all-to-all scheme (``-o cp.scheme=ulysses``, DeepSpeed-Ulysses): the heads split over
+the context axis for attention, equal to XLA's attention alone and to one device's training
+composed with fsdp, tp and pp; its all-to-alls are the textbook's bytes."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardplug
+from shardplug.core.attention import with_segments
+from shardplug.errors import ConfigError
+from shardplug.explain import explain
+from shardplug.strategies.cp.ring import gathered_attention
+from shardplug.strategies.cp.ulysses import kv_repeats, ulysses_attention
+from shardplug.testing.conformance import _losses, one_device_losses
+
+STEPS = 3
+
+
+def _mesh(size):
+    auto = (jax.sharding.AxisType.Auto,)
+    return jax.make_mesh((size,), ("context",), auto, devices=jax.devices()[:size])
+
+
+@pytest.mark.parametrize(
+    ("causal", "length", "heads", "kv_heads", "packed"),
+    [(True, 32, 8, 2, False), (False, 30, 8, 2, True), (True, 30, 4, 4, True),
+     (True, 31, 8, 1, False)],
+)  # fmt: skip
+def test_all_to_all_attention_is_xlas(causal, length, heads, kv_heads, packed):
+    """4 devices: grouped-query heads (key/value heads repeated to divide them), a length they
+    do not divide, packed documents: the output and all three gradients."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, length, heads, 8))
+    k, v = (jax.random.normal(key, (2, length, kv_heads, 8)) for key in keys[1:])
+    ids = jnp.asarray(np.arange(length)[None].repeat(2, 0) // 7) if packed else None
+
+    def loss(attend, q, k, v):
+        out = attend(q, k, v, causal=causal, bias=None, mask=None, scale=None, segment_ids=ids)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+    def reference(q, k, v, *, causal, bias, mask, scale, segment_ids):
+        mask = None if segment_ids is None else with_segments(None, segment_ids, segment_ids)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, mask=mask)
+
+    want = jax.value_and_grad(functools.partial(loss, reference), argnums=(0, 1, 2))(q, k, v)
+    ulysses = ulysses_attention("context", gathered_attention("context"))
+    with jax.set_mesh(_mesh(4)):
+        step = jax.value_and_grad(functools.partial(loss, ulysses), argnums=(0, 1, 2))
+        got = jax.jit(step)(q, k, v)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_key_value_heads_are_repeated_the_fewest_times_that_divide():
+    assert [kv_repeats(8, kv, 4) for kv in (1, 2, 4, 8)] == [4, 2, 1, 1]
+    assert kv_repeats(32, 8, 16) == 2
+    with pytest.raises(ConfigError, match="cannot be repeated to divide 8 devices"):
+        kv_repeats(12, 3, 8)
+
+
+@pytest.mark.parametrize(
+    ("name", "mesh", "adapter"),
+    [("fsdp+cp", "fsdp=2,context=4", "nnx"), ("fsdp+cp+tp", "fsdp=2,context=2,model=2", "linen"),
+     ("dp+cp", "data=2,context=4", "equinox"), ("pp+cp", "stage=2,context=4", "nnx")],
+)  # fmt: skip
+def test_compositions_with_all_to_all_cp_train_like_one_device(name, mesh, adapter):
+    options = {"cp.scheme": "ulysses"}
+    if "fsdp" in name or "tp" in name:
+        options["min_size"] = 0
+    losses = _losses(name, options, adapter, "transformer", STEPS, 0, 8, mesh, {})
+    want = one_device_losses(adapter, "transformer", STEPS, 0, ())
+    np.testing.assert_allclose(losses, want, rtol=1e-4)
+
+
+def test_explain_counts_the_all_to_alls_against_the_textbook():
+    """dp+cp (data=2, context=4), 2 layers: each layer's query, key, value and output blocks,
+    3/4 of each sent, forward and backward: 16 all-to-alls of the textbook's bytes."""
+    model = shardplug.get_model("transformer")
+    strategy = shardplug.get_strategy("dp+cp", **{"cp.scheme": "ulysses"})
+    run = model.task("nnx").trainer(strategy=strategy, mesh="data=2,context=4", allocate=False)
+    report = explain(run, next(model.batches(model.batch_size, 0))).to_dict()
+    found = report["parallelisms"]["sequence"]
+    block = 16 * 8 * 4 * 16 * 4  # one device's 32/2 rows x 32/4 positions x 4 heads x 16 x f32
+    assert found["all_to_all_textbook_per_layer"] == 2 * 4 * block * 3 // 4
+    assert found["all_to_all_bytes"] == 2 * found["all_to_all_textbook_per_layer"]  # 2 layers
+    assert found["all_to_alls"] == 2 * 2 * 4
+
+
+def test_heads_that_do_not_divide_the_axis_are_refused_in_one_line():
+    q = jnp.ones((1, 8, 6, 4))
+    said = r"cp scheme ulysses splits the heads over 'context': 6 query heads do not divide "
+    with jax.set_mesh(_mesh(4)), pytest.raises(ConfigError, match=said + "its 4 devices"):
+        ulysses_attention("context", gathered_attention("context"))(
+            q, q, q, causal=True, bias=None, mask=None, scale=None)  # fmt: skip
