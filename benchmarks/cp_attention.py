@@ -138,7 +138,7 @@ def attention_alone(sequences: list[int], devices: int, rounds: int) -> dict:
         "ring": ring_attention("context", balance=False),
         "ring+zigzag": ring_attention("context", balance=True),
         "gather": gathered_attention("context"),
-        "ulysses": ulysses_attention("context", gathered_attention("context")),
+        "ulysses": ulysses_attention("context"),
     }
     out = {}
     for length in sequences:

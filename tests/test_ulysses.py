@@ -13,7 +13,6 @@ import shardplug
 from shardplug.core.attention import with_segments
 from shardplug.errors import ConfigError
 from shardplug.explain import explain
-from shardplug.strategies.cp.ring import gathered_attention
 from shardplug.strategies.cp.ulysses import kv_repeats, ulysses_attention
 from shardplug.testing.conformance import _losses, one_device_losses
 
@@ -47,7 +46,7 @@ def test_all_to_all_attention_is_xlas(causal, length, heads, kv_heads, packed):
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, mask=mask)
 
     want = jax.value_and_grad(functools.partial(loss, reference), argnums=(0, 1, 2))(q, k, v)
-    ulysses = ulysses_attention("context", gathered_attention("context"))
+    ulysses = ulysses_attention("context")
     with jax.set_mesh(_mesh(4)):
         step = jax.value_and_grad(functools.partial(loss, ulysses), argnums=(0, 1, 2))
         got = jax.jit(step)(q, k, v)
@@ -94,5 +93,5 @@ def test_heads_that_do_not_divide_the_axis_are_refused_in_one_line():
     q = jnp.ones((1, 8, 6, 4))
     said = r"cp scheme ulysses splits the heads over 'context': 6 query heads do not divide "
     with jax.set_mesh(_mesh(4)), pytest.raises(ConfigError, match=said + "its 4 devices"):
-        ulysses_attention("context", gathered_attention("context"))(
+        ulysses_attention("context")(
             q, q, q, causal=True, bias=None, mask=None, scale=None)  # fmt: skip

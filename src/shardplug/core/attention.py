@@ -66,13 +66,13 @@ def attention(
         _check_segments(segment_ids, query, key)
     override = ops.supplied("attention")
     if override is not None:
-        if segment_ids is None:
-            return override(query, key, value, causal=causal, bias=bias, mask=mask, scale=scale)
-        if _takes_segments(override):
-            return override(query, key, value, causal=causal, bias=bias, mask=mask,
-                            scale=scale, segment_ids=segment_ids)  # fmt: skip
-        return override(query, key, value, causal=causal, bias=bias, scale=scale,
-                        mask=with_segments(mask, segment_ids, segment_ids))  # fmt: skip
+        given = {}
+        if segment_ids is not None and _takes_segments(override):
+            given["segment_ids"] = segment_ids
+        elif segment_ids is not None:  # one that takes none: their mask
+            mask = with_segments(mask, segment_ids, segment_ids)
+        return override(query, key, value, causal=causal, bias=bias, mask=mask, scale=scale,
+                        **given)  # fmt: skip
     return attention_kernel(query, key, value, causal=causal, bias=bias, mask=mask,
                             scale=scale, implementation=implementation,
                             segment_ids=segment_ids)  # fmt: skip

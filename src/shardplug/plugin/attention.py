@@ -11,7 +11,8 @@ device holds more than one block pair's scores. ``cp``'s ring is built from them
 
 Key and value blocks may have fewer heads than the queries (grouped-query attention):
 consecutive query heads share one, as ``jax.nn.dot_product_attention`` pairs them.
-:func:`pad_sequence` pads a sequence the devices do not divide.
+:func:`pad_sequence` pads a sequence the devices do not divide; :func:`with_segments` makes
+packed documents' mask from their ids.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from shardplug.core.attention import with_segments
+
+__all__ = ["Softmax", "pad_sequence", "softmax_end", "softmax_join", "softmax_meet",
+           "softmax_rows", "softmax_start", "with_segments"]  # fmt: skip
 
 #: a running (maximum, sum, output): (rows, heads, queries), the same, (rows, queries,
 #: heads, value head_dim), all float32

@@ -175,8 +175,7 @@ def forward(c: DecoderConfig, p: dict[str, Any], tokens: jax.Array, remat: str =
                                                                    (local_sin, sin)))  # fmt: skip
         mask = None
         if windowed:  # by each token's place in its document
-            place = jnp.broadcast_to(positions, (1, length) if positions.ndim == 1 else
-                                     positions.shape)  # fmt: skip
+            place = positions if positions.ndim == 2 else positions[None]
             reach = jnp.where(pl["sliding"], c.sliding_window, length + 1)
             mask = ((place[:, :, None] - place[:, None, :]) < reach)[:, None]
         out = attention(_rotate(q, c_, s_), _rotate(k, c_, s_), v, causal=True, mask=mask,

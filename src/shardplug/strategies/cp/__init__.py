@@ -122,7 +122,7 @@ class ContextParallel:
         if self.attention == "ring":
             ring = ring_attention(axis, self.balance == "zigzag", on_ring=ran)
         elif self.attention == "ulysses":
-            ring = ulysses_attention(axis, gathered_attention(axis), self._all_to_all.append)
+            ring = ulysses_attention(axis, self._all_to_all.append)
         else:
             ring = gathered_attention(axis)
 

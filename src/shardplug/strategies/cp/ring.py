@@ -38,6 +38,7 @@ from shardplug.plugin.attention import (
     softmax_meet,
     softmax_rows,
     softmax_start,
+    with_segments,
 )
 
 _U = P.UNCONSTRAINED
@@ -56,10 +57,8 @@ def gathered_attention(axis: str):
         key, value = lay_out(key, whole), lay_out(value, whole)
         padded = query.shape[1] != length
         if segment_ids is not None:  # the queries' ids split as they are, the keys' whole
-            ids = _pad_ids(segment_ids, query.shape[1])
-            mine, theirs = lay_out(ids, P(_U, axis)), lay_out(ids, P(_U, None))
-            same = mine[:, None, :, None] == theirs[:, None, None, :]
-            mask = same if mask is None else jnp.logical_and(mask, same)
+            ids = pad_ids(segment_ids, query.shape[1])
+            mask = with_segments(mask, lay_out(ids, P(_U, axis)), lay_out(ids, P(_U, None)))
         # XLA's: cuDNN's wrapper has no partitioning rule for split queries against whole keys
         out = jax.nn.dot_product_attention(
             query, key, value, bias=bias, mask=mask, scale=scale, is_causal=causal,
@@ -85,11 +84,7 @@ def ring_attention(axis: str, balance: bool = True, on_ring=None):
 
     def attend(query, key, value, *, causal, bias, mask, scale, segment_ids=None):
         mesh = jax.sharding.get_abstract_mesh()
-        # the ring takes plain (causal) attention, packed documents' ids too; inside another
-        # per-device program (pp's schedule) XLA's partitioner refuses its nested manual
-        # axes: gathered there
-        nested = any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
-        if bias is not None or mask is not None or nested:
+        if gathers_here(bias, mask):
             return gathered(query, key, value, causal=causal, bias=bias, mask=mask,
                             scale=scale, segment_ids=segment_ids)  # fmt: skip
         if on_ring is not None:
@@ -111,7 +106,7 @@ def ring_attention(axis: str, balance: bool = True, on_ring=None):
         split = P(None, axis)
         blocks = (query, key, value)
         if segment_ids is not None:  # each block's ids go round the ring with its keys
-            blocks += (lay_out(_pad_ids(segment_ids, query.shape[1]), P(_U, axis)),)
+            blocks += (lay_out(pad_ids(segment_ids, query.shape[1]), P(_U, axis)),)
         out = jax.shard_map(
             block, in_specs=(split,) * len(blocks), out_specs=split, axis_names={axis}
         )(*blocks)
@@ -120,7 +115,17 @@ def ring_attention(axis: str, balance: bool = True, on_ring=None):
     return attend
 
 
-def _pad_ids(ids, length):
+def gathers_here(bias, mask) -> bool:
+    """Whether a scheme of its own (the ring, the all-to-alls) leaves this attention to the
+    gather: it takes plain (causal) attention, packed documents' ids too, not a bias or a
+    mask; and inside another per-device program (pp's schedule) XLA's partitioner refuses its
+    nested manual axes."""
+    nested = any(t == jax.sharding.AxisType.Manual
+                 for t in jax.sharding.get_abstract_mesh().axis_types)  # fmt: skip
+    return bias is not None or mask is not None or nested
+
+
+def pad_ids(ids, length):
     """Segment ids padded at the end to ``length`` with -1, no real segment's."""
     return jnp.pad(ids, ((0, 0), (0, length - ids.shape[1])), constant_values=-1)
 

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from shardplug.plugin import ConfigError, P, attention_kernel, batch_axes, lay_out
-from shardplug.plugin.attention import pad_sequence
+from shardplug.plugin.attention import pad_sequence, with_segments
+from shardplug.strategies.cp.ring import gathered_attention, gathers_here, pad_ids
 
 _U = P.UNCONSTRAINED
 
@@ -40,17 +41,17 @@ def kv_repeats(heads: int, kv_heads: int, size: int) -> int:
     )
 
 
-def ulysses_attention(axis: str, fallback, on_all_to_all=None):
+def ulysses_attention(axis: str, on_all_to_all=None):
     """An attention function (cp's ``Operations(attention=...)``) by all-to-alls over
-    ``axis`` (see the module); ``fallback`` (the gather scheme) where a bias or mask is given
-    or inside another per-device program; ``on_all_to_all(bytes)`` is told each call's
-    query, key, value and output block bytes (for explain's textbook)."""
+    ``axis`` (see the module); the gather scheme where a bias or mask is given or inside
+    another per-device program; ``on_all_to_all(bytes)`` is told each call's query, key,
+    value and output block bytes (for explain's textbook)."""
+    gathered = gathered_attention(axis)
 
     def attend(query, key, value, *, causal, bias, mask, scale, segment_ids=None):
         mesh = jax.sharding.get_abstract_mesh()
-        nested = any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
-        if bias is not None or mask is not None or nested:
-            return fallback(query, key, value, causal=causal, bias=bias, mask=mask,
+        if gathers_here(bias, mask):
+            return gathered(query, key, value, causal=causal, bias=bias, mask=mask,
                             scale=scale, segment_ids=segment_ids)  # fmt: skip
         size = mesh.shape[axis]
         heads, kv_heads = query.shape[2], key.shape[2]
@@ -75,8 +76,7 @@ def ulysses_attention(axis: str, fallback, on_all_to_all=None):
         blocks = [lay_out(x, split) for x in (query, key, value)]
         specs = [P(lead, axis)] * 3
         if segment_ids is not None:  # every device reads its rows' every position's ids
-            ids = jnp.pad(segment_ids, ((0, 0), (0, padded - length)), constant_values=-1)
-            blocks.append(lay_out(ids, P(_U, None)))
+            blocks.append(lay_out(pad_ids(segment_ids, padded), P(_U, None)))
             specs.append(P(lead))
         if on_all_to_all is not None:  # one device's blocks: its rows, its positions
             part = padded // size
@@ -88,7 +88,7 @@ def ulysses_attention(axis: str, fallback, on_all_to_all=None):
         def local(q, k, v, ids=None):
             # (rows, C-th of the sequence, heads, dim) -> (rows, sequence, C-th of the heads)
             q, k, v = (jax.lax.all_to_all(x, axis, 2, 1, tiled=True) for x in (q, k, v))
-            mask = None if ids is None else (ids[:, None, :, None] == ids[:, None, None, :])
+            mask = None if ids is None else with_segments(None, ids, ids)
             lengths = None
             if padded != length and not causal:  # causal: no real query sees the padding
                 lengths = jnp.full((q.shape[0],), length, jnp.int32)
