@@ -28,11 +28,21 @@ def documents(seed=0):
     return [rng.integers(3, 90, n).astype(np.int32) for n in LENGTHS]
 
 
-def packed(docs):
-    """Two rows of the documents packed as the packer packs them."""
-    owner = np.concatenate([np.full(len(d), i) for i, d in enumerate(docs)]).astype(np.int32)
-    row = Packed(np.concatenate(docs), owner, sum(LENGTHS) - 1)[0]
-    return {k: np.stack([v, v]) for k, v in row.items()}
+def packed(docs, orders=((0, 1, 2), (0, 1, 2))):
+    """Rows of the documents packed as the packer packs them, each row's in its order (rows
+    of other orders: other ids and places, the same documents to score)."""
+
+    def one(order):
+        ds = [docs[i] for i in order]
+        owner = np.concatenate([np.full(len(d), i) for i, d in enumerate(ds)]).astype(np.int32)
+        return Packed(np.concatenate(ds), owner, sum(LENGTHS) - 1)[0]
+
+    rows = [one(order) for order in orders]
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+#: four rows, each its own order: a microbatch given another's ids or places scores wrong
+ORDERS = ((0, 1, 2), (2, 1, 0), (1, 2, 0), (0, 2, 1))
 
 
 @functools.cache
@@ -64,12 +74,14 @@ def test_the_packer_writes_each_tokens_document_and_place():
     [("nnx", "dp", {}, 2), ("nnx", "fsdp+tp", {}, 4), ("nnx", "fsdp+cp", {}, 4),
      ("nnx", "fsdp+cp", {"attention": "gather"}, 4), ("nnx", "cp", {"balance": "none"}, 4),
      ("linen", "fsdp+cp", {}, 4), ("equinox", "fsdp+cp", {}, 4), ("linen", "dp", {}, 2),
-     ("equinox", "dp", {}, 2)],
+     ("equinox", "dp", {}, 2), ("nnx", "pp+fsdp", {"min_size": 0}, 4),
+     ("linen", "pp+fsdp", {"min_size": 0}, 4), ("equinox", "pp+fsdp", {"min_size": 0}, 4),
+     ("nnx", "pp+cp", {}, 4)],
 )  # fmt: skip
 def test_a_packed_row_scores_each_document_as_alone(framework, strategy, options, devices):
     run = task(framework).trainer(strategy=shardplug.get_strategy(strategy, **options),
                                   devices=devices, precision="float32")  # fmt: skip
-    got = run.evaluate(iter([packed(documents())]))["lm_loss"]
+    got = run.evaluate(iter([packed(documents(), ORDERS[:2])]))["lm_loss"]
     assert got == pytest.approx(alone(framework), rel=1e-5)
 
 
@@ -97,11 +109,31 @@ def test_segment_ids_of_another_shape_are_refused():
         shardplug.attention(q, q, q, causal=True, segment_ids=np.zeros((2, 7), np.int32))
 
 
-def test_under_pp_packed_documents_are_said_to_see_each_other():
-    run = task().trainer(strategy=shardplug.get_strategy("pp", schedule="gpipe"), devices=2,
-                         precision="float32")  # fmt: skip
-    with pytest.warns(shardplug.errors.ShardplugWarning, match="packed documents under pp"):
-        run.evaluate(iter([packed(documents())]))
+@functools.cache
+def trained(strategy="dp", mesh="data=1", framework="nnx", **options):
+    """Three steps' losses on four packed rows, each of its own order: its own ids and
+    places (a microbatch of one row, or two: never two alike)."""
+    batch = packed(documents(), ORDERS)
+    devices = int(np.prod([int(part.split("=")[1]) for part in mesh.split(",")]))
+    run = task(framework).trainer(strategy=shardplug.get_strategy(strategy, **options),
+                                  mesh=mesh, devices=devices, precision="float32")  # fmt: skip
+    return [row["loss"] for row in run.fit(iter([batch] * 3), 3)]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mesh", "framework", "options"),
+    [("pp", "stage=2", "linen", {"schedule": "1f1b"}),
+     ("pp+fsdp", "stage=2,fsdp=2", "nnx", {"pp.schedule": "zb", "min_size": 0}),
+     ("dp+pp", "data=2,stage=2", "equinox", {"pp.schedule": "1f1b"}),
+     ("dp+pp", "data=2,stage=2", "nnx", {"pp.schedule": "gpipe", "microbatches": 2}),
+     ("pp+cp", "stage=2,context=2", "nnx", {"pp.schedule": "gpipe"})],
+)  # fmt: skip
+def test_under_pp_each_microbatch_trains_on_its_own_documents(strategy, mesh, framework, options):
+    """The stack's rows (ids, positions) reach each microbatch's layers on every stage, in
+    the schedules' passes as in gpipe's loop: the trajectory is one device's."""
+    want = trained(framework=framework)
+    got = trained(strategy, mesh, framework, **options)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 @pytest.mark.parametrize(("causal", "balance", "length"),
@@ -149,3 +181,82 @@ def test_the_loss_takes_ids_per_token_read_or_per_token_of_the_row():
     said = r"batch positions \(2, 17\): give \(rows, 19\), one per token the model reads, or "
     with pytest.raises(ConfigError, match=said + r"\(rows, 20\), one per token of the row"):
         loss_fn(model, {**batch, "positions": batch["positions"][:, :17]})
+
+
+def reference_packed(orders=((0, 1, 2), (0, 1, 2))):
+    """Packed rows for the reference transformer (its vocabulary), with targets."""
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 50, n).astype(np.int32) for n in LENGTHS]
+    row = packed(docs, orders)
+    tokens = row["tokens"]
+    return docs, {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
+                  "segment_ids": row["segment_ids"], "positions": row["positions"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen", "equinox"])
+def test_the_reference_transformers_learned_positions_restart_at_each_document(framework):
+    """Its blocks take the ids through the stack (``rows=``), its position table is read at
+    each token's place in its document: each document's logits are its logits alone."""
+    model = shardplug.get_model("transformer")
+    run = model.task(framework).trainer(strategy="dp", devices=1, precision="float32")
+    docs, batch = reference_packed()
+    got = np.asarray(run.model(batch["tokens"], segment_ids=batch["segment_ids"],
+                               positions=batch["positions"]))  # fmt: skip
+    start = 0
+    for doc in docs:
+        doc = doc[: batch["tokens"].shape[1] - start]  # the last loses its last token
+        alone = np.asarray(run.model(doc[None]))[0]
+        np.testing.assert_allclose(got[1, start : start + len(doc)], alone, atol=1e-5)
+        start += len(doc)
+
+
+@pytest.mark.parametrize(
+    ("framework", "options"),
+    [("nnx", {"schedule": "1f1b"}), ("linen", {"schedule": "gpipe"}),
+     ("nnx", {"schedule": "interleaved-1f1b", "repeats": 2}),
+     ("equinox", {"schedule": "gpipe", "repeats": 2})],
+)  # fmt: skip
+def test_the_reference_transformer_trains_packed_rows_under_pp_as_one_device(framework, options):
+    """``shardplug.stack.apply`` and ``LinenLayers`` pass the rows on to pp's stages; the
+    circular schedules (4 layers, 2 stages, 2 repeats) too."""
+    model = shardplug.get_model("transformer")
+    _, batch = reference_packed(ORDERS)
+
+    def losses(strategy, devices):
+        run = model.task(framework, layers=4).trainer(strategy=strategy, devices=devices,
+                                                      precision="float32")  # fmt: skip
+        return [row["loss"] for row in run.fit(iter([batch] * 3), 3)]
+
+    pp = shardplug.get_strategy("pp", **options)
+    np.testing.assert_allclose(losses(pp, 2), losses("dp", 1), rtol=1e-5)
+
+
+def test_a_stacks_rows_of_another_batch_are_refused_in_one_line():
+    params = {"w": jax.numpy.ones((2, 4, 4))}
+    x = jax.numpy.ones((3, 4))
+    said = r"a layer stack's rows lead with the batch's 3 rows .* 'segment_ids' has shape \(2, 4\)"
+    with pytest.raises(ConfigError, match=said):
+        shardplug.stack.scan(lambda w, h, segment_ids: h @ w, params, x,
+                             rows={"segment_ids": np.zeros((2, 4), np.int32)})  # fmt: skip
+
+
+def test_a_layer_stack_operation_without_rows_is_given_blocks_closed_over_them():
+    """A third party's loop written before rows (over the whole batch) still computes the
+    model right, and is warned that a loop over microbatches must take them."""
+    from shardplug.core import ops
+
+    def loop(block, params, x, *, layers):
+        return jax.lax.scan(lambda h, w: (block(w, h), None), x, params)[0]
+
+    params, x = {"w": jax.numpy.eye(4)[None].repeat(2, 0)}, jax.numpy.ones((3, 4))
+    ids = jax.numpy.arange(3)[:, None] * jax.numpy.ones((3, 4))
+
+    def block(w, h, segment_ids=None):
+        return h @ w["w"] + (0 if segment_ids is None else segment_ids)
+
+    want = shardplug.stack.scan(block, params, x, rows={"segment_ids": ids})
+    with ops.override("layer_stack", loop):
+        assert shardplug.stack.scan(block, params, x) is not None  # no rows: as before
+        with pytest.warns(shardplug.errors.ShardplugWarning, match="takes no rows=: its blocks"):
+            got = shardplug.stack.scan(block, params, x, rows={"segment_ids": ids})
+    np.testing.assert_array_equal(got, want)

@@ -35,7 +35,7 @@ Any framework, on a pytree of stacked arrays: ``shardplug.stack.scan(fn, params,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -43,7 +43,8 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from shardplug.core.layer_stack import LAYERS, run_stack
+from shardplug.core import ops
+from shardplug.core.layer_stack import LAYERS, check_rows, run_stack
 from shardplug.core.remat import REMAT_POLICIES
 from shardplug.errors import ConfigError
 
@@ -58,6 +59,7 @@ def scan(
     *,
     remat: str = "none",
     per_layer: Any = None,
+    rows: Mapping[str, Any] | None = None,
 ) -> Any:
     """``fn(params[i], x)`` for each layer ``i`` in turn, as a scan (or ``pp``'s schedule).
 
@@ -69,8 +71,12 @@ def scan(
         ``offload`` recomputes them from the block's input, kept in host memory.
     :param per_layer: arrays with the same leading dimension that the blocks read but that
         are not trained (model state: a router's balancing bias).
+    :param rows: keyword arguments every block is given, ``fn(params[i], x, **rows)``,
+        whose arrays lead with ``x``'s rows: packed documents' ``segment_ids`` and
+        ``positions``. Pass them here rather than closing the block over them: under ``pp``
+        each microbatch's blocks are given that microbatch's rows.
     """
-    return run_stack(fn, params, x, remat, per_layer)
+    return run_stack(fn, params, x, remat, per_layer, rows)
 
 
 def _check_count(layers: int) -> None:
@@ -105,9 +111,11 @@ def equinox_layers(make_block: Callable[[jax.Array], Any], layers: int, key: jax
     return eqx.filter_vmap(make_block)(jax.random.split(key, layers))
 
 
-def apply(stack: Any, x: jax.Array, *, remat: str = "none", per_layer: Any = None) -> Any:
+def apply(stack: Any, x: jax.Array, *, remat: str = "none", per_layer: Any = None,
+          rows: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
     """Run an NNX or Equinox stack (from :func:`nnx_layers` / :func:`equinox_layers`) on ``x``;
-    with ``per_layer`` each block is called ``block(x, per_layer[i])`` (see :func:`scan`)."""
+    with ``per_layer`` each block is called ``block(x, per_layer[i])``, with ``rows``
+    ``block(x, **rows)`` (see :func:`scan`)."""
     if isinstance(stack, nnx.Module):
         graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
         if jax.tree.leaves(rest):
@@ -115,12 +123,12 @@ def apply(stack: Any, x: jax.Array, *, remat: str = "none", per_layer: Any = Non
                 "a layer stack's blocks may hold only nnx.Param variables (found batch "
                 "statistics or random state): keep dropout and BatchNorm outside the stack"
             )
-        return scan(lambda p, *h: nnx.merge(graphdef, p, rest)(*h), params, x, remat=remat,
-                    per_layer=per_layer)  # fmt: skip
+        return scan(lambda p, *h, **k: nnx.merge(graphdef, p, rest)(*h, **k), params, x,
+                    remat=remat, per_layer=per_layer, rows=rows)  # fmt: skip
     if isinstance(stack, eqx.Module):
         params, static = eqx.partition(stack, eqx.is_array)
-        return scan(lambda p, *h: eqx.combine(p, static)(*h), params, x, remat=remat,
-                    per_layer=per_layer)  # fmt: skip
+        return scan(lambda p, *h, **k: eqx.combine(p, static)(*h, **k), params, x,
+                    remat=remat, per_layer=per_layer, rows=rows)  # fmt: skip
     raise ConfigError(
         f"shardplug.stack.apply takes a stack from nnx_layers or equinox_layers, got "
         f"{type(stack).__name__}; for Linen use shardplug.stack.LinenLayers"
@@ -136,19 +144,30 @@ class LinenLayers(nn.Module):
     remat: str = "none"
 
     @nn.compact
-    def __call__(self, x: jax.Array, per_layer: Any = None) -> Any:
-        """The stack on ``x``; with ``per_layer``, ``block(x, per_layer[i])`` (:func:`scan`)."""
+    def __call__(self, x: jax.Array, per_layer: Any = None,
+                 rows: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
+        """The stack on ``x``; with ``per_layer``, ``block(x, per_layer[i])``, with ``rows``
+        ``block(x, **rows)`` (:func:`scan`)."""
         _check_count(self.layers)
         one = self.block(parent=None)
-        shapes = jax.eval_shape(lambda k: one.init(k, x[:1])["params"], jax.random.key(0))
+        if rows:
+            check_rows(rows, x)
+        first = jax.tree.map(lambda a: a[:1], dict(rows or {}))
+
+        def init(k):
+            return one.init(k, x[:1], **first)["params"]
+
+        shapes = jax.eval_shape(init, jax.random.key(0))
 
         def build(key, name):
             keys = jax.random.split(key, self.layers)
-            return _prepend_layers(jax.vmap(lambda k: one.init(k, x[:1])["params"][name])(keys))
+            with ops.plain():  # each layer's parameters as one device makes them: a
+                # parallelism's collectives (grouped all-to-alls) need not run under vmap
+                return _prepend_layers(jax.vmap(lambda k: init(k)[name])(keys))
 
         params = {name: self.param(name, build, name) for name in shapes}
-        return scan(lambda p, *h: one.apply({"params": p}, *h), params, x, remat=self.remat,
-                    per_layer=per_layer)  # fmt: skip
+        return scan(lambda p, *h, **k: one.apply({"params": p}, *h, **k), params, x,
+                    remat=self.remat, per_layer=per_layer, rows=rows)  # fmt: skip
 
 
 def _prepend_layers(tree: Any) -> Any:

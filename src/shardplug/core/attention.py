@@ -20,6 +20,7 @@ take ``segment_ids`` (a keyword of its own) is given the same mask instead.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import jax
@@ -191,3 +192,21 @@ def _platform() -> str:
 
 def _say_once(why: str) -> None:
     warn_once(f"shardplug.attention: {why}", stacklevel=4)
+
+
+def packed_inputs(batch: Mapping[str, Any], length: int) -> dict[str, Any]:
+    """A batch's ``segment_ids`` and ``positions`` (documents packed in a row, each on its
+    own) for the ``length`` tokens the model reads: one a token read, or one a token of the
+    row (the last, never read, cut)."""
+    out = {}
+    for name in ("segment_ids", "positions"):
+        given = batch.get(name)
+        if given is None:
+            continue
+        if given.ndim != 2 or given.shape[1] not in (length, length + 1):
+            raise ConfigError(
+                f"batch {name} {tuple(given.shape)}: give (rows, {length}), one per token the "
+                f"model reads, or (rows, {length + 1}), one per token of the row"
+            )
+        out[name] = given[:, :length]
+    return out

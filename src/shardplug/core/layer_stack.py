@@ -14,18 +14,20 @@ the compiler does on auto axes (:func:`off_the_layers`).
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core import ops
 from shardplug.core.layer_gather import layer_gather, layer_specs, made_of, regathered
 from shardplug.core.mesh import is_explicit
 from shardplug.core.remat import remat
-from shardplug.errors import ConfigError
+from shardplug.errors import ConfigError, warn_once
 
 #: the logical name of a layer stack's leading dimension
 LAYERS = "layers"
@@ -42,10 +44,13 @@ def layers_of(params: Any) -> int:
 
 
 def run_stack(fn: Callable[..., Any], params: Any, x: jax.Array, policy: str = "none",
-              per_layer: Any = None) -> Any:  # fmt: skip
+              per_layer: Any = None, rows: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
     """Apply ``fn(layer_params, x)`` for each layer of ``params`` in turn (see the module);
     with ``per_layer`` (a pytree of arrays with the same leading dimension, not trained: a
-    router's balancing bias) ``fn(layer_params, x, layer_input)``.
+    router's balancing bias) ``fn(layer_params, x, layer_input)``; with ``rows`` (keyword
+    arguments whose arrays lead with ``x``'s rows: packed documents' segment ids) each
+    block is also given them, ``fn(..., **rows)``: a supplied loop that runs the blocks on
+    microbatches gives each its own rows (``layer_stack(..., rows=rows)``).
 
     A block may return ``(x, aux)``, a pytree of auxiliary values that are sums over the
     block's tokens (a mixture of experts' :class:`~shardplug.moe.Tally`): the stack then
@@ -54,7 +59,13 @@ def run_stack(fn: Callable[..., Any], params: Any, x: jax.Array, policy: str = "
     params, fn = _made_in_the_loop(params, fn)
     if per_layer is not None:
         params, user = (params, per_layer), fn
-        fn = lambda layer, h: user(layer[0], h, layer[1])  # noqa: E731
+        fn = lambda layer, h, **k: user(layer[0], h, layer[1], **k)  # noqa: E731
+    if rows is not None and not rows:  # an empty mapping: no rows
+        rows = None
+    if rows is not None:
+        check_rows(rows, x)
+        rows, keyed = dict(rows), fn
+        fn = lambda layer, h, given: keyed(layer, h, **given)  # noqa: E731
     supplied = ops.supplied("layer_stack")
     moved: dict[int, P] = {}
     if supplied is None:
@@ -64,12 +75,51 @@ def run_stack(fn: Callable[..., Any], params: Any, x: jax.Array, policy: str = "
     if gather is None:
         block = remat(fn, policy)
     else:  # one checkpoint: the gather and the block, the policy of both in one
-        block = regathered(lambda w, h: fn(gather(w), h), policy)
+        block = regathered(lambda w, h, *given: fn(gather(w), h, *given), policy)
     layers = layers_of(params)
     if supplied is not None:
-        return supplied(block, params, x, layers=layers)
-    h, aux = jax.lax.scan(lambda h, layer: split_aux(block(layer, h)), x, params)
+        if rows is None:
+            return supplied(block, params, x, layers=layers)
+        if not _takes_rows(supplied):  # written before rows: its blocks close over them
+            warn_once(
+                f"this model gives its layer stack rows ({', '.join(sorted(rows))}), and the "
+                f"layer stack operation a parallelism of the run supplies "
+                f"({getattr(supplied, '__qualname__', type(supplied).__name__)}) takes no "
+                f"rows=: its blocks are given the whole batch's, right for a loop over the "
+                f"whole batch; one that runs the blocks on microbatches must take rows= "
+                f"(shardplug.plugin.LayerStack)"
+            )
+            return supplied(lambda w, h, _b=block: _b(w, h, rows), params, x, layers=layers)
+        return supplied(block, params, x, layers=layers, rows=rows)
+    given = () if rows is None else (rows,)
+    h, aux = jax.lax.scan(lambda h, layer: split_aux(block(layer, h, *given)), x, params)
     return h if aux is None else (h, aux)
+
+
+def _takes_rows(operation: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(operation).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == "rows" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def check_rows(rows: Mapping[str, Any], x: Any) -> None:
+    """``rows``' arrays each lead with ``x``'s rows, or one line says which does not."""
+    if not isinstance(rows, Mapping):
+        raise ConfigError(
+            f"a layer stack's rows are keyword arguments for its blocks, a mapping of name "
+            f"to arrays; got {type(rows).__name__}"
+        )
+    batch = jax.tree.leaves(x)[0].shape[0]
+    for name, value in rows.items():
+        for leaf in jax.tree.leaves(value):
+            if not jnp.ndim(leaf) or jnp.shape(leaf)[0] != batch:
+                raise ConfigError(
+                    f"a layer stack's rows lead with the batch's {batch} rows (a loop over "
+                    f"microbatches gives each its own); {name!r} has shape "
+                    f"{tuple(jnp.shape(leaf))}"
+                )
 
 
 def _made_in_the_loop(params: Any, fn: Callable[..., Any]) -> tuple[Any, Callable[..., Any]]:

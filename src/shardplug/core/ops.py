@@ -45,11 +45,17 @@ class Experts(Protocol):
 
 
 class LayerStack(Protocol):
-    """``(block, params, x, *, layers) -> output`` for :mod:`shardplug.stack`: ``block(layer
-    params, h)`` applied for each of the ``layers`` leading slices of ``params`` in turn,
-    returning ``h`` or ``(h, aux)`` (aux then stacked per layer, as the plain scan does)."""
+    """``(block, params, x, *, layers[, rows]) -> output`` for :mod:`shardplug.stack`:
+    ``block(layer params, h)`` applied for each of the ``layers`` leading slices of
+    ``params`` in turn, returning ``h`` or ``(h, aux)`` (aux then stacked per layer, as the
+    plain scan does). Where the model gives its blocks rows (a dict of arrays leading with
+    ``x``'s rows: packed documents' segment ids), they come as ``rows=`` and each call is
+    ``block(layer params, h, rows)`` with the rows of the ``h`` it is given (a loop that
+    runs the blocks on microbatches cuts the rows alike); an operation that does not take
+    ``rows`` is given blocks closed over the whole batch's (and a warning, once)."""
 
-    def __call__(self, block: Callable[..., Any], params: Any, x: Any, *, layers: int) -> Any: ...
+    def __call__(self, block: Callable[..., Any], params: Any, x: Any, *, layers: int,
+                 rows: Any = None) -> Any: ...  # fmt: skip
 
 
 #: the operations a parallelism may supply, by the name of their :class:`Operations` field
@@ -91,6 +97,17 @@ def supplied(name: str) -> Callable[..., Any] | None:
 def override(name: str, implementation: Callable[..., Any] | None) -> Iterator[None]:
     """Trace the code inside with ``implementation`` as operation ``name`` (None: none)."""
     token = _ACTIVE.set({**(_ACTIVE.get() or {}), name: implementation})
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def plain() -> Iterator[None]:
+    """Trace the code inside with no operation supplied: as one device computes it (a
+    block run under ``vmap`` only to make its parameters)."""
+    token = _ACTIVE.set(None)
     try:
         yield
     finally:

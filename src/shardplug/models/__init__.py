@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 
 from shardplug import moe
+from shardplug.core.attention import packed_inputs
 from shardplug.core.remat import REMAT_POLICIES
 from shardplug.errors import ConfigError, UnknownModelError
 from shardplug.flops import TransformerShape
@@ -32,15 +33,18 @@ from shardplug.models.nnx_adapter import from_nnx
 ADAPTERS = ("nnx", "linen", "equinox")
 
 
-def _forward(model: Any, x: jax.Array, rng: jax.Array, train: bool, state: Any):
-    """Call a reference model of any framework; ``(output, new_state or None)``."""
+def _forward(model: Any, x: jax.Array, rng: jax.Array, train: bool, state: Any,
+             packed: dict[str, jax.Array] | None = None):  # fmt: skip
+    """Call a reference model of any framework; ``(output, new_state or None)``; ``packed``:
+    packed documents' ``segment_ids`` and ``positions``, for the transformer."""
+    packed = packed or {}
     if isinstance(model, nnx.Module):
-        return model(x), None  # dropout keys and train/eval live in the module
-    if isinstance(model, nn.Module):
-        return model(x, train=train), None  # bound: batch_stats and rngs are in the binding
+        return model(x, **packed), None  # dropout keys and train/eval live in the module
+    if isinstance(model, nn.Module):  # bound: batch_stats and rngs are in the binding
+        return model(x, train=train, **packed), None
     if state is not None:
-        return model(x, state, key=rng, inference=not train)
-    return model(x, key=rng, inference=not train), None
+        return model(x, state, key=rng, inference=not train, **packed)
+    return model(x, key=rng, inference=not train, **packed), None
 
 
 def _mse(out, batch):
@@ -186,7 +190,10 @@ class ReferenceModel:
         state: Any = None,
     ):
         """The loss for this model in any framework: ``(loss, metrics[, new_state])``."""
-        out, new_state = _forward(model, batch[self.inputs], rng, train, state)
+        packed = {}
+        if self.inputs == "tokens":  # packed documents: ids and places, one a token read
+            packed = packed_inputs(batch, batch["tokens"].shape[1])
+        out, new_state = _forward(model, batch[self.inputs], rng, train, state, packed)
         out, *aux = out if isinstance(out, tuple) else (out,)
         loss, metrics = self.head(out.astype(jnp.float32), batch)  # the loss in float32
         if aux:  # a mixture of experts: its losses, each layer's on average (and its bias)

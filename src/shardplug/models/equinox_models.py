@@ -28,6 +28,8 @@ from shardplug.models.nnx_models import (
     attention,
     balanced,
     mixture,
+    packed_rows,
+    placed,
 )
 
 
@@ -96,8 +98,9 @@ class Block(eqx.Module):
             self.wi = normal(keys[4], (EMBED, HIDDEN))
             self.wf = normal(keys[5], (HIDDEN, EMBED))
 
-    def __call__(self, x, bias=None):
-        x = x + attention(_layer_norm(x, *self.norm1), self.wq, self.wk, self.wv, self.wo)
+    def __call__(self, x, bias=None, segment_ids=None):
+        x = x + attention(_layer_norm(x, *self.norm1), self.wq, self.wk, self.wv, self.wo,
+                          segment_ids)  # fmt: skip
         if self.router is None:
             return x + jax.nn.gelu(_layer_norm(x, *self.norm2) @ self.wi) @ self.wf
         out, aux = mixture(_layer_norm(x, *self.norm2), self.router, self.experts_in,
@@ -137,12 +140,14 @@ class TransformerLM(eqx.Module):
         if experts and self.rule.bias_rate is not None:  # built by eqx.nn.make_with_state
             self.router_bias = eqx.nn.StateIndex(jnp.zeros((layers, experts), jnp.float32))
 
-    def __call__(self, tokens, state=None, *, key=None, inference=False):
+    def __call__(self, tokens, state=None, *, key=None, inference=False, segment_ids=None,
+                 positions=None):  # fmt: skip
         """The logits; with experts ``(logits, tallies)``; with a routing bias
         ``((logits, tallies, bias), new_state)``, as a stateful Equinox model returns."""
-        x = self.embed[tokens] + self.position[None, : tokens.shape[1]]
+        x = self.embed[tokens] + placed(self.position, tokens, positions)
         bias = None if self.router_bias is None else state.get(self.router_bias)
-        x = stack.apply(self.blocks, x, remat=self.remat, per_layer=bias)
+        x = stack.apply(self.blocks, x, remat=self.remat, per_layer=bias,
+                        rows=packed_rows(segment_ids))  # fmt: skip
         if not isinstance(x, tuple):
             return _layer_norm(x, *self.norm) @ self.unembed
         logits = _layer_norm(x[0], *self.norm) @ self.unembed

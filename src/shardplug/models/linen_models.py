@@ -27,6 +27,8 @@ from shardplug.models.nnx_models import (
     attention,
     balanced,
     mixture,
+    packed_rows,
+    placed,
 )
 
 _lecun = nn.initializers.lecun_normal()
@@ -69,11 +71,11 @@ class Block(nn.Module):
     rule: Rule = Rule()
 
     @nn.compact
-    def __call__(self, x: jax.Array, bias: jax.Array | None = None):
+    def __call__(self, x: jax.Array, bias: jax.Array | None = None, segment_ids=None):
         qkv = (EMBED, HEADS, HEAD_DIM)
         w = {n: _param(self, n, qkv, ("embed", "heads", "kv")) for n in ("wq", "wk", "wv")}
         wo = _param(self, "wo", (HEADS, HEAD_DIM, EMBED), ("heads", "kv", "embed"))
-        x = x + attention(_norm()(x), w["wq"], w["wk"], w["wv"], wo)
+        x = x + attention(_norm()(x), w["wq"], w["wk"], w["wv"], wo, segment_ids)
         if not self.experts:
             wi = _param(self, "wi", (EMBED, HIDDEN), ("embed", "mlp"))
             wf = _param(self, "wf", (HIDDEN, EMBED), ("mlp", "embed"))
@@ -97,10 +99,12 @@ class TransformerLM(nn.Module):
     bias_rate: float | None = None
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, train: bool = False):
+    def __call__(self, tokens: jax.Array, train: bool = False,
+                 segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None):  # fmt: skip
         embed = _param(self, "embed", (synthetic.VOCAB, EMBED), ("vocab", "embed"))
         position = _param(self, "position", (self.sequence, EMBED), (None, "embed"))
-        x = embed[tokens] + position[None, : tokens.shape[1]]
+        x = embed[tokens] + placed(position, tokens, positions)
         rule = Rule(self.top_k, self.capacity_factor, self.capacity_groups, self.bias_rate)
         block = functools.partial(Block, experts=self.experts, rule=rule)
         bias = None
@@ -108,7 +112,9 @@ class TransformerLM(nn.Module):
             shape = (self.layers, self.experts)
             bias = self.variable("moe", "router_bias", jnp.zeros, shape, jnp.float32)
         per_layer = None if bias is None else bias.value
-        x = stack.LinenLayers(block, self.layers, self.remat, name="blocks")(x, per_layer)
+        x = stack.LinenLayers(block, self.layers, self.remat, name="blocks")(
+            x, per_layer, rows=packed_rows(segment_ids)
+        )
         x, aux = x if isinstance(x, tuple) else (x, None)
         unembed = _param(self, "unembed", (EMBED, synthetic.VOCAB), ("embed", "vocab"))
         logits = _norm()(x) @ unembed

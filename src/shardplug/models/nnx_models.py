@@ -66,16 +66,17 @@ def _norm(rngs: nnx.Rngs) -> nnx.LayerNorm:
     )
 
 
-def attention(x, wq, wk, wv, wo):
+def attention(x, wq, wk, wv, wo, segment_ids=None):
     """Causal multi-head attention on ``x`` (batch, seq, embed); shared by all frameworks.
 
     ``shardplug.attention`` runs cuDNN's fused attention on a GPU where the inputs qualify
     (bfloat16) and XLA's otherwise; a parallelism that splits the sequence replaces it.
+    ``segment_ids`` (batch, seq): packed documents, each token attending to its own only.
     """
     q = jnp.einsum("bse,ehd->bshd", x, wq)
     k = jnp.einsum("bse,ehd->bshd", x, wk)
     v = jnp.einsum("bse,ehd->bshd", x, wv)
-    attended = fused_attention(q, k, v, causal=True)
+    attended = fused_attention(q, k, v, causal=True, segment_ids=segment_ids)
     return jnp.einsum("bshd,hde->bse", attended, wo)
 
 
@@ -116,6 +117,21 @@ def mixture(x, router, experts_in, experts_out, rule: Rule, bias=None):
     return out.reshape(x.shape), aux
 
 
+def placed(table: jax.Array, tokens: jax.Array, positions: jax.Array | None) -> jax.Array:
+    """The learned position embeddings of ``tokens``: ``table``'s first rows, or, for
+    packed documents, the rows of each token's ``positions`` (its place in its document:
+    the positions restart at each); shared by all frameworks."""
+    if positions is None:
+        return table[None, : tokens.shape[1]]
+    return jnp.take(table, positions, axis=0)
+
+
+def packed_rows(segment_ids: jax.Array | None) -> dict[str, jax.Array] | None:
+    """What a layer stack gives each block of packed documents (``rows=``: under ``pp``
+    each microbatch's own): their ids, for attention; shared by all frameworks."""
+    return None if segment_ids is None else {"segment_ids": segment_ids}
+
+
 class Block(nnx.Module):
     def __init__(
         self,
@@ -139,8 +155,9 @@ class Block(nnx.Module):
             self.wi = _param(rngs, (EMBED, HIDDEN), ("embed", "mlp"))
             self.wf = _param(rngs, (HIDDEN, EMBED), ("mlp", "embed"))
 
-    def __call__(self, x: jax.Array, bias: jax.Array | None = None):
-        x = x + attention(self.norm1(x), self.wq[...], self.wk[...], self.wv[...], self.wo[...])
+    def __call__(self, x: jax.Array, bias: jax.Array | None = None, segment_ids=None):
+        x = x + attention(self.norm1(x), self.wq[...], self.wk[...], self.wv[...], self.wo[...],
+                          segment_ids)  # fmt: skip
         if not self.experts:
             return x + nnx.gelu(self.norm2(x) @ self.wi[...]) @ self.wf[...]
         out, aux = mixture(
@@ -176,12 +193,16 @@ class TransformerLM(nnx.Module):
             self.router_bias = RouterBias(jnp.zeros((layers, experts), jnp.float32))
         self.deterministic = False  # eval() sets it: the bias then stays as it is
 
-    def __call__(self, tokens: jax.Array):
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None):  # fmt: skip
         """The logits; with experts, ``(logits, tallies)``: each layer's routing tally, and
-        with a routing bias ``(logits, tallies, bias)`` (the bias this step routed by)."""
-        x = self.embed[...][tokens] + self.position[...][None, : tokens.shape[1]]
+        with a routing bias ``(logits, tallies, bias)`` (the bias this step routed by).
+        Packed documents: ``segment_ids`` (batch, seq), each token's document, keep its
+        attention within it; ``positions``, its place there, restart the learned positions."""
+        x = self.embed[...][tokens] + placed(self.position[...], tokens, positions)
         bias = None if self.router_bias is None else self.router_bias[...]
-        x = stack.apply(self.blocks, x, remat=self.remat, per_layer=bias)
+        x = stack.apply(self.blocks, x, remat=self.remat, per_layer=bias,
+                        rows=packed_rows(segment_ids))  # fmt: skip
         if not isinstance(x, tuple):
             return self.norm(x) @ self.unembed[...]
         logits = self.norm(x[0]) @ self.unembed[...]

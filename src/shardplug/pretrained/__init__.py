@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 from shardplug import moe
+from shardplug.core.attention import packed_inputs
 from shardplug.core.means import Mean
 from shardplug.core.sharding import leaf_paths
 from shardplug.errors import ConfigError, PretrainedError
@@ -229,7 +230,7 @@ class Pretrained:
         tokens, targets = batch["tokens"], batch.get("targets")
         if targets is None:  # next-token: the model reads all but the last
             tokens, targets = tokens[:, :-1], tokens[:, 1:]
-        out = model(tokens, **_packed(batch, tokens.shape[1]))
+        out = model(tokens, **packed_inputs(batch, tokens.shape[1]))
         logits, tallies = out if isinstance(out, tuple) else (out, None)
         losses = optax.softmax_cross_entropy_with_integer_labels(
             logits.astype(jnp.float32), targets
@@ -249,24 +250,6 @@ class Pretrained:
             loss = loss + aux if mask is None else Mean(loss.total + aux * loss.count,
                                                         loss.count)  # fmt: skip
         return loss, metrics
-
-
-def _packed(batch: dict[str, Any], length: int) -> dict[str, Any]:
-    """A batch's ``segment_ids`` and ``positions`` (documents packed in a row, each on its
-    own) for the ``length`` tokens the model reads: one a token read, or one a token of the
-    row (the last, never read, cut)."""
-    out = {}
-    for name in ("segment_ids", "positions"):
-        given = batch.get(name)
-        if given is None:
-            continue
-        if given.ndim != 2 or given.shape[1] not in (length, length + 1):
-            raise ConfigError(
-                f"batch {name} {tuple(given.shape)}: give (rows, {length}), one per token the "
-                f"model reads, or (rows, {length + 1}), one per token of the row"
-            )
-        out[name] = given[:, :length]
-    return out
 
 
 def _cast_to(dtype: Any, stored: np.dtype, where: pathlib.Path) -> np.dtype:

@@ -26,9 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardplug import moe, stack
-from shardplug.core import ops
 from shardplug.core.attention import attention
-from shardplug.errors import warn_once
 from shardplug.pretrained.config import DecoderConfig
 
 Table = dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]
@@ -130,35 +128,42 @@ def forward(c: DecoderConfig, p: dict[str, Any], tokens: jax.Array, remat: str =
     fused kernels and ``cp`` its ring; with the mask ``cp`` gathers the keys instead).
 
     Packed documents: ``segment_ids`` (batch, sequence) keep each token's attention to its
-    own document, and ``positions`` (each token's place in its document) restart the rotary
-    positions at each; under ``pp`` (whose stages take the activations alone) neither reaches
-    the layers yet, and that is said once."""
+    own document, and ``positions`` (each token's place in its document; (sequence,) or
+    (batch, sequence)) restart the rotary positions at each; the layer stack is given both
+    as its rows (``shardplug.stack.scan(..., rows=)``), so under ``pp`` each microbatch's
+    layers see its own."""
     length = tokens.shape[1]
     act = jax.nn.silu if c.activation == "silu" else partial(jax.nn.gelu, approximate=True)
-    if (segment_ids is not None or positions is not None) and ops.supplied("layer_stack"):
-        warn_once(
-            "packed documents under pp: the pipeline's stages take the activations alone, so "
-            "each document attends to those packed before it in its row, its positions "
-            "running on (segment ids and positions are not applied)"
-        )
-        segment_ids = positions = None
-    if positions is None:
-        positions = jnp.arange(length)
+    rows = {}
+    if segment_ids is not None:
+        rows["segment_ids"] = segment_ids
+    if positions is not None and jnp.ndim(positions) == 2:
+        rows["positions"] = positions
     windowed = c.sliding_window is not None and length > c.sliding_window
     mixed = c.local_rope is not None and len(set(c.layer_types)) > 1
-    cos, sin = _angles(c, positions,
-                       local=c.local_rope is not None and "full" not in c.layer_types)  # fmt: skip
+    only_local = c.local_rope is not None and "full" not in c.layer_types
+
+    def angles(positions):
+        """The rotary cosines and sines, the sliding layers' too where they differ."""
+        out = {"": _angles(c, positions, local=only_local)}
+        if mixed:
+            out["local"] = _angles(c, positions, local=True)
+        return out
+
+    place_all = jnp.arange(length) if positions is None else positions
+    outside = angles(place_all)
     per_layer = {}
     if windowed or mixed:
         per_layer["sliding"] = jnp.asarray([t == "sliding" for t in c.layer_types])
-    if mixed:
-        local_cos, local_sin = _angles(c, positions, local=True)
 
     def norm(x, weight):
         return rms_norm(x, weight, c.norm_eps, c.traits.norm_plus_one)
 
-    def block(lp: dict[str, jax.Array], x: jax.Array, pl: dict[str, jax.Array] | None = None):
+    def block(lp: dict[str, jax.Array], x: jax.Array, pl: dict[str, jax.Array] | None = None,
+              segment_ids: jax.Array | None = None,
+              positions: jax.Array | None = None):  # fmt: skip
         batch = x.shape[0]  # under pp, a microbatch's
+        turns = outside if positions is None else angles(positions)
         h = norm(x, lp["attention_norm"])
         q, k, v = (h @ lp[n] for n in "qkv")
         if c.qkv_bias:
@@ -169,13 +174,14 @@ def forward(c: DecoderConfig, p: dict[str, Any], tokens: jax.Array, remat: str =
         v = v.reshape(batch, length, c.kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = norm(q, lp["q_norm"]), norm(k, lp["k_norm"])
-        c_, s_ = cos, sin
+        c_, s_ = turns[""]
         if mixed:
-            c_, s_ = (jnp.where(pl["sliding"], a, b) for a, b in ((local_cos, cos),
-                                                                   (local_sin, sin)))  # fmt: skip
+            c_, s_ = (jnp.where(pl["sliding"], a, b) for a, b in zip(turns["local"], turns[""],
+                                                                      strict=True))  # fmt: skip
         mask = None
         if windowed:  # by each token's place in its document
-            place = positions if positions.ndim == 2 else positions[None]
+            place = place_all if positions is None else positions
+            place = place if place.ndim == 2 else place[None]
             reach = jnp.where(pl["sliding"], c.sliding_window, length + 1)
             mask = ((place[:, :, None] - place[:, None, :]) < reach)[:, None]
         out = attention(_rotate(q, c_, s_), _rotate(k, c_, s_), v, causal=True, mask=mask,
@@ -196,7 +202,8 @@ def forward(c: DecoderConfig, p: dict[str, Any], tokens: jax.Array, remat: str =
     x = jnp.take(p["embed"], tokens, axis=0)
     if c.traits.embed_scale:  # the scale rounded to the embedding's dtype first, as the reference
         x = x * jnp.asarray(c.width**0.5, jnp.float32).astype(x.dtype)
-    out = stack.scan(block, p["layers"], x, remat=remat, per_layer=per_layer or None)
+    out = stack.scan(block, p["layers"], x, remat=remat, per_layer=per_layer or None,
+                     rows=rows or None)  # fmt: skip
     x, tallies = out if c.experts else (out, None)
     x = norm(x, p["norm"])
     logits = x @ (p["embed"].T if c.tied else p["head"])

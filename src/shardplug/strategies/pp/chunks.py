@@ -47,17 +47,18 @@ class StackCut:
     stacked: list[bool]  # which of the parameters' leaves the stack operation is given
     stack: list[Any]  # those leaves (leading dimension: the layers)
     other: list[Any]  # the rest
-    block: Callable[..., Any]  # one layer: block(layer params, h) -> h or (h, aux)
+    block: Callable[..., Any]  # one layer: block(layer params, h, rows) -> h or (h, aux)
     view: list[int]  # the stack operation's parameter leaves, as indices into ``stack``
     tree: Any  # their tree
     aux: Any  # one layer's aux (its shape), None where the blocks return none
     layers: int
+    rows: Any  # the whole batch's row inputs of the blocks ({} where none)
 
     def pre(self, other: list[Any], data: Any, key: Any) -> jax.Array:
         """The stack's input for one microbatch."""
         got = {}
 
-        def op(block, sp, x, *, layers):
+        def op(block, sp, x, *, layers, rows=None):
             got["x"] = x
             return _placeholder(x, self.aux, layers)
 
@@ -96,21 +97,23 @@ def cut_at_stack(forward, model_state, params, batch, rng) -> StackCut:
 
     seen: dict[str, Any] = {}
 
-    def capture(block, sp, x, *, layers):
+    def capture(block, sp, x, *, layers, rows=None):
         if seen:
             raise Unscheduled(
                 "pp's schedules run one layer stack per step; this model runs two: use -o "
                 "pp.schedule=gpipe"
             )
         first = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), sp)
-        _, aux = jax.eval_shape(lambda w, h: split_aux(block(w, h)), first, x)
-        if _offloads(block, first, x):
+        if rows is None:  # the blocks take no rows: given an empty dict, as if they did
+            block, rows = (lambda b: lambda w, h, _: b(w, h))(block), {}
+        _, aux = jax.eval_shape(lambda w, h: split_aux(block(w, h, rows)), first, x)
+        if _offloads(lambda w, h: block(w, h, rows), first, x):
             raise Unscheduled(
                 "pp's 1F1B and zero-bubble schedules keep each stage's residuals in device "
                 "buffers, and this block moves them to host memory (--remat offload): use -o "
                 "pp.schedule=gpipe"
             )
-        seen.update(block=block, sp=sp, aux=aux, layers=layers)
+        seen.update(block=block, sp=sp, aux=aux, layers=layers, rows=rows)
         return _placeholder(x, aux, layers)
 
     _, (_, new_state) = runner([False] * len(leaves))(capture, [], leaves, batch, rng)
@@ -137,7 +140,7 @@ def cut_at_stack(forward, model_state, params, batch, rng) -> StackCut:
     other = [w for w, s in zip(leaves, stacked, strict=True) if not s]
     view = [ids[id(w)] for w in given]
     return StackCut(runner(stacked), stacked, stack, other, seen["block"], view, tree,
-                    seen["aux"], seen["layers"])  # fmt: skip
+                    seen["aux"], seen["layers"], seen["rows"])  # fmt: skip
 
 
 def _offloads(block: Any, w: Any, x: Any) -> bool:
@@ -184,12 +187,13 @@ class Chunk:
             return (k * self.stages + stage) * self.size
         return jnp.asarray(self.placed, jnp.int32)[stage, k] * self.size
 
-    def forward(self, local, k, msg, stage) -> tuple[Any, list[Any]]:
+    def forward(self, local, k, msg, stage, rows) -> tuple[Any, list[Any]]:
         """F: the chunk's output message and its layers' residuals (stacked per layer; a
-        layer's own weights left out: :meth:`_leaves` puts them back)."""
+        layer's own weights left out: :meth:`_leaves` puts them back); ``rows``: the
+        microbatch's row inputs of the blocks."""
 
         def layer(h, w):
-            y, pull = jax.vjp(self.block, w, h)
+            y, pull = jax.vjp(lambda w, h: self.block(w, h, rows), w, h)
             res, tree = jax.tree.flatten(pull)
             mine = {id(x): i for i, x in enumerate(jax.tree.leaves(w))}
             where = tuple(mine.get(id(r), -1) for r in res)  # -1: kept, else the weight's

@@ -27,9 +27,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from shardplug.plugin import ConfigError, in_microbatches, is_explicit, lay_out, split_aux
+from shardplug.plugin import (
+    ConfigError,
+    Unscheduled,
+    in_microbatches,
+    is_explicit,
+    lay_out,
+    split_aux,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +117,11 @@ def stack_operation(pipeline: Pipeline):
     """The layer stack operation of ``pipeline``: its microbatches chosen for each batch, the
     stack and batch checked (one line each), the schedule run, seeing microbatches."""
 
-    def run(block, params, x, *, layers):
+    def run(block, params, x, *, layers, rows=None):
         plan = pipeline.split_over(rows_split(x)).resolve(x.shape[0])
         plan.check(layers, x.shape[0])
         with in_microbatches():
-            return gpipe(block, params, x, plan, layers)
+            return gpipe(block, params, x, plan, layers, rows)
 
     return run
 
@@ -126,10 +134,12 @@ def circular_order(layers: int, stages: int, repeats: int) -> jnp.ndarray:
     return idx.transpose(1, 0, 2).reshape(-1)
 
 
-def gpipe(block, params, x, pl: Pipeline, layers: int):
+def gpipe(block, params, x, pl: Pipeline, layers: int, rows: Any = None):
     """Run ``block`` over the stack ``params`` on ``x`` by the schedule (see the module).
     A block returning ``(x, aux)`` gives ``(x, aux)``: each layer's aux summed over the
-    microbatches (and the replicas), stacked over the layers in their order."""
+    microbatches (and the replicas), stacked over the layers in their order. ``rows`` (the
+    stack's row inputs, or None) are cut into microbatches as ``x`` is, and each stage gives
+    its blocks those of the microbatch it runs, ``block(w, h, rows)``."""
     n_stages, n_micro, n_repeats = pl.stages, pl.microbatches, pl.repeats
     per_chunk = layers // (n_stages * n_repeats)
     if n_repeats > 1:  # each stage's share must hold its R non-adjacent groups: reorder the stack
@@ -141,9 +151,11 @@ def gpipe(block, params, x, pl: Pipeline, layers: int):
 
         params = jax.tree.map(reorder, params)
     xs = microbatches(x, n_micro)
+    given = {} if rows is None else jax.tree.map(lambda a: microbatches(a, n_micro), rows)
+    call = block if rows is not None else lambda w, h, _: block(w, h)
     rows = None if not pl.replicas else pl.replicas[0] if len(pl.replicas) == 1 else pl.replicas
 
-    def stage_program(local, xs):
+    def stage_program(local, xs, given):
         stage = jax.lax.axis_index(pl.axis)
         local = jax.tree.map(lambda w: w.reshape(n_repeats, per_chunk, *w.shape[1:]), local)
         # Cast what every stage (or every row) reads to varying here, once: the transpose of
@@ -151,9 +163,10 @@ def gpipe(block, params, x, pl: Pipeline, layers: int):
         if pl.replicas:
             local = jax.tree.map(lambda w: _varying(w, pl.replicas), local)
         xs = _varying(xs, (pl.axis,))
+        given = jax.tree.map(lambda a: _varying(a, (pl.axis,)), given)
 
-        def group(ws, h):
-            return jax.lax.scan(lambda h, w: split_aux(block(w, h)), h, ws)
+        def group(ws, h, r):
+            return jax.lax.scan(lambda h, w: split_aux(call(w, h, r)), h, ws)
 
         run = jax.checkpoint(group) if pl.remat else group
         recv = jnp.zeros_like(xs[0])
@@ -170,7 +183,7 @@ def gpipe(block, params, x, pl: Pipeline, layers: int):
             first = xs[m] if ring is None else jnp.where(rep == 0, xs[m], ring[m])
             h = jnp.where(stage == 0, first, recv)
             ws = jax.tree.map(lambda w: w[rep], local)
-            y, aux = run(ws, h)
+            y, aux = run(ws, h, jax.tree.map(lambda a: a[m], given))
             last = valid & (stage == n_stages - 1) & (rep == n_repeats - 1)
             outs = jnp.where(last, outs.at[m].set(y), outs)
             sent = jax.lax.ppermute(y, pl.axis, perm)
@@ -193,10 +206,14 @@ def gpipe(block, params, x, pl: Pipeline, layers: int):
 
     out, aux = jax.shard_map(
         stage_program,
-        in_specs=(jax.tree.map(lambda _: P(pl.axis), params), P(None, rows)),
+        in_specs=(
+            jax.tree.map(lambda _: P(pl.axis), params),
+            P(None, rows),
+            jax.tree.map(lambda _: P(None, rows), given),
+        ),
         out_specs=(P(None, rows), P(pl.axis)),
         axis_names={pl.axis, *pl.replicas},
-    )(params, xs)
+    )(params, xs, given)
     out = joined(out, x)
     if aux is None:
         return out
@@ -224,6 +241,21 @@ def microbatches(x: jax.Array, count: int) -> jax.Array:
     split, _ = _microbatch_shardings(x)
     shape = (x.shape[0] // count, count, *x.shape[1:])
     return jnp.reshape(x, shape, out_sharding=split).swapaxes(0, 1)
+
+
+def leaf_microbatches(x: Any, count: int) -> Any:
+    """A batch leaf cut into ``count`` microbatches (rows ``m, m + count, ...``)."""
+    if not np.ndim(x):
+        raise Unscheduled(
+            "pp's schedules cut every batch leaf into microbatches along its rows; give the "
+            "batch's scalars as arrays with one row each, or use -o pp.schedule=gpipe"
+        )
+    if x.shape[0] % count:
+        raise ConfigError(
+            f"{count} microbatches do not divide the batch of {x.shape[0]}: choose -o "
+            f"microbatches=M with M dividing {x.shape[0]}"
+        )
+    return microbatches(x, count)
 
 
 def joined(xs: jax.Array, like: jax.Array) -> jax.Array:

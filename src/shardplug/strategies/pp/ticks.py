@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from shardplug.plugin import KINDS, ConfigError, Table, Unscheduled, in_microbatches, lay_out, means
+from shardplug.plugin import KINDS, ConfigError, Table, in_microbatches, lay_out, means
 from shardplug.strategies.pp.chunks import Chunk, cut_at_stack, merged
 from shardplug.strategies.pp.region import (
     after,
@@ -54,7 +54,7 @@ from shardplug.strategies.pp.region import (
     write_slot,
     zeros,
 )
-from shardplug.strategies.pp.stages import microbatches
+from shardplug.strategies.pp.stages import leaf_microbatches
 
 F, B, W = KINDS["F"], KINDS["B"], KINDS["W"]
 
@@ -103,7 +103,7 @@ def scheduled_grads(
     n_stages, n_local, n_micro = table.stages, table.chunks, table.microbatches
     treedef = jax.tree.structure(params)
     rows = None if not replicas else replicas[0] if len(replicas) == 1 else replicas
-    mbs = jax.tree.map(lambda x: _cut(x, n_micro), batch)
+    mbs = jax.tree.map(lambda x: leaf_microbatches(x, n_micro), batch)
     cut = cut_at_stack(forward, model_state, params, batch, rng)
     stack, other, layers = cut.stack, cut.other, cut.layers
     if layers % (n_stages * n_local):
@@ -134,12 +134,15 @@ def scheduled_grads(
     msg_local = jax.eval_shape(lambda: message(_local_rows(zero_x, replica_size)))
     slots = table.slots
 
-    def probe(local, msg):
-        h, res = chunk.forward(local, 0, msg, 0)
+    def probe(local, msg, given):
+        h, res = chunk.forward(local, 0, msg, 0, _pick(given, 0))
         _, stash = chunk.input_grad(local, 0, h, res, 0)
         return [r[None, None] for r in res], [x[None, None] for x in stash]
 
     manual = {axis, *replicas}
+    # the blocks' rows (small) cut as the batch is, whole over the compiler's axes: each stage
+    # takes its microbatch's in its pass, where a split along the microbatches is gathered
+    given = jax.tree.map(lambda x: lay_out(leaf_microbatches(x, n_micro), P(None, rows)), cut.rows)
 
     def in_region(fn, in_specs, out_specs):
         """``fn`` as a program manual over the stage and replica axes, its operands laid out
@@ -157,9 +160,10 @@ def scheduled_grads(
         return call
 
     res_avals, stash_avals = jax.eval_shape(
-        in_region(probe, ([P(axis)] * len(stack), P(rows)), P(axis, rows)),
+        in_region(probe, ([P(axis)] * len(stack), P(rows), P(None, rows)), P(axis, rows)),
         stack,
         zeros(jax.eval_shape(lambda: message(zero_x))),
+        given,
     )
     g_like = _layer_given(msg_local, has_aux, per_chunk)
 
@@ -185,10 +189,11 @@ def scheduled_grads(
     if has_aux:  # an aux's first dimension is layers, not rows
         msg_spec = (P(rows), jax.tree.map(lambda _: P(), msg_local[1]))
 
-    def stages(local, st, x_in, gy_in, row):
+    def stages(local, st, x_in, gy_in, row, given):
         """One tick of every stage, inside the manual region (see the module)."""
         stage = jax.lax.axis_index(axis)
         me = {k: row[k][stage] for k in fields}
+        mine = _pick(given, me["micro"])  # the blocks' rows of the microbatch F runs
         st = dict(st)
         recv_f = read_slot(st.pop("recv_f"), 0)
         recv_b = read_slot(st.pop("recv_b"), 0)
@@ -206,7 +211,7 @@ def scheduled_grads(
             inbox = read_slot(st["inbox"], me["inbox"])
             start = message(x_in) if has_aux else x_in
             msg = jax.tree.map(lambda a, b: jnp.where(me["first"] > 0, a, b), start, inbox)
-            out, new = chunk.forward(local, me["chunk"], msg, stage)
+            out, new = chunk.forward(local, me["chunk"], msg, stage, mine)
             return write_slot(res, me["residual"], new), out
 
         def skip_f(res):
@@ -276,7 +281,7 @@ def scheduled_grads(
     x_spec = msg_spec[0] if has_aux else msg_spec
     region = in_region(
         stages,
-        ([P(axis)] * len(stack), state_spec, x_spec, msg_spec, row_spec),
+        ([P(axis)] * len(stack), state_spec, x_spec, msg_spec, row_spec, P(None, rows)),
         (state_spec, (x_spec, jax.tree.map(lambda _: P(), msg_local[1]))
          if has_aux else x_spec, x_spec),
     )  # fmt: skip
@@ -291,7 +296,7 @@ def scheduled_grads(
         x_in = jax.lax.cond(row["pre_micro"] >= 0, lambda: pre(other, row["pre_micro"]),
                             lambda: zero_x)  # fmt: skip
         with jax.named_scope(TICKS):
-            st, y, gx = region(stack, st, x_in, gy, {k: row[k] for k in row_spec})
+            st, y, gx = region(stack, st, x_in, gy, {k: row[k] for k in row_spec}, given)
 
         def with_post(top):
             top = dict(top)
@@ -480,21 +485,6 @@ def _rows(table: Table) -> dict[str, jax.Array]:
     out["any_forward"] = table.sending["after"].astype(np.int32)
     out["any_backward"] = table.sending["before"].astype(np.int32)
     return {k: jnp.asarray(v, jnp.int32) for k, v in out.items()}
-
-
-def _cut(x: Any, count: int) -> Any:
-    """A batch leaf cut into ``count`` microbatches (rows ``m, m + count, ...``)."""
-    if not np.ndim(x):
-        raise Unscheduled(
-            "pp's schedules cut every batch leaf into microbatches along its rows; give the "
-            "batch's scalars as arrays with one row each, or use -o pp.schedule=gpipe"
-        )
-    if x.shape[0] % count:
-        raise ConfigError(
-            f"{count} microbatches do not divide the batch of {x.shape[0]}: choose -o "
-            f"microbatches=M with M dividing {x.shape[0]}"
-        )
-    return microbatches(x, count)
 
 
 __all__ = ["math", "scheduled_grads"]
