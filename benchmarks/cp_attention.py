@@ -1,15 +1,18 @@
 """cp's attention schemes side by side: keys and values all-gathered, passed round the ring
-(with and without the zig-zag balance of causal work), or all-to-all (Ulysses: the heads
-split for attention).
+(with and without the zig-zag balance of causal work), all-to-all (Ulysses: the heads split
+for attention), or the hybrid (all-to-alls within groups the heads divide, a ring across).
 
-The reference transformer (NNX, causal) at ``--sequences`` (default 1024 and 4096), batch 4,
-under ``cp`` on ``--devices`` simulated CPU devices (context = devices), with
+The reference transformer (NNX, causal, 4 heads) at ``--sequences`` (default 1024 and 4096),
+batch 4, under ``cp`` on ``--devices`` simulated CPU devices (context = devices), with
 ``scheme="gather"``, ``scheme="ring"`` and ``balance="none"`` (every block pair computed,
-masked), the default ``scheme="ring"``, ``balance="zigzag"``, and ``scheme="ulysses"``: each
-step
-compiled, its compiled temporaries (``memory_analysis``), its collectives, and the median
-step time over interleaved rounds, reported as ratios to the gather. The same losses are
-asserted, so all compute the same thing. A GPU run records the attention function's
+masked), the default ``scheme="ring"``, ``balance="zigzag"``, ``scheme="ulysses"`` (where
+the 4 heads divide the devices) and ``scheme="hybrid"`` (where they do not: on 8 devices,
+groups of 4 and a ring of 2): each step compiled, its compiled temporaries
+(``memory_analysis``), the bytes its collectives send, and the median step time over
+interleaved rounds, reported as ratios to the gather. The same losses are asserted, so all
+compute the same thing. Sequences longer than ``--timed-up-to`` (default 4096) are planned
+only (compiled, nothing allocated: temporaries and bytes, no time), since the gather's
+scores at 16k would not fit this machine. A GPU run records the attention function's
 kernel time instead (one GPU has no ring); none was lent when this was written.
 
 Run ``python benchmarks/cp_attention.py`` (a few minutes on 2 cores); ``--json`` prints the
@@ -28,34 +31,56 @@ SCHEMES = {
     "ring": {"scheme": "ring", "balance": "none"},
     "ring+zigzag": {"scheme": "ring", "balance": "zigzag"},
     "ulysses": {"scheme": "ulysses"},
+    "hybrid": {"scheme": "hybrid"},
 }
 
 
-def measure(sequences: list[int], devices: int, steps: int, rounds: int) -> dict:
+def measure(sequences: list[int], devices: int, steps: int, rounds: int,
+            timed_up_to: int = 4096) -> dict:  # fmt: skip
     import jax
     import numpy as np
 
     import shardplug
     from shardplug.core.hlo import collectives
+    from shardplug.strategies.cp.ulysses import group_size
 
     model = shardplug.get_model("transformer")
+    heads = 4  # the reference transformer's
+    # Ulysses where the heads divide the devices; the hybrid where they do not (where they
+    # do, it is Ulysses)
+    schemes = {
+        k: v
+        for k, v in SCHEMES.items()
+        if k not in ("ulysses", "hybrid") or (k == "ulysses") == (heads % devices == 0)
+    }
     out = {}
     for length in sequences:
+        timed = length <= timed_up_to
         batch = next(model.batches(4, 0, sequence=length))
         trainers, rows = {}, {}
-        for scheme, options in SCHEMES.items():
+        for scheme, options in schemes.items():
             task = model.task("nnx", sequence=length, batch_size=4)
-            trainer = task.trainer(
-                strategy=shardplug.get_strategy("cp", **options), devices=devices
-            )
+            trainer = task.trainer(strategy=shardplug.get_strategy("cp", **options),
+                                   devices=devices, allocate=timed)  # fmt: skip
             trainer.compile(batch)
             found = collectives(trainer.compiled.as_text())
             trainers[scheme] = trainer
             rows[scheme] = {
                 "temp_bytes": trainer.compiled.memory_analysis().temp_size_in_bytes,
-                "collectives": {c.kind: {"count": c.count, "bytes": c.bytes} for c in found},
+                "collectives": {c.kind: {"count": c.count, "sent": c.wire_bytes} for c in found},
+                "sent_bytes": sum(c.wire_bytes for c in found),  # what each device sends
                 "times": [],
             }
+            if scheme == "hybrid":
+                rows[scheme]["groups"] = group_size(heads, heads, devices)
+        if not timed:  # planned: the compiled program's figures alone
+            for row in rows.values():
+                del row["times"]
+                row["over_gather"] = {
+                    key: row[key] / rows["gather"][key] for key in ("temp_bytes", "sent_bytes")
+                }
+            out[length] = rows
+            continue
         for _ in range(rounds):  # interleaved, so both see the same machine
             for scheme, trainer in trainers.items():
                 start = time.perf_counter()
@@ -68,7 +93,8 @@ def measure(sequences: list[int], devices: int, steps: int, rounds: int) -> dict
             row["step_s"] = statistics.median(row.pop("times"))
         for row in rows.values():
             row["over_gather"] = {
-                key: row[key] / rows["gather"][key] for key in ("temp_bytes", "step_s")
+                key: row[key] / rows["gather"][key]
+                for key in ("temp_bytes", "step_s", "sent_bytes")
             }
         out[length] = rows
     return out
@@ -184,6 +210,10 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--timed-up-to", type=int, default=4096,
+        help="sequences longer than this are compiled only (temporaries and bytes, no time)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--alone", action="store_true",
@@ -208,7 +238,7 @@ def main() -> None:
                     f"{row['over_by_hand']:.2f}, memory {row['temp_over_by_hand']:.2f}"
                 )
         return
-    result = measure(sequences, args.devices, args.steps, args.rounds)
+    result = measure(sequences, args.devices, args.steps, args.rounds, args.timed_up_to)
     if args.json:
         print(json.dumps(result, indent=1))
         return
@@ -216,10 +246,13 @@ def main() -> None:
         print(f"sequence {length}, context {args.devices}:")
         for scheme, row in rows.items():
             ratio = row["over_gather"]
+            time_s = (f"{row['step_s'] * 1e3:8.1f} ms/step " if "step_s" in row
+                      else "   planned only ")  # fmt: skip
+            over = f"time {ratio['step_s']:.2f}, " if "step_s" in ratio else ""
             print(
-                f"  {scheme:<10} {row['step_s'] * 1e3:8.1f} ms/step "
-                f"{row['temp_bytes'] / 2**20:7.1f} MiB temporaries   / gather: time "
-                f"{ratio['step_s']:.2f}, memory {ratio['temp_bytes']:.2f}"
+                f"  {scheme:<12} {time_s}{row['temp_bytes'] / 2**20:8.1f} MiB temporaries "
+                f"{row['sent_bytes'] / 1e6:7.1f} MB sent   / gather: {over}memory "
+                f"{ratio['temp_bytes']:.2f}, bytes {ratio['sent_bytes']:.2f}"
             )
             print(f"    collectives: {row['collectives']}")
 

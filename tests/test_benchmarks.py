@@ -75,3 +75,14 @@ def test_the_hand_written_gpipe_takes_pp_s_step():
     hand = bench.hand_gpipe_step(trainer, model, batch, 8)
     ours = trainer.fit([batch], 1)[0]["loss"]
     np.testing.assert_allclose(hand, ours, rtol=1e-5)
+
+
+def test_cp_attention_times_the_short_and_plans_the_long():
+    """8 devices, where the 4 heads do not divide them: the hybrid instead of Ulysses; the
+    timed length asserts every scheme's loss is the gather's, the longer one is compiled only."""
+    result = load("cp_attention").measure([32, 64], devices=8, steps=1, rounds=1, timed_up_to=32)
+    assert set(result[32]) == {"gather", "ring", "ring+zigzag", "hybrid"}
+    assert result[32]["hybrid"]["groups"] == 4
+    assert all(r["step_s"] > 0 and r["sent_bytes"] > 0 for r in result[32].values())
+    assert all("step_s" not in r and r["temp_bytes"] > 0 for r in result[64].values())
+    assert result[64]["hybrid"]["collectives"]["all-to-all"]["count"] > 0

@@ -280,7 +280,7 @@ def test_explain_shows_cp_share_and_takes_the_ring_for_no_pipeline():
 
 
 def test_an_unknown_attention_scheme_is_one_line():
-    expected = r"scheme must be 'ring' .*'gather' .* or 'ulysses' .* got 'bogus'"
+    expected = r"scheme must be 'ring' .*'gather' .*'ulysses' .* or 'hybrid' .* got 'bogus'"
     with pytest.raises(shardplug.StrategyOptionError, match=expected):
         shardplug.get_strategy("dp+cp", **{"cp.attention": "bogus"})  # the older name
     with pytest.raises(shardplug.StrategyOptionError, match=expected):

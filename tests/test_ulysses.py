@@ -13,7 +13,7 @@ import shardplug
 from shardplug.core.attention import with_segments
 from shardplug.errors import ConfigError
 from shardplug.explain import explain
-from shardplug.strategies.cp.ulysses import kv_repeats, ulysses_attention
+from shardplug.strategies.cp.ulysses import group_size, kv_repeats, ulysses_attention
 from shardplug.testing.conformance import _losses, one_device_losses
 
 STEPS = 3
@@ -54,6 +54,43 @@ def test_all_to_all_attention_is_xlas(causal, length, heads, kv_heads, packed):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("causal", "length", "heads", "kv_heads", "packed", "devices", "balance"),
+    [(True, 32, 2, 1, False, 4, True), (False, 30, 6, 2, True, 4, True),
+     (True, 31, 4, 1, True, 8, True), (True, 32, 6, 3, True, 8, False),
+     (True, 24, 4, 2, True, 8, True)],
+)  # fmt: skip
+def test_the_hybrids_groups_and_ring_are_xlas_attention(causal, length, heads, kv_heads, packed,
+                                                        devices, balance):  # fmt: skip
+    """Heads that do not divide the devices: all-to-alls within groups of 2 (or 4), the ring
+    (zig-zag or not) across them; grouped heads, padding, packed documents, all gradients."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, length, heads, 8))
+    k, v = (jax.random.normal(key, (2, length, kv_heads, 8)) for key in keys[1:])
+    ids = jnp.asarray(np.arange(length)[None].repeat(2, 0) // 7) if packed else None
+
+    def loss(attend, q, k, v):
+        out = attend(q, k, v, causal=causal, bias=None, mask=None, scale=None, segment_ids=ids)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+    def reference(q, k, v, *, causal, bias, mask, scale, segment_ids):
+        mask = None if segment_ids is None else with_segments(None, segment_ids, segment_ids)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, mask=mask)
+
+    want = jax.value_and_grad(functools.partial(loss, reference), argnums=(0, 1, 2))(q, k, v)
+    hybrid = ulysses_attention("context", hybrid=True, balance=balance)
+    with jax.set_mesh(_mesh(devices)):
+        step = jax.value_and_grad(functools.partial(loss, hybrid), argnums=(0, 1, 2))
+        got = jax.jit(step)(q, k, v)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
+
+
+def test_the_hybrids_group_is_the_most_devices_the_heads_divide():
+    assert [group_size(h, kv, 8) for h, kv in ((4, 4), (6, 3), (6, 6), (5, 5), (32, 8))] == [
+        4, 2, 2, 1, 8]  # fmt: skip
+
+
 def test_key_value_heads_are_repeated_the_fewest_times_that_divide():
     assert [kv_repeats(8, kv, 4) for kv in (1, 2, 4, 8)] == [4, 2, 1, 1]
     assert kv_repeats(32, 8, 16) == 2
@@ -73,6 +110,29 @@ def test_compositions_with_all_to_all_cp_train_like_one_device(name, mesh, adapt
     losses = _losses(name, options, adapter, "transformer", STEPS, 0, 8, mesh, {})
     want = one_device_losses(adapter, "transformer", STEPS, 0, ())
     np.testing.assert_allclose(losses, want, rtol=1e-4)
+
+
+@pytest.mark.parametrize("adapter", ["linen"])
+def test_the_hybrid_trains_like_one_device_where_heads_do_not_divide_the_axis(adapter):
+    """The reference transformer's 4 heads on context=8: all-to-alls in groups of 4, a ring
+    of 2 across them."""
+    options = {"cp.scheme": "hybrid"}
+    losses = _losses("cp", options, adapter, "transformer", STEPS, 0, 8, "context=8", {})
+    want = one_device_losses(adapter, "transformer", STEPS, 0, ())
+    np.testing.assert_allclose(losses, want, rtol=1e-4)
+
+
+def test_explain_counts_the_hybrids_all_to_alls_and_its_ring():
+    """context=8, 4 heads: each block's 3/4 sent within its group of 4, and a ring of 2."""
+    model = shardplug.get_model("transformer")
+    strategy = shardplug.get_strategy("cp", scheme="hybrid")
+    run = model.task("nnx").trainer(strategy=strategy, mesh="context=8", allocate=False)
+    report = explain(run, next(model.batches(model.batch_size, 0))).to_dict()
+    found = report["parallelisms"]["sequence"]
+    block = 32 * 4 * 4 * 16 * 4  # 32 rows x 32/8 positions x 4 heads x 16 x f32
+    assert found["all_to_all_textbook_per_layer"] == 2 * 4 * block * 3 // 4
+    assert found["all_to_all_bytes"] == 2 * found["all_to_all_textbook_per_layer"]
+    assert found["ring_permutes"] > 0 and found["ring_bytes"] > 0
 
 
 def test_explain_counts_the_all_to_alls_against_the_textbook():
@@ -95,3 +155,32 @@ def test_heads_that_do_not_divide_the_axis_are_refused_in_one_line():
     with jax.set_mesh(_mesh(4)), pytest.raises(ConfigError, match=said + "its 4 devices"):
         ulysses_attention("context")(
             q, q, q, causal=True, bias=None, mask=None, scale=None)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mesh", "name", "want"),
+    [("data=2,context=4", "dp+cp", "ulysses"), ("context=8", "cp", "hybrid")],
+)
+def test_recommend_chooses_among_cps_schemes_and_says_why(mesh, name, want):
+    """Of the schemes that fit, the fewest bytes: the all-to-all where the 4 heads divide the
+    context axis (the hybrid, the same program, ties: the first named); where they do not (8
+    devices), it is said why not, and the hybrid (groups of 4, a ring of 2) sends least."""
+    from shardplug.recommend import recommend
+
+    model = shardplug.get_model("transformer")
+    batch = next(model.batches(model.batch_size, 0))
+
+    def compiled(strategy, options=None):
+        strategy = shardplug.get_strategy(strategy, **(options or {}))
+        return model.task("nnx").trainer(strategy=strategy, mesh=mesh, allocate=False), batch
+
+    result = recommend(compiled, 2**34, strategies=[name])
+    assert (result["recommended"], result["options"]) == (name, {"cp.scheme": want})
+    tried = result["strategies"][0]["scheme"]["tried"]
+    assert set(tried) == {"ring", "gather", "ulysses", "hybrid"}
+    sent = {k: r["sent_bytes"] for k, r in tried.items() if r["fits"]}
+    assert min(sent, key=sent.get) == want
+    assert f"-o cp.scheme={want}: of cp's schemes that fit, it " in result["reason"]
+    assert "(ring sends " in result["reason"]
+    if want == "hybrid":
+        assert "ulysses cannot run here (cp scheme ulysses splits the heads" in result["reason"]

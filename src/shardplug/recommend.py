@@ -7,7 +7,10 @@ parameters and gradients (the textbook collectives, which overlap with compute a
 grow with the batch) over those that also move activations (tensor parallelism's
 all-reduces, on the critical path of every layer); then the fewest bytes sent per device per
 step, bytes within 5% of the least counting as equal; of equals, the plainest step; then the
-lower peak. The plainest step: no pipeline schedule, no parallelism that computes one of the
+lower peak. A pick that splits the sequence (cp) is planned under each of cp's schemes, and
+takes the one that fits and sends the least (then of lower peak): the all-to-all sends a
+layer's activations once, whatever the length, where heads divide its devices; the ring
+holds the least. The plainest step: no pipeline schedule, no parallelism that computes one of the
 model's operations its own way (a ring attention, routed experts: they are there for what
 they make fit, not for a tie), the single-program (``jit``) strategies before one that runs
 its own program (``pmap``), the fewest parallelisms. A strategy is never preferred by its
@@ -108,6 +111,9 @@ def recommend(
         planned = [best] if best["pipelined"] else []
     for row in planned:
         _schedule_for(row, compile_trainer, device_memory)
+    best = _best(rows)
+    if best is not None:  # a pick that splits the sequence: under each of cp's schemes
+        _scheme_for(best, compile_trainer, device_memory)
 
     fitting = sorted((r for r in rows if r["fits"]), key=_rank)
     if not fitting:
@@ -147,11 +153,14 @@ def recommend(
             reason += f"; the plainest step of those sending as little ({', '.join(tied)})"
     if others:
         reason += f"; {', '.join(others)} do not fit"
-    chosen = best.get("schedule")
-    if chosen is not None:
-        reason += f"; {chosen['reason']}"
+    chosen, scheme = best.get("schedule"), best.get("scheme")
+    options = {}
+    for plan, key in ((chosen, "schedule"), (scheme, "cp.scheme")):
+        if plan is not None:
+            reason += f"; {plan['reason']}"
+            options[key] = plan["name"]
     return {"strategies": rows, "recommended": best["strategy"], "reason": reason,
-            "options": {"schedule": chosen["name"]} if chosen else {}}  # fmt: skip
+            "options": options}  # fmt: skip
 
 
 #: offload's forms recommend tries where nothing fits on the devices alone, least moved
@@ -278,6 +287,47 @@ def _schedule_for(row: dict[str, Any], compile_trainer, device_memory: int) -> N
     row.update({k: v for k, v in chosen.items() if k != "strategy"})
     row["schedule"] = {"name": name, "reason": reason, "tried": {
         k: {"bubble": r.get("bubble"), "peak_bytes": r.get("peak_bytes"), "fits": r["fits"]}
+        for k, r in tried.items()}}  # fmt: skip
+
+
+#: cp's schemes, as recommend plans a pick that splits the sequence under each
+PLANNED_SCHEMES = ("ring", "gather", "ulysses", "hybrid")
+
+
+def _scheme_for(row: dict[str, Any], compile_trainer, device_memory: int) -> None:
+    """Plan ``row`` (a strategy with cp) under each of cp's schemes; of those that fit, the
+    one that sends the least (within 5%: equal), then of lower peak; its figures taken, and
+    why recorded (each scheme's bytes and peak, or why it cannot run)."""
+    from shardplug.core.registry import strategy_options
+
+    if "scheme" not in {o.name for o in strategy_options(row["strategy"])}:
+        return
+    if row["mesh"].get("context", 1) == 1 or row["pipelined"]:
+        return  # one context device, or attention inside a pipeline's stage (gathered): the
+        # schemes are one program
+    tried = {name: _row(compile_trainer, row["strategy"], {"scheme": name}, device_memory)
+             for name in PLANNED_SCHEMES}  # fmt: skip
+    fits = {k: r for k, r in tried.items() if r["fits"]}
+    if not fits:
+        return
+    least = min(r["sent_bytes"] - r["parts_bytes"] for r in fits.values())
+    equal = {k: r for k, r in fits.items() if r["sent_bytes"] - r["parts_bytes"] <= 1.05 * least}
+    name = min(equal, key=lambda k: (equal[k]["peak_bytes"], PLANNED_SCHEMES.index(k)))
+
+    def said(k: str, r: dict[str, Any]) -> str:
+        if "error" in r:
+            return f"{k} cannot run here ({r['error']})"
+        return (f"{k} sends {size(r['sent_bytes'])} at {size(r['peak_bytes'])}"
+                + ("" if r["fits"] else ", over"))  # fmt: skip
+
+    why = ("sends the least" if len(equal) == 1
+           else f"has the lowest peak of those sending as little ({', '.join(equal)})")  # fmt: skip
+    reason = (f"-o cp.scheme={name}: of cp's schemes that fit, it {why} ("
+              + "; ".join(said(k, r) for k, r in tried.items()) + ")")  # fmt: skip
+    row.update({k: v for k, v in tried[name].items() if k != "strategy"})
+    row["scheme"] = {"name": name, "reason": reason, "tried": {
+        k: {"sent_bytes": r.get("sent_bytes"), "peak_bytes": r.get("peak_bytes"),
+            "fits": r["fits"], **({"error": r["error"]} if "error" in r else {})}
         for k, r in tried.items()}}  # fmt: skip
 
 

@@ -8,8 +8,10 @@ composition stores them split over it too, as torchtitan shards over dp_shard x 
 Attention sees the whole sequence: cp supplies :func:`shardplug.attention`'s operation
 (:mod:`.ring`), ring attention (the key/value blocks passed round ``context``;
 ``scheme="ring"``, the default by measurement), an attention whose keys and values are
-all-gathered (``scheme="gather"``), or all-to-all attention (``scheme="ulysses"``,
-:mod:`.ulysses`: the heads split over ``context`` for attention, the sequences whole).
+all-gathered (``scheme="gather"``), all-to-all attention (``scheme="ulysses"``,
+:mod:`.ulysses`: the heads split over ``context`` for attention, the sequences whole), or,
+for heads that do not divide ``context``, the hybrid (``scheme="hybrid"``: all-to-alls
+within groups of devices the heads divide, the ring across the groups).
 ``attention=`` is the older name of ``scheme=``. Causal, the ring deals each layer's blocks
 zig-zag for its span and back (``balance="zigzag"``, the default), so every device computes the same
 half of the causal work and skips the other; positions and targets are those of the sequence
@@ -37,7 +39,7 @@ from shardplug.plugin import (
 from shardplug.strategies.cp.ring import gathered_attention, ring_attention
 from shardplug.strategies.cp.ulysses import ulysses_attention
 
-SCHEMES = ("ring", "gather", "ulysses")
+SCHEMES = ("ring", "gather", "ulysses", "hybrid")
 
 
 class ContextParallel:
@@ -62,8 +64,9 @@ class ContextParallel:
         if attention not in SCHEMES:
             raise StrategyOptionError(
                 f"cp option scheme must be 'ring' (keys and values passed round the ring), "
-                f"'gather' (all-gathered) or 'ulysses' (all-to-all: the heads split), got "
-                f"{attention!r}"
+                f"'gather' (all-gathered), 'ulysses' (all-to-all: the heads split) or "
+                f"'hybrid' (all-to-alls within groups the heads divide, a ring across them), "
+                f"got {attention!r}"
             )
         if balance not in ("zigzag", "none"):
             raise StrategyOptionError(
@@ -121,8 +124,10 @@ class ContextParallel:
         self._all_to_all = []
         if self.attention == "ring":
             ring = ring_attention(axis, self.balance == "zigzag", on_ring=ran)
-        elif self.attention == "ulysses":
-            ring = ulysses_attention(axis, self._all_to_all.append)
+        elif self.attention in ("ulysses", "hybrid"):
+            ring = ulysses_attention(axis, lambda *a: self._all_to_all.append(a),
+                                     hybrid=self.attention == "hybrid",
+                                     balance=self.balance == "zigzag", on_ring=ran)  # fmt: skip
         else:
             ring = gathered_attention(axis)
 
@@ -195,20 +200,22 @@ class ContextParallel:
             if ring
             else "its attention gathers the keys and values (all-gathers; no ring)"
         )
-        if self.attention == "ulysses" and self._all_to_all:
+        if self.attention in ("ulysses", "hybrid") and self._all_to_all:
             a2a = [c for c in found if c["kind"] == "all-to-all"]
-            # each block's (C-1)/C leaves its device, forward and again for the gradient: per
-            # attention the model's code calls (a layer stack's, once for all its layers)
-            textbook = 2 * sum(self._all_to_all) * (parts - 1) // parts
+            # each block's (A-1)/A leaves its device (A: the devices of its all-to-all, C for
+            # Ulysses alone), forward and again for the gradient: per attention the model's
+            # code calls (a layer stack's, once for all its layers)
+            textbook = sum(2 * b * (a - 1) // a for b, a in self._all_to_all)
             report.update(all_to_alls=sum(c["count"] for c in a2a),
                           all_to_all_bytes=sum(c["wire_bytes"] for c in a2a),
                           all_to_all_textbook_per_layer=textbook)  # fmt: skip
+            share = "(C-1)/C" if self.attention == "ulysses" else "(A-1)/A, A the group's"
             how = (
                 f"its attention's all-to-alls send {report['all_to_all_bytes'] / 2**20:.2f} "
                 f"MiB per device per step ({report['all_to_alls']} of them); the textbook, "
                 f"{textbook / 2**20:.3f} MiB a layer (its query, key, value and output "
-                f"blocks, (C-1)/C of each, forward and backward)"
-            )
+                f"blocks, {share} of each, forward and backward)"
+            ) + (f"; and {how}" if ring else "")
         note = (
             f"the sequence is split over {list(axes)}: each device holds {length // parts} of "
             f"the {length} positions of every row and every activation along them; {how}"

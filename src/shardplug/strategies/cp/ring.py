@@ -100,7 +100,7 @@ def ring_attention(axis: str, balance: bool = True, on_ring=None):
         split = P(_U, axis, _U, _U)  # explicit axes: their types must say it
         query, key, value = (lay_out(x, split) for x in (query, key, value))
         block = functools.partial(
-            _ring, axis=axis, size=size, causal=causal, scale=scale, balance=balance,
+            ring_block, axis=axis, size=size, causal=causal, scale=scale, balance=balance,
             valid=valid,
         )  # fmt: skip
         split = P(None, axis)
@@ -130,7 +130,7 @@ def pad_ids(ids, length):
     return jnp.pad(ids, ((0, 0), (0, length - ids.shape[1])), constant_values=-1)
 
 
-def _ring(q, k, v, ids=None, *, axis, size, causal, scale, balance, valid=None):
+def ring_block(q, k, v, ids=None, *, axis, size, causal, scale, balance, valid=None, groups=1):
     """One device's share of ring attention: its queries against every block of keys.
 
     Causal and ``balance``, the blocks are first dealt zig-zag (:func:`_deal`): device ``i``
@@ -143,14 +143,18 @@ def _ring(q, k, v, ids=None, *, axis, size, causal, scale, balance, valid=None):
     their own heads, which may be fewer than the queries' (grouped-query attention): only
     they go round the ring. ``valid``: keys at positions from it on are padding, masked.
     ``ids``: my block's segment ids; each key block's go round with it, and a query meets
-    only its own segment's keys."""
+    only its own segment's keys.
+
+    ``groups`` (cp's hybrid scheme): the ``axis`` holds ``groups`` rings of ``size`` places
+    each, device ``d`` at place ``d // groups`` of ring ``d % groups`` (the all-to-alls run
+    within ``groups`` consecutive devices, the rings across them)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    me = jax.lax.axis_index(axis)
-    perm = [(d, (d + 1) % size) for d in range(size)]
+    me = jax.lax.axis_index(axis) // groups
+    perm = on_devices([(d, (d + 1) % size) for d in range(size)], groups)
     dealt = causal and balance
     if dealt:
-        q, k, v = (_deal(x, axis, size) for x in (q, k, v))
-        ids = None if ids is None else _deal(ids, axis, size)
+        q, k, v = (_deal(x, axis, size, groups=groups) for x in (q, k, v))
+        ids = None if ids is None else _deal(ids, axis, size, groups=groups)
     length = q.shape[1]
     half = length // 2
 
@@ -204,10 +208,16 @@ def _ring(q, k, v, ids=None, *, axis, size, causal, scale, balance, valid=None):
     acc, k, v, theirs = jax.lax.scan(jax.checkpoint(meet_and_pass), (acc, k, v, theirs),
                                      steps)[0]  # fmt: skip
     out = softmax_end(jax.checkpoint(meet)(acc, k, v, theirs, size - 1), q.dtype)
-    return _deal(out, axis, size, back=True) if dealt else out
+    return _deal(out, axis, size, back=True, groups=groups) if dealt else out
 
 
-def _deal(x, axis: str, size: int, back: bool = False):
+def on_devices(pairs: list[tuple[int, int]], groups: int) -> list[tuple[int, int]]:
+    """A permutation of places on a ring as the devices' of every ring (``ring_block``'s
+    ``groups``): place ``g`` of ring ``j`` is device ``g * groups + j``."""
+    return [(a * groups + j, b * groups + j) for a, b in pairs for j in range(groups)]
+
+
+def _deal(x, axis: str, size: int, back: bool = False, groups: int = 1):
     r"""Contiguous blocks to zig-zag ones and (``back``) again, along dimension 1 of one
     device's block: with the sequence in ``2C`` chunks, device ``i`` holds chunks ``2i`` and
     ``2i+1`` before and chunks ``i`` and ``2C-1-i`` after; two half-block ``ppermute``\s."""
@@ -215,7 +225,8 @@ def _deal(x, axis: str, size: int, back: bool = False):
     evens = [(d, owner[2 * d]) for d in range(size)]  # chunk 2d's way, a permutation
     odds = [(d, owner[2 * d + 1]) for d in range(size)]
     half = x.shape[1] // 2
-    even = jax.lax.axis_index(axis) % 2 == 0  # my first chunk's number is even
+    even = (jax.lax.axis_index(axis) // groups) % 2 == 0  # my first chunk's number is even
+    evens, odds = on_devices(evens, groups), on_devices(odds, groups)
     if not back:
         got_even = jax.lax.ppermute(x[:, :half], axis, evens)
         got_odd = jax.lax.ppermute(x[:, half:], axis, odds)

@@ -10,9 +10,13 @@ whatever the sequence length (the ring sends the key/value blocks ``C - 1`` time
 
 Grouped-query attention: the key/value heads are repeated the fewest times that make them
 divide the axis, as DeepSpeed does, so that each device's query heads find theirs. The heads
-must divide the context axis: where they do not, the ring (``scheme="ring"``) is the scheme
-to use. Padding (a sequence the devices do not divide) and packed documents' segment ids
-are handled as the ring does.
+must divide the context axis: where they do not, the hybrid (``scheme="hybrid"``: USP's,
+Megatron's ``a2a+p2p``) splits the heads within groups of ``A`` consecutive devices, ``A``
+the most that divide both, and runs cp's ring across the ``C / A`` groups: one all-to-all
+within each group, then each device attends for its ``heads / A`` heads over its group's
+block of the sequence, that block meeting the other groups' round the ring (zig-zag dealt,
+causal), and one all-to-all back. Padding (a sequence the devices do not divide) and packed
+documents' segment ids are handled as the ring does.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import jax.numpy as jnp
 
 from shardplug.plugin import ConfigError, P, attention_kernel, batch_axes, lay_out
 from shardplug.plugin.attention import pad_sequence, with_segments
-from shardplug.strategies.cp.ring import gathered_attention, gathers_here, pad_ids
+from shardplug.strategies.cp.ring import gathered_attention, gathers_here, pad_ids, ring_block
 
 _U = P.UNCONSTRAINED
 
@@ -41,11 +45,27 @@ def kv_repeats(heads: int, kv_heads: int, size: int) -> int:
     )
 
 
-def ulysses_attention(axis: str, on_all_to_all=None):
+def group_size(heads: int, kv_heads: int, size: int) -> int:
+    """The hybrid's all-to-all group: the most consecutive devices of the ``size`` that the
+    query heads divide, the key/value heads repeated to divide them too (1: the ring alone)."""
+    for groups in range(size, 0, -1):
+        if size % groups == 0 and heads % groups == 0:
+            try:
+                kv_repeats(heads, kv_heads, groups)
+            except ConfigError:
+                continue
+            return groups
+    return 1
+
+
+def ulysses_attention(axis: str, on_all_to_all=None, hybrid: bool = False,
+                      balance: bool = True, on_ring=None):  # fmt: skip
     """An attention function (cp's ``Operations(attention=...)``) by all-to-alls over
-    ``axis`` (see the module); the gather scheme where a bias or mask is given or inside
-    another per-device program; ``on_all_to_all(bytes)`` is told each call's query, key,
-    value and output block bytes (for explain's textbook)."""
+    ``axis`` (see the module); with ``hybrid``, all-to-alls within groups and the ring
+    across them (``balance``: dealt zig-zag, causal; ``on_ring()`` called where a ring
+    runs); the gather scheme where a bias or mask is given or inside another per-device
+    program; ``on_all_to_all(bytes, group)`` is told each call's query, key, value and
+    output block bytes and the devices they are spread over (for explain's textbook)."""
     gathered = gathered_attention(axis)
 
     def attend(query, key, value, *, causal, bias, mask, scale, segment_ids=None):
@@ -55,16 +75,24 @@ def ulysses_attention(axis: str, on_all_to_all=None):
                             scale=scale, segment_ids=segment_ids)  # fmt: skip
         size = mesh.shape[axis]
         heads, kv_heads = query.shape[2], key.shape[2]
-        if heads % size:
+        if hybrid:
+            groups = group_size(heads, kv_heads, size)
+        elif heads % size:
             raise ConfigError(
                 f"cp scheme ulysses splits the heads over {axis!r}: {heads} query heads do "
-                f"not divide its {size} devices; use -o cp.scheme=ring"
+                f"not divide its {size} devices; use -o cp.scheme=hybrid (all-to-alls within "
+                f"groups the heads divide, a ring across them) or -o cp.scheme=ring"
             )
-        repeats = kv_repeats(heads, kv_heads, size)
+        else:
+            groups = size
+        rings = size // groups  # the places on each ring (1: Ulysses alone)
+        repeats = kv_repeats(heads, kv_heads, groups)
         if repeats > 1:  # each head repeated in place: query head h still reads h // group
             key, value = (jnp.repeat(x, repeats, axis=2) for x in (key, value))
         length = query.shape[1]
-        (query, key, value), _, _ = pad_sequence((query, key, value), None, None, size)
+        dealt = rings > 1 and causal and balance  # each ring place's block in two halves
+        whole = math.lcm(size, 2 * rings) if dealt else size
+        (query, key, value), _, _ = pad_sequence((query, key, value), None, None, whole)
         padded = query.shape[1]
         # the rows' axes manual too: left to the partitioner, it gathers the rows whole
         # before an all-to-all along other dimensions
@@ -83,18 +111,40 @@ def ulysses_attention(axis: str, on_all_to_all=None):
             share = math.prod(mesh.shape[a] for a in rows)
             sizes = [x.shape[0] // share * part * x.shape[2] * x.shape[3] * x.dtype.itemsize
                      for x in (query, key, value)]  # fmt: skip
-            on_all_to_all(sum(sizes) + sizes[0])  # and the output, as the query
+            if groups > 1:
+                on_all_to_all(sum(sizes) + sizes[0], groups)  # and the output, as the query
+        if rings > 1 and on_ring is not None:
+            on_ring()
+        # the all-to-alls within each group of consecutive devices (None: the whole axis)
+        within = None if rings == 1 else [list(range(g * groups, (g + 1) * groups))
+                                          for g in range(rings)]  # fmt: skip
+
+        def swap(x, split, concat):  # within the groups (one device each: nothing to swap)
+            if groups == 1:
+                return x
+            return jax.lax.all_to_all(x, axis, split, concat, tiled=True,
+                                      axis_index_groups=within)  # fmt: skip
 
         def local(q, k, v, ids=None):
-            # (rows, C-th of the sequence, heads, dim) -> (rows, sequence, C-th of the heads)
-            q, k, v = (jax.lax.all_to_all(x, axis, 2, 1, tiled=True) for x in (q, k, v))
-            mask = None if ids is None else with_segments(None, ids, ids)
-            lengths = None
-            if padded != length and not causal:  # causal: no real query sees the padding
-                lengths = jnp.full((q.shape[0],), length, jnp.int32)
-            out = attention_kernel(q, k, v, causal=causal, mask=mask, scale=scale,
-                                   lengths=lengths)  # fmt: skip
-            return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)
+            # (rows, C-th of the sequence, heads, dim) -> (rows, the group's C/A-th of the
+            # sequence, A-th of the heads): the whole sequence for Ulysses alone (A = C)
+            q, k, v = (swap(x, 2, 1) for x in (q, k, v))
+            if rings > 1:  # the group's block meets the other groups' round the ring
+                span = padded // rings
+                if ids is not None:
+                    place = jax.lax.axis_index(axis) // groups
+                    ids = jax.lax.dynamic_slice_in_dim(ids, place * span, span, 1)
+                out = ring_block(q, k, v, ids, axis=axis, size=rings, causal=causal,
+                                 scale=scale, balance=balance, groups=groups,
+                                 valid=None if causal or padded == length else length)  # fmt: skip
+            else:
+                mask = None if ids is None else with_segments(None, ids, ids)
+                lengths = None
+                if padded != length and not causal:  # causal: no real query sees the padding
+                    lengths = jnp.full((q.shape[0],), length, jnp.int32)
+                out = attention_kernel(q, k, v, causal=causal, mask=mask, scale=scale,
+                                       lengths=lengths)  # fmt: skip
+            return swap(out, 1, 2)
 
         out = jax.shard_map(
             local, in_specs=tuple(specs), out_specs=P(lead, axis), axis_names={axis, *rows}
