@@ -99,12 +99,17 @@ def test_key_value_heads_are_repeated_the_fewest_times_that_divide():
 
 
 @pytest.mark.parametrize(
-    ("name", "mesh", "adapter"),
-    [("fsdp+cp", "fsdp=2,context=4", "nnx"), ("fsdp+cp+tp", "fsdp=2,context=2,model=2", "linen"),
-     ("dp+cp", "data=2,context=4", "equinox"), ("pp+cp", "stage=2,context=4", "nnx")],
+    ("name", "mesh", "adapter", "scheme"),
+    [("fsdp+cp", "fsdp=2,context=4", "nnx", "ulysses"),
+     ("fsdp+cp+tp", "fsdp=2,context=2,model=2", "linen", "ulysses"),
+     ("dp+cp", "data=2,context=4", "equinox", "ulysses"),
+     ("pp+cp", "stage=2,context=4", "nnx", "ulysses"),
+     ("cp+tp", "context=4,model=2", "nnx", "hybrid")],
 )  # fmt: skip
-def test_compositions_with_all_to_all_cp_train_like_one_device(name, mesh, adapter):
-    options = {"cp.scheme": "ulysses"}
+def test_compositions_with_all_to_all_cp_train_like_one_device(name, mesh, adapter, scheme):
+    """Under tp each device's own heads are split over context (the hybrid: its 2 heads in
+    groups of 2, a ring of 2)."""
+    options = {"cp.scheme": scheme}
     if "fsdp" in name or "tp" in name:
         options["min_size"] = 0
     losses = _losses(name, options, adapter, "transformer", STEPS, 0, 8, mesh, {})
@@ -147,6 +152,31 @@ def test_explain_counts_the_all_to_alls_against_the_textbook():
     assert found["all_to_all_textbook_per_layer"] == 2 * 4 * block * 3 // 4
     assert found["all_to_all_bytes"] == 2 * found["all_to_all_textbook_per_layer"]  # 2 layers
     assert found["all_to_alls"] == 2 * 2 * 4
+
+
+def test_under_tp_each_devices_own_heads_go_through_the_all_to_alls():
+    """fsdp+cp+tp (fsdp=2, context=2, model=2): the all-to-alls carry each tp device's 2 of
+    the 4 heads, not all 4 gathered over model first."""
+    model = shardplug.get_model("transformer")
+    strategy = shardplug.get_strategy("fsdp+cp+tp", min_size=0, **{"cp.scheme": "ulysses"})
+    run = model.task("nnx").trainer(strategy=strategy, mesh="fsdp=2,context=2,model=2",
+                                    allocate=False)  # fmt: skip
+    report = explain(run, next(model.batches(model.batch_size, 0))).to_dict()
+    found = report["parallelisms"]["sequence"]
+    block = 16 * 16 * 2 * 16 * 4  # 32/2 rows x 32/2 positions x 4/2 heads x 16 x f32
+    assert found["all_to_all_textbook_per_layer"] == 2 * 4 * block // 2
+    assert found["all_to_all_bytes"] == 2 * found["all_to_all_textbook_per_layer"]
+
+
+def test_under_tp_heads_that_split_too_finely_are_gathered_and_said(monkeypatch):
+    """cp+tp (context=4, model=2): 2 heads a tp device do not divide 4 context devices; the
+    4 heads do: gathered whole over model, as before, and said once."""
+    model = shardplug.get_model("transformer")
+    strategy = shardplug.get_strategy("cp+tp", min_size=0, **{"cp.scheme": "ulysses"})
+    run = model.task("nnx").trainer(strategy=strategy, mesh="context=4,model=2", allocate=False)
+    monkeypatch.setattr(shardplug.errors, "_SAID", set())  # said afresh
+    with pytest.warns(shardplug.errors.ShardplugWarning, match="-o cp.scheme=hybrid keeps"):
+        explain(run, next(model.batches(model.batch_size, 0)))
 
 
 def test_heads_that_do_not_divide_the_axis_are_refused_in_one_line():

@@ -45,6 +45,7 @@ from shardplug.core.context import (
     manual_axes,
     microbatched,
     per_device_program,
+    sharding_of,
 )
 from shardplug.core.declared import Capability
 from shardplug.core.facts import Explained, StepFacts
@@ -174,6 +175,7 @@ __all__ = [
     "program_axes",
     "queue_places",
     "shard_largest_dim",
+    "sharding_of",
     "softmax_end",
     "softmax_join",
     "softmax_meet",

@@ -26,7 +26,16 @@ import math
 import jax
 import jax.numpy as jnp
 
-from shardplug.plugin import ConfigError, P, attention_kernel, batch_axes, lay_out
+from shardplug.plugin import (
+    ConfigError,
+    P,
+    attention_kernel,
+    batch_axes,
+    lay_out,
+    mesh_axes,
+    sharding_of,
+    warn_once,
+)
 from shardplug.plugin.attention import pad_sequence, with_segments
 from shardplug.strategies.cp.ring import gathered_attention, gathers_here, pad_ids, ring_block
 
@@ -75,9 +84,28 @@ def ulysses_attention(axis: str, on_all_to_all=None, hybrid: bool = False,
                             scale=scale, segment_ids=segment_ids)  # fmt: skip
         size = mesh.shape[axis]
         heads, kv_heads = query.shape[2], key.shape[2]
+        # the rows' axes manual too: left to the partitioner, it gathers the rows whole
+        # before an all-to-all along other dimensions
+        rows = tuple(a for a in batch_axes() if a != axis and a in mesh.axis_names)
+        if query.shape[0] % math.prod(mesh.shape[a] for a in rows):
+            rows = ()  # rows the axes do not divide (a model built on one sample row)
+        # and tensor parallelism's, where it splits the heads: each device's own heads are
+        # split over the context axis (left to the partitioner, they are gathered whole and
+        # every tp device computes all of them)
+        tp = _heads_axes(mesh, (axis, *rows), heads, kv_heads)
+        apart = math.prod(mesh.shape[a] for a in tp)  # the devices tp splits the heads over
+        mine, kv_mine = heads // apart, kv_heads // apart
+        if not hybrid and mine % size and heads % size == 0:
+            warn_once(
+                f"cp scheme ulysses under tensor parallelism: the {mine} heads each device of "
+                f"{tp} holds do not divide the {size} devices of {axis!r}, so they are "
+                f"gathered whole for the all-to-all and each of those devices computes every "
+                f"head of its share; -o cp.scheme=hybrid keeps them split"
+            )
+            tp, apart, mine, kv_mine = (), 1, heads, kv_heads
         if hybrid:
-            groups = group_size(heads, kv_heads, size)
-        elif heads % size:
+            groups = group_size(mine, kv_mine, size)
+        elif mine % size:
             raise ConfigError(
                 f"cp scheme ulysses splits the heads over {axis!r}: {heads} query heads do "
                 f"not divide its {size} devices; use -o cp.scheme=hybrid (all-to-alls within "
@@ -86,7 +114,7 @@ def ulysses_attention(axis: str, on_all_to_all=None, hybrid: bool = False,
         else:
             groups = size
         rings = size // groups  # the places on each ring (1: Ulysses alone)
-        repeats = kv_repeats(heads, kv_heads, groups)
+        repeats = kv_repeats(mine, kv_mine, groups)
         if repeats > 1:  # each head repeated in place: query head h still reads h // group
             key, value = (jnp.repeat(x, repeats, axis=2) for x in (key, value))
         length = query.shape[1]
@@ -94,23 +122,19 @@ def ulysses_attention(axis: str, on_all_to_all=None, hybrid: bool = False,
         whole = math.lcm(size, 2 * rings) if dealt else size
         (query, key, value), _, _ = pad_sequence((query, key, value), None, None, whole)
         padded = query.shape[1]
-        # the rows' axes manual too: left to the partitioner, it gathers the rows whole
-        # before an all-to-all along other dimensions
-        rows = tuple(a for a in batch_axes() if a != axis and a in mesh.axis_names)
-        if query.shape[0] % math.prod(mesh.shape[a] for a in rows):
-            rows = ()  # rows the axes do not divide (a model built on one sample row)
         lead = rows if rows else None
-        split = P(_U, axis, _U, _U)
+        by_tp = (tp if len(tp) > 1 else tp[0]) if tp else None
+        split = P(_U, axis, by_tp if tp else _U, _U)
         blocks = [lay_out(x, split) for x in (query, key, value)]
-        specs = [P(lead, axis)] * 3
+        specs = [P(lead, axis, by_tp)] * 3
         if segment_ids is not None:  # every device reads its rows' every position's ids
             blocks.append(lay_out(pad_ids(segment_ids, padded), P(_U, None)))
             specs.append(P(lead))
         if on_all_to_all is not None:  # one device's blocks: its rows, its positions
             part = padded // size
             share = math.prod(mesh.shape[a] for a in rows)
-            sizes = [x.shape[0] // share * part * x.shape[2] * x.shape[3] * x.dtype.itemsize
-                     for x in (query, key, value)]  # fmt: skip
+            sizes = [x.shape[0] // share * part * x.shape[2] // apart * x.shape[3]
+                     * x.dtype.itemsize for x in (query, key, value)]  # fmt: skip
             if groups > 1:
                 on_all_to_all(sum(sizes) + sizes[0], groups)  # and the output, as the query
         if rings > 1 and on_ring is not None:
@@ -146,9 +170,18 @@ def ulysses_attention(axis: str, on_all_to_all=None, hybrid: bool = False,
                                        lengths=lengths)  # fmt: skip
             return swap(out, 1, 2)
 
-        out = jax.shard_map(
-            local, in_specs=tuple(specs), out_specs=P(lead, axis), axis_names={axis, *rows}
-        )(*blocks)
+        out = jax.shard_map(local, in_specs=tuple(specs), out_specs=P(lead, axis, by_tp),
+                            axis_names={axis, *rows, *tp})(*blocks)  # fmt: skip
         return out[:, :length]
 
     return attend
+
+
+def _heads_axes(mesh, taken: tuple[str, ...], heads: int, kv_heads: int) -> tuple[str, ...]:
+    """The mesh axes the run's rules split attention's heads over (tensor parallelism's),
+    where they divide the query and the key/value heads alike; () elsewhere."""
+    spec = sharding_of((None, None, "heads", None))
+    axes = tuple(a for a in mesh_axes(P(spec[2])) if a in mesh.axis_names and a not in taken
+                 and mesh.shape[a] > 1)  # fmt: skip
+    apart = math.prod(mesh.shape[a] for a in axes)
+    return axes if axes and heads % apart == 0 and kv_heads % apart == 0 else ()
