@@ -104,16 +104,18 @@ def test_key_value_heads_are_repeated_the_fewest_times_that_divide():
      ("fsdp+cp+tp", "fsdp=2,context=2,model=2", "linen", "ulysses"),
      ("dp+cp", "data=2,context=4", "equinox", "ulysses"),
      ("pp+cp", "stage=2,context=4", "nnx", "ulysses"),
-     ("cp+tp", "context=4,model=2", "nnx", "hybrid")],
+     ("cp+tp", "context=4,model=2", "nnx", "hybrid"),
+     ("cp+ep", "context=4,expert=2", "nnx", "ulysses")],
 )  # fmt: skip
 def test_compositions_with_all_to_all_cp_train_like_one_device(name, mesh, adapter, scheme):
     """Under tp each device's own heads are split over context (the hybrid: its 2 heads in
-    groups of 2, a ring of 2)."""
+    groups of 2, a ring of 2); under ep, the transformer with 4 experts."""
     options = {"cp.scheme": scheme}
     if "fsdp" in name or "tp" in name:
         options["min_size"] = 0
-    losses = _losses(name, options, adapter, "transformer", STEPS, 0, 8, mesh, {})
-    want = one_device_losses(adapter, "transformer", STEPS, 0, ())
+    model = {"experts": 4} if "ep" in name else {}
+    losses = _losses(name, options, adapter, "transformer", STEPS, 0, 8, mesh, model)
+    want = one_device_losses(adapter, "transformer", STEPS, 0, tuple(model.items()))
     np.testing.assert_allclose(losses, want, rtol=1e-4)
 
 
