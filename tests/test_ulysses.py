@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import shardplug
 from shardplug.core.attention import with_segments
@@ -216,3 +217,34 @@ def test_recommend_chooses_among_cps_schemes_and_says_why(mesh, name, want):
     assert "(ring sends " in result["reason"]
     if want == "hybrid":
         assert "ulysses cannot run here (cp scheme ulysses splits the heads" in result["reason"]
+
+
+@pytest.mark.parametrize(("hybrid", "heads", "kv_heads", "length"),
+                         [(False, 8, 2, 13), (True, 4, 2, 16)])  # fmt: skip
+def test_on_explicit_axes_tps_heads_go_through_the_all_to_alls(hybrid, heads, kv_heads, length):
+    """context=2, model=2, explicit axes, the heads split over model by the run's rules:
+    grouped key/value heads repeated on each device, a padded length cut back."""
+    from shardplug.core.context import activation_rules
+
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    mesh = jax.make_mesh((2, 2), ("context", "model"), explicit, devices=jax.devices()[:4])
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, length, heads, 8))
+    k, v = (jax.random.normal(key, (2, length, kv_heads, 8)) for key in keys[1:])
+
+    def loss(attend, q, k, v):
+        out = attend(q, k, v, causal=True, bias=None, mask=None, scale=None)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+    def reference(q, k, v, **_):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    want = jax.value_and_grad(functools.partial(loss, reference), argnums=(0, 1, 2))(q, k, v)
+    attend = ulysses_attention("context", hybrid=hybrid)
+    with jax.set_mesh(mesh), activation_rules({"heads": "model"}):
+        split = jax.sharding.NamedSharding(mesh, P(None, None, "model"))
+        q, k, v = (jax.device_put(x, split) for x in (q, k, v))
+        got = jax.jit(jax.value_and_grad(functools.partial(loss, attend), argnums=(0, 1, 2)))(
+            q, k, v)  # fmt: skip
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)

@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from shardplug.plugin import P, lay_out
+from shardplug.plugin import P, is_explicit, lay_out
 from shardplug.plugin.attention import (
     pad_sequence,
     softmax_end,
@@ -110,7 +110,7 @@ def ring_attention(axis: str, balance: bool = True, on_ring=None):
         out = jax.shard_map(
             block, in_specs=(split,) * len(blocks), out_specs=split, axis_names={axis}
         )(*blocks)
-        return out[:, :length]
+        return unpadded(out, length)
 
     return attend
 
@@ -123,6 +123,16 @@ def gathers_here(bias, mask) -> bool:
     nested = any(t == jax.sharding.AxisType.Manual
                  for t in jax.sharding.get_abstract_mesh().axis_types)  # fmt: skip
     return bias is not None or mask is not None or nested
+
+
+def unpadded(out, length: int):
+    """``out`` (rows, sequence padded to whole blocks, ...) cut back to ``length``; on
+    explicit axes, where a split must be even, the sequence whole first."""
+    if out.shape[1] == length:
+        return out
+    if is_explicit(jax.sharding.get_abstract_mesh()):
+        out = lay_out(out, P(_U, None, *([_U] * (out.ndim - 2))))
+    return out[:, :length]
 
 
 def pad_ids(ids, length):

@@ -37,7 +37,13 @@ from shardplug.plugin import (
     warn_once,
 )
 from shardplug.plugin.attention import pad_sequence, with_segments
-from shardplug.strategies.cp.ring import gathered_attention, gathers_here, pad_ids, ring_block
+from shardplug.strategies.cp.ring import (
+    gathered_attention,
+    gathers_here,
+    pad_ids,
+    ring_block,
+    unpadded,
+)
 
 _U = P.UNCONSTRAINED
 
@@ -115,8 +121,6 @@ def ulysses_attention(axis: str, on_all_to_all=None, hybrid: bool = False,
             groups = size
         rings = size // groups  # the places on each ring (1: Ulysses alone)
         repeats = kv_repeats(mine, kv_mine, groups)
-        if repeats > 1:  # each head repeated in place: query head h still reads h // group
-            key, value = (jnp.repeat(x, repeats, axis=2) for x in (key, value))
         length = query.shape[1]
         dealt = rings > 1 and causal and balance  # each ring place's block in two halves
         whole = math.lcm(size, 2 * rings) if dealt else size
@@ -124,17 +128,18 @@ def ulysses_attention(axis: str, on_all_to_all=None, hybrid: bool = False,
         padded = query.shape[1]
         lead = rows if rows else None
         by_tp = (tp if len(tp) > 1 else tp[0]) if tp else None
-        split = P(_U, axis, by_tp if tp else _U, _U)
+        split = P(lead, axis, by_tp, _U)  # the heads whole where tp's axes are not manual
         blocks = [lay_out(x, split) for x in (query, key, value)]
         specs = [P(lead, axis, by_tp)] * 3
         if segment_ids is not None:  # every device reads its rows' every position's ids
-            blocks.append(lay_out(pad_ids(segment_ids, padded), P(_U, None)))
+            blocks.append(lay_out(pad_ids(segment_ids, padded), P(lead, None)))
             specs.append(P(lead))
         if on_all_to_all is not None:  # one device's blocks: its rows, its positions
             part = padded // size
             share = math.prod(mesh.shape[a] for a in rows)
-            sizes = [x.shape[0] // share * part * x.shape[2] // apart * x.shape[3]
-                     * x.dtype.itemsize for x in (query, key, value)]  # fmt: skip
+            sizes = [x.shape[0] // share * part * x.shape[2] * (1 if x is query else repeats)
+                     // apart * x.shape[3] * x.dtype.itemsize
+                     for x in (query, key, value)]  # fmt: skip
             if groups > 1:
                 on_all_to_all(sum(sizes) + sizes[0], groups)  # and the output, as the query
         if rings > 1 and on_ring is not None:
@@ -152,6 +157,9 @@ def ulysses_attention(axis: str, on_all_to_all=None, hybrid: bool = False,
         def local(q, k, v, ids=None):
             # (rows, C-th of the sequence, heads, dim) -> (rows, the group's C/A-th of the
             # sequence, A-th of the heads): the whole sequence for Ulysses alone (A = C)
+            if repeats > 1:  # each of my key/value heads repeated in place: my query head h
+                # still reads h // group, and the context groups split both alike
+                k, v = (jnp.repeat(x, repeats, axis=2) for x in (k, v))
             q, k, v = (swap(x, 2, 1) for x in (q, k, v))
             if rings > 1:  # the group's block meets the other groups' round the ring
                 span = padded // rings
@@ -172,16 +180,24 @@ def ulysses_attention(axis: str, on_all_to_all=None, hybrid: bool = False,
 
         out = jax.shard_map(local, in_specs=tuple(specs), out_specs=P(lead, axis, by_tp),
                             axis_names={axis, *rows, *tp})(*blocks)  # fmt: skip
-        return out[:, :length]
+        return unpadded(out, length)
 
     return attend
 
 
 def _heads_axes(mesh, taken: tuple[str, ...], heads: int, kv_heads: int) -> tuple[str, ...]:
     """The mesh axes the run's rules split attention's heads over (tensor parallelism's),
-    where they divide the query and the key/value heads alike; () elsewhere."""
+    where they divide the query and the key/value heads alike; () elsewhere (said once:
+    each device of those axes then computes every head)."""
     spec = sharding_of((None, None, "heads", None))
     axes = tuple(a for a in mesh_axes(P(spec[2])) if a in mesh.axis_names and a not in taken
                  and mesh.shape[a] > 1)  # fmt: skip
     apart = math.prod(mesh.shape[a] for a in axes)
-    return axes if axes and heads % apart == 0 and kv_heads % apart == 0 else ()
+    if axes and (heads % apart or kv_heads % apart):
+        warn_once(
+            f"cp's all-to-all attention under tensor parallelism: {heads} query and {kv_heads} "
+            f"key/value heads do not both divide the {apart} devices of {axes}, so the heads "
+            f"are gathered whole for attention and each of those devices computes every head"
+        )
+        return ()
+    return axes
