@@ -68,6 +68,7 @@ SLOW = (
     "tests/test_benchmarks.py::test_gpu_mfu",
     "tests/test_benchmarks.py::test_the_hand_written_gpipe",
     "tests/test_benchmarks.py::test_cp_attention_times_the_short_and_plans_the_long",
+    "tests/test_benchmarks.py::test_packing_counts_more_real_tokens",
     "tests/test_task.py::test_explain_recommend_bench_and_export_run_on_a_task_file",
     "tests/test_step.py::test_bf16_trains_the_transformer_within_2_percent",
     "tests/test_cp.py::test_a_llama_with_rope_at_1024",

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).parent.parent
 
@@ -86,3 +87,12 @@ def test_cp_attention_times_the_short_and_plans_the_long():
     assert all(r["step_s"] > 0 and r["sent_bytes"] > 0 for r in result[32].values())
     assert all("step_s" not in r and r["temp_bytes"] > 0 for r in result[64].values())
     assert result[64]["hybrid"]["collectives"]["all-to-all"]["count"] > 0
+
+
+def test_packing_counts_more_real_tokens_in_rows_of_the_same_shape():
+    result = load("packing").main(["--sequence", "64", "--median", "12", "--rows", "2",
+                                   "--steps", "1", "--rounds", "1", "--json"])  # fmt: skip
+    packed, padded = result["packed"], result["padded"]
+    assert packed["targets_per_step"] > 2 * padded["targets_per_step"] > 0
+    assert result["packed_over_padded"]["tokens_per_s"] == pytest.approx(
+        packed["tokens_per_s"] / padded["tokens_per_s"])  # fmt: skip
