@@ -10,7 +10,7 @@ device at ``--sequence`` (default 512), batch 8, documents of lognormal lengths 
 time over interleaved rounds, and the targets each step counts (``loss_mask``), reported as
 real tokens a second and as the packed step's time over the padded one's (what the segment
 mask costs). A GPU run, where the mask takes XLA's attention in place of cuDNN's fused
-kernel, was not made: none was lent when this was written.
+kernel (``--precision bf16``), was not made: none was lent when this was written.
 
 Run ``python benchmarks/packing.py`` (about a minute on 2 cores); ``--json`` prints the
 figures only.
@@ -60,7 +60,8 @@ def packed_rows(docs: list, sequence: int, rows: int) -> dict:
     return {k: np.stack([r[k] for r in got]) for k in got[0]}
 
 
-def measure(sequence: int, median: int, rows: int, steps: int, rounds: int) -> dict:
+def measure(sequence: int, median: int, rows: int, steps: int, rounds: int,
+            precision: str = "float32") -> dict:  # fmt: skip
     import jax
 
     from shardplug import pretrained
@@ -72,7 +73,7 @@ def measure(sequence: int, median: int, rows: int, steps: int, rounds: int) -> d
                "packed": packed_rows(docs, sequence, rows)}  # fmt: skip
     trainers, out = {}, {}
     for name, batch in batches.items():
-        trainer = task.trainer(strategy="dp", devices=1, precision="float32")
+        trainer = task.trainer(strategy="dp", devices=1, precision=precision)
         trainer.compile(batch)
         trainers[name] = trainer
         out[name] = {"targets_per_step": int(batch["loss_mask"].sum()), "times": []}
@@ -90,7 +91,7 @@ def measure(sequence: int, median: int, rows: int, steps: int, rounds: int) -> d
         "step_s": out["packed"]["step_s"] / out["padded"]["step_s"],
     }
     out["setting"] = {"sequence": sequence, "median": median, "rows": rows,
-                      "device": jax.devices()[0].platform}  # fmt: skip
+                      "precision": precision, "device": jax.devices()[0].platform}  # fmt: skip
     return out
 
 
@@ -101,9 +102,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--precision",
+        default="float32",
+        help="bf16 on a GPU: the padded rows then take cuDNN's fused kernel",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    result = measure(args.sequence, args.median, args.rows, args.steps, args.rounds)
+    result = measure(args.sequence, args.median, args.rows, args.steps, args.rounds,
+                     args.precision)  # fmt: skip
     if args.json:
         print(json.dumps(result, indent=1))
         return result
