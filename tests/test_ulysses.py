@@ -25,14 +25,9 @@ def _mesh(size):
     return jax.make_mesh((size,), ("context",), auto, devices=jax.devices()[:size])
 
 
-@pytest.mark.parametrize(
-    ("causal", "length", "heads", "kv_heads", "packed"),
-    [(True, 32, 8, 2, False), (False, 30, 8, 2, True), (True, 30, 4, 4, True),
-     (True, 31, 8, 1, False)],
-)  # fmt: skip
-def test_all_to_all_attention_is_xlas(causal, length, heads, kv_heads, packed):
-    """4 devices: grouped-query heads (key/value heads repeated to divide them), a length they
-    do not divide, packed documents: the output and all three gradients."""
+def _against_xla(attend, causal, length, heads, kv_heads, packed, devices, atol):
+    """``attend`` on ``devices`` against XLA's attention alone, the same ids as a mask: the
+    output and all three gradients."""
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (2, length, heads, 8))
     k, v = (jax.random.normal(key, (2, length, kv_heads, 8)) for key in keys[1:])
@@ -47,12 +42,23 @@ def test_all_to_all_attention_is_xlas(causal, length, heads, kv_heads, packed):
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, mask=mask)
 
     want = jax.value_and_grad(functools.partial(loss, reference), argnums=(0, 1, 2))(q, k, v)
-    ulysses = ulysses_attention("context")
-    with jax.set_mesh(_mesh(4)):
-        step = jax.value_and_grad(functools.partial(loss, ulysses), argnums=(0, 1, 2))
+    with jax.set_mesh(_mesh(devices)):
+        step = jax.value_and_grad(functools.partial(loss, attend), argnums=(0, 1, 2))
         got = jax.jit(step)(q, k, v)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=atol)
+
+
+@pytest.mark.parametrize(
+    ("causal", "length", "heads", "kv_heads", "packed"),
+    [(True, 32, 8, 2, False), (False, 30, 8, 2, True), (True, 30, 4, 4, True),
+     (True, 31, 8, 1, False)],
+)  # fmt: skip
+def test_all_to_all_attention_is_xlas(causal, length, heads, kv_heads, packed):
+    """4 devices: grouped-query heads (key/value heads repeated to divide them), a length they
+    do not divide, packed documents: the output and all three gradients."""
+    _against_xla(ulysses_attention("context"), causal, length, heads, kv_heads, packed, 4,
+                 atol=1e-5)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -65,26 +71,8 @@ def test_the_hybrids_groups_and_ring_are_xlas_attention(causal, length, heads, k
                                                         devices, balance):  # fmt: skip
     """Heads that do not divide the devices: all-to-alls within groups of 2 (or 4), the ring
     (zig-zag or not) across them; grouped heads, padding, packed documents, all gradients."""
-    keys = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(keys[0], (2, length, heads, 8))
-    k, v = (jax.random.normal(key, (2, length, kv_heads, 8)) for key in keys[1:])
-    ids = jnp.asarray(np.arange(length)[None].repeat(2, 0) // 7) if packed else None
-
-    def loss(attend, q, k, v):
-        out = attend(q, k, v, causal=causal, bias=None, mask=None, scale=None, segment_ids=ids)
-        return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
-
-    def reference(q, k, v, *, causal, bias, mask, scale, segment_ids):
-        mask = None if segment_ids is None else with_segments(None, segment_ids, segment_ids)
-        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, mask=mask)
-
-    want = jax.value_and_grad(functools.partial(loss, reference), argnums=(0, 1, 2))(q, k, v)
     hybrid = ulysses_attention("context", hybrid=True, balance=balance)
-    with jax.set_mesh(_mesh(devices)):
-        step = jax.value_and_grad(functools.partial(loss, hybrid), argnums=(0, 1, 2))
-        got = jax.jit(step)(q, k, v)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
+    _against_xla(hybrid, causal, length, heads, kv_heads, packed, devices, atol=1e-4)
 
 
 def test_the_hybrids_group_is_the_most_devices_the_heads_divide():

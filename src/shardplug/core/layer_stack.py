@@ -50,7 +50,8 @@ def run_stack(fn: Callable[..., Any], params: Any, x: jax.Array, policy: str = "
     router's balancing bias) ``fn(layer_params, x, layer_input)``; with ``rows`` (keyword
     arguments whose arrays lead with ``x``'s rows: packed documents' segment ids) each
     block is also given them, ``fn(..., **rows)``: a supplied loop that runs the blocks on
-    microbatches gives each its own rows (``layer_stack(..., rows=rows)``).
+    microbatches gives each its own rows (``layer_stack(..., rows=rows)``, with its blocks
+    ``block(layer, h, rows)``, ``rows`` empty where the model gives none).
 
     A block may return ``(x, aux)``, a pytree of auxiliary values that are sums over the
     block's tokens (a mixture of experts' :class:`~shardplug.moe.Tally`): the stack then
@@ -60,12 +61,10 @@ def run_stack(fn: Callable[..., Any], params: Any, x: jax.Array, policy: str = "
     if per_layer is not None:
         params, user = (params, per_layer), fn
         fn = lambda layer, h, **k: user(layer[0], h, layer[1], **k)  # noqa: E731
-    if rows is not None and not rows:  # an empty mapping: no rows
-        rows = None
-    if rows is not None:
+    rows, keyed = dict(rows or {}), fn
+    if rows:
         check_rows(rows, x)
-        rows, keyed = dict(rows), fn
-        fn = lambda layer, h, given: keyed(layer, h, **given)  # noqa: E731
+    fn = lambda layer, h, given: keyed(layer, h, **given)  # noqa: E731
     supplied = ops.supplied("layer_stack")
     moved: dict[int, P] = {}
     if supplied is None:
@@ -75,12 +74,12 @@ def run_stack(fn: Callable[..., Any], params: Any, x: jax.Array, policy: str = "
     if gather is None:
         block = remat(fn, policy)
     else:  # one checkpoint: the gather and the block, the policy of both in one
-        block = regathered(lambda w, h, *given: fn(gather(w), h, *given), policy)
+        block = regathered(lambda w, h, given: fn(gather(w), h, given), policy)
     layers = layers_of(params)
     if supplied is not None:
-        if rows is None:
-            return supplied(block, params, x, layers=layers)
-        if not _takes_rows(supplied):  # written before rows: its blocks close over them
+        if _takes_rows(supplied):
+            return supplied(block, params, x, layers=layers, rows=rows)
+        if rows:  # an operation written before rows: its blocks close over them
             warn_once(
                 f"this model gives its layer stack rows ({', '.join(sorted(rows))}), and the "
                 f"layer stack operation a parallelism of the run supplies "
@@ -89,10 +88,8 @@ def run_stack(fn: Callable[..., Any], params: Any, x: jax.Array, policy: str = "
                 f"whole batch; one that runs the blocks on microbatches must take rows= "
                 f"(shardplug.plugin.LayerStack)"
             )
-            return supplied(lambda w, h, _b=block: _b(w, h, rows), params, x, layers=layers)
-        return supplied(block, params, x, layers=layers, rows=rows)
-    given = () if rows is None else (rows,)
-    h, aux = jax.lax.scan(lambda h, layer: split_aux(block(layer, h, *given)), x, params)
+        return supplied(lambda w, h: block(w, h, rows), params, x, layers=layers)
+    h, aux = jax.lax.scan(lambda h, layer: split_aux(block(layer, h, rows)), x, params)
     return h if aux is None else (h, aux)
 
 

@@ -48,11 +48,12 @@ class LayerStack(Protocol):
     """``(block, params, x, *, layers[, rows]) -> output`` for :mod:`shardplug.stack`:
     ``block(layer params, h)`` applied for each of the ``layers`` leading slices of
     ``params`` in turn, returning ``h`` or ``(h, aux)`` (aux then stacked per layer, as the
-    plain scan does). Where the model gives its blocks rows (a dict of arrays leading with
-    ``x``'s rows: packed documents' segment ids), they come as ``rows=`` and each call is
-    ``block(layer params, h, rows)`` with the rows of the ``h`` it is given (a loop that
-    runs the blocks on microbatches cuts the rows alike); an operation that does not take
-    ``rows`` is given blocks closed over the whole batch's (and a warning, once)."""
+    plain scan does). An operation that takes ``rows=`` is given the stack's row inputs (a
+    dict of arrays leading with ``x``'s rows: packed documents' segment ids; empty where
+    the model gives none) and blocks called ``block(layer params, h, rows)`` with the rows
+    of the ``h`` they are given (a loop that runs the blocks on microbatches cuts the rows
+    alike); one that does not is given blocks closed over the whole batch's rows (and,
+    where there are any, a warning, once)."""
 
     def __call__(self, block: Callable[..., Any], params: Any, x: Any, *, layers: int,
                  rows: Any = None) -> Any: ...  # fmt: skip

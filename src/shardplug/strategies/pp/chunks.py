@@ -52,13 +52,13 @@ class StackCut:
     tree: Any  # their tree
     aux: Any  # one layer's aux (its shape), None where the blocks return none
     layers: int
-    rows: Any  # the whole batch's row inputs of the blocks ({} where none)
+    rows: Any  # the whole batch's row inputs of the blocks (empty where none)
 
     def pre(self, other: list[Any], data: Any, key: Any) -> jax.Array:
         """The stack's input for one microbatch."""
         got = {}
 
-        def op(block, sp, x, *, layers, rows=None):
+        def op(block, sp, x, *, layers, rows):
             got["x"] = x
             return _placeholder(x, self.aux, layers)
 
@@ -97,15 +97,13 @@ def cut_at_stack(forward, model_state, params, batch, rng) -> StackCut:
 
     seen: dict[str, Any] = {}
 
-    def capture(block, sp, x, *, layers, rows=None):
+    def capture(block, sp, x, *, layers, rows):
         if seen:
             raise Unscheduled(
                 "pp's schedules run one layer stack per step; this model runs two: use -o "
                 "pp.schedule=gpipe"
             )
         first = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), sp)
-        if rows is None:  # the blocks take no rows: given an empty dict, as if they did
-            block, rows = (lambda b: lambda w, h, _: b(w, h))(block), {}
         _, aux = jax.eval_shape(lambda w, h: split_aux(block(w, h, rows)), first, x)
         if _offloads(lambda w, h: block(w, h, rows), first, x):
             raise Unscheduled(

@@ -117,7 +117,7 @@ def stack_operation(pipeline: Pipeline):
     """The layer stack operation of ``pipeline``: its microbatches chosen for each batch, the
     stack and batch checked (one line each), the schedule run, seeing microbatches."""
 
-    def run(block, params, x, *, layers, rows=None):
+    def run(block, params, x, *, layers, rows):
         plan = pipeline.split_over(rows_split(x)).resolve(x.shape[0])
         plan.check(layers, x.shape[0])
         with in_microbatches():
@@ -134,12 +134,12 @@ def circular_order(layers: int, stages: int, repeats: int) -> jnp.ndarray:
     return idx.transpose(1, 0, 2).reshape(-1)
 
 
-def gpipe(block, params, x, pl: Pipeline, layers: int, rows: Any = None):
+def gpipe(block, params, x, pl: Pipeline, layers: int, rows: Any):
     """Run ``block`` over the stack ``params`` on ``x`` by the schedule (see the module).
     A block returning ``(x, aux)`` gives ``(x, aux)``: each layer's aux summed over the
     microbatches (and the replicas), stacked over the layers in their order. ``rows`` (the
-    stack's row inputs, or None) are cut into microbatches as ``x`` is, and each stage gives
-    its blocks those of the microbatch it runs, ``block(w, h, rows)``."""
+    stack's row inputs) are cut into microbatches as ``x`` is, and each stage gives its
+    blocks those of the microbatch it runs, ``block(w, h, rows)``."""
     n_stages, n_micro, n_repeats = pl.stages, pl.microbatches, pl.repeats
     per_chunk = layers // (n_stages * n_repeats)
     if n_repeats > 1:  # each stage's share must hold its R non-adjacent groups: reorder the stack
@@ -151,8 +151,7 @@ def gpipe(block, params, x, pl: Pipeline, layers: int, rows: Any = None):
 
         params = jax.tree.map(reorder, params)
     xs = microbatches(x, n_micro)
-    given = {} if rows is None else jax.tree.map(lambda a: microbatches(a, n_micro), rows)
-    call = block if rows is not None else lambda w, h, _: block(w, h)
+    given = jax.tree.map(lambda a: microbatches(a, n_micro), rows)
     rows = None if not pl.replicas else pl.replicas[0] if len(pl.replicas) == 1 else pl.replicas
 
     def stage_program(local, xs, given):
@@ -166,7 +165,7 @@ def gpipe(block, params, x, pl: Pipeline, layers: int, rows: Any = None):
         given = jax.tree.map(lambda a: _varying(a, (pl.axis,)), given)
 
         def group(ws, h, r):
-            return jax.lax.scan(lambda h, w: split_aux(call(w, h, r)), h, ws)
+            return jax.lax.scan(lambda h, w: split_aux(block(w, h, r)), h, ws)
 
         run = jax.checkpoint(group) if pl.remat else group
         recv = jnp.zeros_like(xs[0])
