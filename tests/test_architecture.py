@@ -169,3 +169,16 @@ def test_core_names_no_parallelism_and_no_axis_of_one():
                 if isinstance(word, str):
                     found += [f"{name}:{node.lineno}: {m}" for m in words.findall(word)]
     assert not found, "\n".join(sorted(set(found)))
+
+
+def test_the_declared_floors_are_the_versions_ci_tests():
+    """pyproject.toml's lower bound of each package .ci/floor.txt pins is that pin: CI
+    installs the floors on Python 3.11 and runs the suite on them (.ci/run)."""
+    root = SRC.parent.parent
+    pins = dict(re.findall(r"^([\w.-]+)==([\w.]+)$", (root / ".ci/floor.txt").read_text(), re.M))
+    assert {"jax", "flax", "optax", "equinox", "orbax-checkpoint", "qwix"} <= pins.keys()
+    text = (root / "pyproject.toml").read_text()
+    declared = dict(re.findall(r'"([\w.-]+)(?:\[\w,]*\])?>=([\w.]+)"', text))
+    for name, version in pins.items():
+        if name != "jaxlib":  # jax pins its jaxlib
+            assert declared[name] == version, name

@@ -28,6 +28,23 @@ def test_strategies_json_lists_the_builtins(capsys):
     assert (rows["2d"]["kind"], rows["2d"]["parts"]) == ("composition", "dp+tp")
 
 
+def test_env_and_version_name_what_a_bug_report_needs(capsys):
+    import importlib.metadata
+
+    import jax
+
+    assert main(["env", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    for name in ("jax", "jaxlib", "flax", "equinox", "optax", "orbax-checkpoint", "qwix"):
+        assert found[name] == importlib.metadata.version(name)
+    assert found["jax"] == jax.__version__
+    assert found["devices"] == f"{len(jax.devices())} cpu (cpu)"
+    assert main(["--version"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["shardplug", found["shardplug"]]
+    assert f"jax               {jax.__version__}" in lines
+
+
 def test_strategies_table(capsys):
     assert main(["strategies"]) == 0
     out = capsys.readouterr().out

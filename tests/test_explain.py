@@ -3,9 +3,12 @@
 import json
 import math
 
+import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import shardplug
 from shardplug.cli import main
@@ -91,11 +94,33 @@ def test_hlo_wire_bytes_follow_the_groups():
   %a = f32[100]{0} all-reduce(f32[100]{0} %x), replica_groups={{0,1},{2,3},{4,5},{6,7}}
   %b = f32[80]{0} all-gather(f32[10]{0} %y), replica_groups=[1,8]<=[8], dimensions={0}
   %c = f32[10]{0} reduce-scatter(f32[80]{0} %z), replica_groups={}, dimensions={0}
+  %d = f32[40]{0} all-to-all(f32[40]{0} %w), replica_groups=mesh['data'=2,'context'=4] {'context'}
+  %e = f32[8]{0} collective-permute(f32[8]{0} %v), source_target_pairs={{0,1},{1,0}}
 """
     found = {c.kind: c for c in collectives(text)}
     assert found["all-reduce"].wire_bytes == round(wire_bytes("all-reduce", 400, 2)) == 400
     assert found["all-gather"].wire_bytes == 280  # 7/8 of 320 bytes
     assert found["reduce-scatter"].wire_bytes == 280  # 7 x 40 bytes
+    assert found["all-to-all"].wire_bytes == 120  # 3/4 of 160 bytes: a group of 4, not 8
+    assert found["collective-permute"].wire_bytes == 32
+
+
+def test_hlo_groups_read_as_the_running_xla_prints_them():
+    """The collective's group as the installed XLA writes it (a list before JAX 0.11, the
+    mesh's axes after): a group of 4 over ``context``, 2 over ``data``, of 8 devices."""
+    mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Explicit,) * 2,
+                         devices=jax.devices()[:8])  # fmt: skip
+    spec = P("data", "context")
+
+    def both(a):
+        gathered = jax.lax.all_gather(a, "data", tiled=True)
+        return jax.lax.psum(a, "context") + gathered.sum(0, keepdims=True)
+
+    x = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, spec))
+    program = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=spec, out_specs=spec))
+    found = {c.kind: c for c in collectives(program.lower(x).compile().as_text())}
+    assert found["all-reduce"].wire_bytes == 2 * 3 / 4 * 4 * 2 * 4  # f32[4,2] over 4
+    assert found["all-gather"].wire_bytes == 1 / 2 * 8 * 2 * 4  # f32[8,2] gathered over 2
 
 
 def test_cli_explain_json_and_plot(tmp_path, capsys):

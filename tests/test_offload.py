@@ -263,19 +263,22 @@ def test_bench_times_offload_against_its_hand_written_twin():
 
 
 def test_recommend_offloads_where_nothing_else_fits(capsys):
-    """Memory between fsdp's peak and that peak less its optimizer state: neither dp nor
-    fsdp fits on the devices alone, fsdp with the optimizer state on the host does."""
+    """Memory a byte below the lower of dp's and fsdp's peaks: neither fits on the devices
+    alone, and one with its optimizer state on the host does (which, the compiler's figures
+    say: dp's peak is below fsdp's on JAX 0.12, above it on 0.10)."""
     import json
 
     plan = ["recommend", "--model", "transformer", "--layers", "2", "--devices", "2",
             "--strategies", "dp,fsdp", "--json", "--device-memory"]  # fmt: skip
     assert main([*plan, "80GB"]) == 0
     rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["strategies"]}
-    fsdp = rows["fsdp"]
-    memory = fsdp["peak_bytes"] - fsdp["opt_state_bytes"] // 2
+    memory = min(r["peak_bytes"] for r in rows.values()) - 1
+    could = {f"{n}+offload" for n, r in rows.items()
+             if r["peak_bytes"] - r["opt_state_bytes"] <= memory}  # fmt: skip
+    assert could
     assert main([*plan, str(memory)]) == 0
     tight = json.loads(capsys.readouterr().out)
-    assert tight["recommended"] == "fsdp+offload"
+    assert tight["recommended"] in could
     assert tight["options"] == {"offload.update": "host"}
     assert tight["reason"].startswith(
         "nothing fits on the devices alone (dp, fsdp do not); "

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardplug.core.declared import declared
 from shardplug.core.layer_gather import layer_specs
-from shardplug.core.memory import any_off, peak_bytes
+from shardplug.core.memory import any_off, on_host, peak_bytes
 from shardplug.core.registry import get_strategy
 from shardplug.errors import ConfigError
 from shardplug.loop.feed import global_struct
@@ -152,8 +152,8 @@ class _HandWritten(_Contender):
         host, device = jax.memory.Space.Host, jax.memory.Space.Device
         params_off = any_off(params_sharding)
         opt_off = any_off(opt_sharding)
-        on_host = opt_off and template.strategy.update_memory(template.state_shardings,
-                                                              mesh) == "host"  # fmt: skip
+        host_update = opt_off and template.strategy.update_memory(template.state_shardings,
+                                                                  mesh) == "host"  # fmt: skip
 
         def step(params, opt_state, batch):
             held = params
@@ -165,14 +165,15 @@ class _HandWritten(_Contender):
                 grads, params)  # fmt: skip
             if form == "shard_map":
                 value, grads = jax.lax.pmean((value, grads), tuple(mesh.axis_names))
-            if on_host:
-                from jax.experimental.compute_on import compute_on
-
+            if host_update:
                 grads = jax.device_put(grads, host)
                 params = held if params_off else jax.device_put(params, host)
-                with compute_on("device_host"):
+
+                def update(grads, opt_state, params):
                     updates, opt_state = optimizer.update(grads, opt_state, params)
-                    params = optax.apply_updates(params, updates)
+                    return optax.apply_updates(params, updates), opt_state
+
+                params, opt_state = on_host(update, grads, opt_state, params)
                 return (params if params_off else jax.device_put(params, device)), opt_state, value
             if opt_off:
                 opt_state = jax.device_put(opt_state, device)

@@ -20,7 +20,7 @@ from pathlib import Path
 from shardplug.cli.config import parse_options
 from shardplug.cli.parser import EXIT_BAD_INPUT, EXIT_FAILED, build_parser
 from shardplug.cli.plan import cmd_bench, cmd_explain, cmd_recommend
-from shardplug.cli.tools import cmd_export, cmd_launch, cmd_plot, cmd_strategies
+from shardplug.cli.tools import cmd_env, cmd_export, cmd_launch, cmd_plot, cmd_strategies
 from shardplug.cli.train import cmd_train
 from shardplug.errors import (
     NonFiniteError,
@@ -41,6 +41,7 @@ COMMANDS = {
     "bench": cmd_bench,
     "export": cmd_export,
     "plot": cmd_plot,
+    "env": cmd_env,
 }
 
 

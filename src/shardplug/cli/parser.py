@@ -280,9 +280,27 @@ def _output(parser: Any, plot: str | None, memory: str | None = None) -> None:
                             help=memory)  # fmt: skip
 
 
+class _Versions(argparse.Action):
+    """``--version``: the versions of :func:`shardplug.cli.tools.versions`, one a line."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        from shardplug.cli.tools import aligned, versions
+
+        print(aligned(versions()), end="")
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="shardplug", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action=_Versions,
+                        help="print the versions of shardplug, Python, JAX and the libraries "
+                        "it is built on, and exit (shardplug env adds the devices)")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    env = sub.add_parser("env", help="the versions and devices a bug report names")
+    env.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     strategies = sub.add_parser("strategies", help="list the installed strategies")
     strategies.add_argument("--json", action="store_true", help="print JSON instead of a table")

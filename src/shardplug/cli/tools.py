@@ -77,6 +77,53 @@ def _schedules() -> list[tuple[str, str, str]]:
     return [gpipe, *((n, where[n], s.description) for n, s in installed().items())]
 
 
+#: What a bug report needs to name, in this order: the distributions shardplug is built on.
+STACK = ("jax", "jaxlib", "flax", "equinox", "optax", "orbax-checkpoint", "qwix", "grain",
+         "numpy")  # fmt: skip
+
+
+def versions() -> dict[str, str]:
+    """The versions of Python, shardplug, :data:`STACK` and every JAX plugin installed (its
+    CUDA, ROCm or TPU backends), read from the installed distributions without starting JAX."""
+    import importlib.metadata
+    import platform
+
+    from shardplug import __version__
+
+    found = {"python": platform.python_version(), "shardplug": __version__}
+    for name in STACK:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith(("jax-cuda", "jax-rocm", "libtpu")):
+            found[name] = dist.version
+    return found
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    """The versions a bug report names and the devices a run would use."""
+    import jax
+
+    from shardplug.core.devices import simulate_cpu_devices
+
+    found = versions()
+    simulate_cpu_devices()  # as every command does where there is no accelerator
+    devices = jax.devices()
+    kinds = sorted({getattr(d, "device_kind", d.platform) for d in devices})
+    found["devices"] = f"{len(devices)} {devices[0].platform} ({', '.join(kinds)})"
+    print(json.dumps(found, indent=2) if args.json else aligned(found), end="\n" * args.json)
+    return 0
+
+
+def aligned(found: dict[str, str]) -> str:
+    """``found`` as lines of a name and its value, the values in one column."""
+    width = max(map(len, found))
+    return "".join(f"{name:<{width}}  {value}\n" for name, value in found.items())
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from shardplug.launch import launch
 

@@ -26,6 +26,7 @@ _OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(KINDS)
 
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 _LIST_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\})")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
 
 
@@ -61,6 +62,15 @@ def wire_bytes(kind: str, result_bytes: float, group: int) -> float:
 
 
 def _group_size(line: str, everyone: int) -> int:
+    """The devices of one group of a collective's ``replica_groups``, in each form XLA
+    prints: an iota (``[4,2]<=[8]``), a list (``{{0,1},{2,3}}``), every device (``{}``), or
+    the mesh's axes (``mesh['data'=2,'context'=4] {'context'}``, XLA since JAX 0.11)."""
+    named = _MESH_GROUPS.search(line)
+    if named:
+        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", named[1])}
+        axes = re.findall(r"'([^']+)'", named[2])
+        if all(name in sizes for name in axes):
+            return math.prod(sizes[name] for name in axes)
     iota = _IOTA_GROUPS.search(line)
     if iota:
         return int(iota.group(2))

@@ -209,20 +209,31 @@ def update_on_host(
     ``keep(new, old)``: what a step that judges itself keeps (its verdict, on the host).
 
     :return: the new parameters and optimizer state."""
-    from jax.experimental.compute_on import compute_on
-
     host, device = jax.memory.Space.Host, jax.memory.Space.Device
     params_off = jax.tree.map(off_devices, placed.params)
     params = jax.tree.map(lambda x, kept, o: kept if o else jax.device_put(x, host),
                           state.params, given.params, params_off)  # fmt: skip
-    grads = _to(host, grads)
-    with compute_on("device_host"):
-        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+
+    def update(grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
+        updates, new_state = optimizer.update(grads, opt_state, params)
         new = applied(params, updates)
         if keep is not None:
-            new, opt_state = keep((new, opt_state), (params, state.opt_state))
+            new, new_state = keep((new, new_state), (params, opt_state))
+        return new, new_state
+
+    new, opt_state = on_host(update, _to(host, grads), state.opt_state, params)
     new = jax.tree.map(lambda x, o: x if o else jax.device_put(x, device), new, params_off)
     return new, opt_state
+
+
+def on_host(f: Callable[..., Any], *args: Any) -> Any:
+    """Inside a traced program: ``f(*args)`` computed by the host, in its memory, every
+    result left there. JAX's ``compute_on`` wrapper; JAX up to 0.11.0 named it
+    ``compute_on2``, its ``compute_on`` then a context manager that later JAX removed."""
+    from jax.experimental import compute_on as api
+
+    wrap = getattr(api, "compute_on2", api.compute_on)
+    return wrap(f, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(*args)
 
 
 def leafwise(optimizer: Any, grads: Any, opt_state: Any, params: Any) -> list[int] | None:
@@ -270,10 +281,35 @@ def _depends(jaxpr: Any) -> list[frozenset[int]]:
             return frozenset()
 
     for eqn in jaxpr.eqns:
+        inner = _called(eqn)
+        if inner is not None:  # a call: each output needs what the callee's needs
+            given = [of(v) for v in eqn.invars]
+            for out, needs in zip(eqn.outvars, _depends(inner), strict=True):
+                env[out] = frozenset().union(*(given[k] for k in needs))
+            continue
         needs = frozenset().union(*(of(v) for v in eqn.invars))
         for out in eqn.outvars:
             env[out] = needs
     return [of(v) for v in jaxpr.outvars]
+
+
+# Operations that call a program once on their operands, its results theirs: a nested
+# jit (optax's jit(inline=True) helpers stay one since JAX 0.11), remat, custom derivatives.
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
+          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")  # fmt: skip
+
+
+def _called(eqn: Any) -> Any:
+    """The program a call operation (:data:`_CALLS`) runs, its inputs and outputs the
+    operation's; None for any other operation (a loop runs its body many times)."""
+    if eqn.primitive.name not in _CALLS:
+        return None
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        inner = getattr(eqn.params.get(key), "jaxpr", eqn.params.get(key))
+        if (hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars)
+                and len(inner.outvars) == len(eqn.outvars)):  # fmt: skip
+            return inner
+    return None
 
 
 def host_values(jaxpr: Any) -> list[Any]:
