@@ -49,3 +49,36 @@ def test_2d_reduces_partial_sums_and_gathers_no_weights():
     _, found = collectives("2d")
     assert found["all-gather"] == 0 and found["all-to-all"] == 0
     assert found["all-reduce"] > 1  # the row-parallel layers' partial sums, and the gradients
+
+
+def test_the_program_says_which_branches_differ_between_devices():
+    """A conditional on each device's index runs another branch on some devices (pp's
+    passes); one on a value every device shares does not (pp's sends): read from the
+    compiled program's structure, a loop carrying the index round included."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh((2, 4), ("stage", "data"), axis_types=auto, devices=jax.devices()[:8])
+
+    def per_device(x, flags):
+        stage = jax.lax.axis_index("stage")
+
+        def tick(x, flag):
+            x = jax.lax.cond(stage == 0, lambda: x * 2, lambda: x + 1)  # differs
+            x = jax.lax.cond(flag > 0, lambda: jax.lax.ppermute(x, "stage", [(0, 1), (1, 0)]),
+                             lambda: x)  # fmt: skip  # the same on every device
+            return x, None
+
+        return jax.lax.scan(tick, x, flags)[0]
+
+    program = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("stage"), P()),
+                                    out_specs=P("stage")))  # fmt: skip
+    text = program.lower(jnp.ones((8, 4)), jnp.arange(5)).compile().as_text()
+    structure = hlo.computations(text)
+    divergent = hlo.Varying(structure).divergent()
+    conditionals = [i for ins in structure.values() for i in ins if i.opcode == "conditional"]
+    assert len(conditionals) == 2 and len(divergent) == 1
+    _, cond = divergent[0]
+    inside = [i.opcode for _, b in cond.calls for i in hlo.reached(structure, b)]
+    assert "collective-permute" not in inside  # the send is in the other, uniform, one

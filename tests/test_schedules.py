@@ -383,11 +383,12 @@ def test_a_send_inside_a_stages_own_pass_is_refused_not_waited_for():
         if schedule == "gpipe":  # one program on every stage: it runs
             assert np.isfinite(trainer.fit(data, 1)[0]["loss"])
             continue
-        if schedule == "auto":  # the default: compiled again as GPipe, said once
-            with pytest.warns(shardplug.ShardplugWarning, match="runs gpipe.*concatenate"):
+        if schedule == "auto":  # the default: compiled again as GPipe, said once (naming
+            # the roll's line where the program's metadata keeps it: JAX 0.10, not 0.12)
+            with pytest.warns(shardplug.ShardplugWarning, match="runs gpipe.* a send between"):
                 assert np.isfinite(trainer.fit(data, 1)[0]["loss"])
             continue
-        with pytest.raises(ConfigError, match=r"made the model's \w+ a send between devices"):
+        with pytest.raises(ConfigError, match=r"made the model's \w+ at .+:\d+ a send between"):
             trainer.fit(data, 1)
 
 

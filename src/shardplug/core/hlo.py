@@ -8,6 +8,7 @@ import math
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from shardplug.core.sharding import mesh_axes
@@ -112,6 +113,185 @@ def _runs(lines: list[str]) -> dict[int, int]:
         return memo[name]
 
     return {i: runs(name) for i, name in owner.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One instruction of a compiled program: its name, opcode (``all-gather``,
+    ``conditional``, ``while``...), operands (names), line of HLO text, the computations it
+    calls, each as ``(role, name)`` (``body``, ``condition``, ``branch_computations``,
+    ``calls``, ``to_apply``), and whether it is its computation's root."""
+
+    opcode: str
+    text: str
+    calls: tuple[tuple[str, str], ...]
+    name: str = ""
+    operands: tuple[str, ...] = ()
+    root: bool = False
+
+
+_OPCODE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\(")
+_CALLED = re.compile(
+    r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation)"
+    r"=(\{[^}]*\}|%?[\w.\-]+)"
+)
+
+
+def computations(hlo_text: str) -> dict[str, list[Instruction]]:
+    """A compiled program's structure: each computation of its HLO text (by name) and its
+    instructions, in order. What a program's metadata names (``op_name``) moves between JAX
+    versions; which computation calls which does not."""
+    out: dict[str, list[Instruction]] = {}
+    current: list[Instruction] | None = None
+    for line in hlo_text.splitlines():
+        head = _COMPUTATION.match(line)
+        if head and not line.startswith(" "):
+            current = out.setdefault(head.group(1), [])
+            continue
+        op = _OPCODE.match(line) if current is not None else None
+        if op is None:
+            continue
+        calls = tuple((role, name.strip(" {}%")) for role, names in _CALLED.findall(line)
+                      for name in names.split(",") if name.strip(" {}%"))  # fmt: skip
+        current.append(Instruction(op.group(3), line, calls, op.group(2),
+                                   _operands(line, op.end()), bool(op.group(1))))  # fmt: skip
+    return out
+
+
+def _operands(line: str, start: int) -> tuple[str, ...]:
+    """The operand names of an instruction whose operand list opens before ``start``."""
+    depth, end = 1, start
+    while end < len(line) and depth:
+        depth += {"(": 1, ")": -1}.get(line[end], 0)
+        end += 1
+    return tuple(re.findall(r"%([\w.\-]+)", line[start:end]))
+
+
+class Varying:
+    """Which values of a compiled program may differ between its devices: those computed
+    from a device's own index (``partition-id``, ``replica-id``: ``lax.axis_index`` in a
+    per-device program), followed through tuples, loops (a value carried round a loop from
+    its start and its body) and conditionals. A conditional whose predicate varies runs
+    another branch on some devices than on others: what pp's passes are, found by what they
+    compute, not by the names the program's metadata gives them."""
+
+    def __init__(self, program: dict[str, list[Instruction]]):
+        self.program = program
+        self.defs = {c: {i.name: i for i in ins} for c, ins in program.items()}
+        self.roots = {c: next((i for i in ins if i.root), None) for c, ins in program.items()}
+        self.callers: dict[str, list[tuple[str, Instruction]]] = collections.defaultdict(list)
+        for c, ins in program.items():
+            for i in ins:
+                for _, callee in i.calls:
+                    self.callers[callee].append((c, i))
+        self.memo: dict[tuple[str, str, int | None], bool] = {}
+        self.known: set[tuple[str, str, int | None]] = set()  # found to vary
+
+    def _indexed(self, computation: str) -> bool:
+        return any(i.opcode in ("partition-id", "replica-id")
+                   for i in reached(self.program, computation))  # fmt: skip
+
+    def __call__(self, computation: str, name: str, index: int | None = None) -> bool:
+        """Whether value ``name`` of ``computation`` (its element ``index``, of a tuple) may
+        differ between devices. A value carried round a loop is first taken not to, then
+        asked again with what was found to vary, until nothing more is."""
+        while True:
+            self.memo = dict.fromkeys(self.known, True)
+            found = self._value(computation, name, index)
+            more = {k for k, v in self.memo.items() if v} - self.known
+            if not more:
+                return found
+            self.known |= more
+
+    def _value(self, computation: str, name: str, index: int | None = None) -> bool:
+        key = (computation, name, index)
+        if key not in self.memo:
+            self.memo[key] = False  # round a loop: until asked again
+            self.memo[key] = self._varies(computation, self.defs[computation].get(name), index)
+        return self.memo[key]
+
+    def _varies(self, c: str, i: Instruction | None, index: int | None) -> bool:
+        if i is None:
+            return True  # not found: assume the worst
+        op, args = i.opcode, i.operands
+        if op in ("partition-id", "replica-id"):
+            return True
+        if op == "parameter":
+            return self._parameter(c, index)
+        if op == "get-tuple-element":
+            return self._value(c, args[0], int(re.search(r"index=(\d+)", i.text)[1]))
+        if op == "tuple" and index is not None:
+            return index < len(args) and self._value(c, args[index])
+        if op == "while":
+            return self._value(c, args[0], index) or self._root(dict(i.calls)["body"], index)
+        if op == "conditional":
+            return self._value(c, args[0]) or any(self._root(b, index) for _, b in i.calls)
+        return any(self._value(c, a) for a in args) or any(self._indexed(n) for _, n in i.calls)
+
+    def _root(self, computation: str, index: int | None) -> bool:
+        root = self.roots.get(computation)
+        return root is None or self._value(computation, root.name, index)
+
+    def _parameter(self, c: str, index: int | None) -> bool:
+        """A loop's or a branch's one parameter: what each caller passes it (a loop also
+        what its body carries round)."""
+        callers = self.callers.get(c, [])
+        if not callers:
+            return False  # the program's own arguments: every device's share of the same
+        for caller, i in callers:
+            role = next(r for r, n in i.calls if n == c)
+            if role in ("body", "condition") and self._value(caller, i.operands[0], index):
+                return True
+            if role in ("body", "condition") and self._root(dict(i.calls)["body"], index):
+                return True
+            if role == "branch_computations":
+                k = [n for _, n in i.calls].index(c)
+                if self._value(caller, i.operands[k + 1], index):
+                    return True
+            if role not in ("body", "condition", "branch_computations"):
+                return True  # a fusion or call's parameters: not followed
+        return False
+
+    def divergent(self) -> list[tuple[str, Instruction]]:
+        """Every conditional whose predicate may differ between devices, with its
+        computation."""
+        return [(c, i) for c, ins in self.program.items() for i in ins
+                if i.opcode == "conditional" and self(c, i.operands[0])]  # fmt: skip
+
+
+def source_of(hlo_text: str, instruction: Instruction) -> str | None:
+    """Where the code that made ``instruction`` is (``file:line``, the path relative to the
+    working folder): the innermost frame of its ``stack_frame_id`` in the program's
+    ``StackFrames`` table (JAX leaves its own frames out); None where the program says none."""
+    frame = re.search(r"stack_frame_id=(\d+)", instruction.text)
+    tables = {title: dict(re.findall(r"^(\d+) (.*)$", body, re.M)) for title, body in
+              re.findall(r"^(FileNames|FileLocations|StackFrames)\n((?:\d+ .*\n?)*)",
+                         hlo_text, re.M)}  # fmt: skip
+    entry = tables.get("StackFrames", {}).get(frame[1]) if frame else None
+    at = re.search(r"file_location_id=(\d+)", entry or "")
+    location = tables.get("FileLocations", {}).get(at[1], "") if at else ""
+    found = re.search(r"file_name_id=(\d+).*?\bline=(\d+)", location)
+    path = tables.get("FileNames", {}).get(found[1], "").strip('"') if found else ""
+    return f"{os.path.relpath(path)}:{found[2]}" if path else None
+
+
+def reached(
+    program: dict[str, list[Instruction]],
+    name: str,
+    through: Callable[[Instruction], bool] = lambda _: True,
+) -> list[Instruction]:
+    """The instructions of computation ``name`` of ``program`` (:func:`computations`) and of
+    every computation its instructions call, where ``through(instruction)`` allows (all by
+    default), each once."""
+    seen, todo, out = {name}, [name], []
+    while todo:
+        for instruction in program.get(todo.pop(), []):
+            out.append(instruction)
+            if through(instruction):
+                fresh = [c for _, c in instruction.calls if c not in seen]
+                seen.update(fresh)
+                todo += fresh
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

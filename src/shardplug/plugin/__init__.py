@@ -23,7 +23,10 @@ package that adds a schedule to pp writes), shardplug's attention kernel for a p
 attention (:func:`attention_kernel`, its signature :class:`Attention`), a loss's sum and
 count for a ``compute_grads`` that cuts the batch into parts (:mod:`shardplug.core.means`,
 as ``means``: each part's sums added, divided once), and :func:`override_operation`, to
-trace code with one operation in place of another. pp's engine (its plan, GPipe, the tick
+trace code with one operation in place of another, and a compiled program's structure for a
+``check_program`` (:func:`computations`: which computation calls which, each instruction's
+opcode; :func:`reached`; :class:`Varying`: which values, and so which conditionals' branches,
+differ between devices). pp's engine (its plan, GPipe, the tick
 loop that runs a table, the built-in schedules) is pp's own, in
 :mod:`shardplug.strategies.pp`.
 """
@@ -49,6 +52,7 @@ from shardplug.core.context import (
 )
 from shardplug.core.declared import Capability
 from shardplug.core.facts import Explained, StepFacts
+from shardplug.core.hlo import Instruction, Varying, computations, reached, source_of
 from shardplug.core.hookspecs import Axis, hookimpl, hookspec
 from shardplug.core.layer_stack import LAYERS, split_aux
 from shardplug.core.mesh import build_mesh, describe, is_explicit, parse_mesh
@@ -126,6 +130,7 @@ __all__ = [
     "ConfigError",
     "Experts",
     "Explained",
+    "Instruction",
     "KINDS",
     "MeshError",
     "NamedSharding",
@@ -141,6 +146,7 @@ __all__ = [
     "StrategyOptionError",
     "Table",
     "TraceAgain",
+    "Varying",
     "Unscheduled",
     "attention",
     "attention_kernel",
@@ -150,12 +156,15 @@ __all__ = [
     "capacity",
     "capacity_per_group",
     "compute_dtype",
+    "computations",
     "constrain",
     "describe",
     "grouped_mlp",
     "hookimpl",
     "hookspec",
     "in_microbatches",
+    "reached",
+    "source_of",
     "is_explicit",
     "kept_assignments",
     "largest_divisible_dim",

@@ -184,12 +184,15 @@ def gpipe(block, params, x, pl: Pipeline, layers: int, rows: Any):
             ws = jax.tree.map(lambda w: w[rep], local)
             y, aux = run(ws, h, jax.tree.map(lambda a: a[m], given))
             last = valid & (stage == n_stages - 1) & (rep == n_repeats - 1)
-            outs = jnp.where(last, outs.at[m].set(y), outs)
+            # a slice, not .at[m].set: its transpose is a gather that XLA's SPMD partitioner
+            # (JAX 0.12) aborts the process on where fewer rows than devices split it
+            outs = jnp.where(last, jax.lax.dynamic_update_index_in_dim(outs, y, m, 0), outs)
             sent = jax.lax.ppermute(y, pl.axis, perm)
             if ring is not None:  # stage 0 keeps what comes back round for later repeats
                 back = t - (n_stages - 1)
                 keep = (stage == 0) & (back >= 0) & (back < (n_repeats - 1) * n_micro)
-                ring = jnp.where(keep, ring.at[jnp.clip(back, 0) % n_micro].set(sent), ring)
+                at = jnp.clip(back, 0) % n_micro
+                ring = jnp.where(keep, jax.lax.dynamic_update_index_in_dim(ring, sent, at, 0), ring)
             # this tick's aux counts toward its repeat's layers, the idle ticks' toward none
             mine = (valid & (jnp.arange(n_repeats) == rep)).astype(jnp.float32)
             aux = jax.tree.map(lambda a: mine.reshape(-1, *([1] * a.ndim)) * a[None], aux)

@@ -42,7 +42,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from shardplug.plugin import KINDS, ConfigError, Table, in_microbatches, lay_out, means
+from shardplug.plugin import (
+    KINDS,
+    ConfigError,
+    Table,
+    Varying,
+    computations,
+    in_microbatches,
+    lay_out,
+    means,
+    reached,
+    source_of,
+)
 from shardplug.strategies.pp.chunks import Chunk, cut_at_stack, merged
 from shardplug.strategies.pp.region import (
     after,
@@ -58,15 +69,11 @@ from shardplug.strategies.pp.stages import leaf_microbatches
 
 F, B, W = KINDS["F"], KINDS["B"], KINDS["W"]
 
-#: the name scope of the pass each stage runs: what a compiled program runs there, only that
-#: stage's devices reach (:func:`divergent_permutes`)
+#: the name scopes of the pass each stage runs, of the tick loop's manual region and of pp's
+#: own sends in it: names in a profile's trace (the program's checks read its structure)
 STAGE_PASS = "stage_pass"
-#: the name scope of the tick loop's manual region, and of pp's own sends in it
 TICKS = "pp_ticks"
 SENDS = "pp_sends"
-_COLLECTIVE = re.compile(
-    r" (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\("
-)
 
 #: the table's per-stage fields the stages read at each tick
 _STAGE_FIELDS = ("kind", "chunk", "micro", "residual", "inbox", "grad", "stash",
@@ -351,39 +358,43 @@ def scheduled_grads(
 
 
 def divergent_permutes(hlo: str) -> list[str]:
-    """The collective-permutes of a compiled program (its HLO text) inside the pass a stage
-    chooses alone, each as the model's operation it came from: the compiler's sends between
-    devices (a slice or shift of an array split over an axis), which wait for every device
-    of the mesh, while the other stages run another pass."""
-    found = []
-    for line in hlo.splitlines():
-        if " collective-permute(" not in line and " collective-permute-start(" not in line:
-            continue
-        name = re.search(r'op_name="([^"]*)"', line)
-        if name and f"/{STAGE_PASS}/" in name.group(1):
-            where = re.search(r'source_file="([^"]*)" source_line=(\d+)', line)
-            op = name.group(1).rsplit("/", 1)[-1]
-            found.append(f"{op} at {where.group(1)}:{where.group(2)}" if where else op)
-    return found
+    """The collective-permutes of a compiled program (its HLO text) inside a pass a stage
+    chooses alone (a conditional whose predicate differs between devices), each as the
+    model's operation it came from: the compiler's sends between devices (a slice or shift
+    of an array split over an axis), which wait for every device of the mesh while the other
+    stages run another pass. pp's own sends are conditionals every device takes alike."""
+    program = computations(hlo)
+    return [_named(hlo, i) for _, cond in Varying(program).divergent()
+            for _, branch in cond.calls for i in reached(program, branch)
+            if i.opcode.startswith("collective-permute")]  # fmt: skip
 
 
 def unordered_collectives(hlo: str) -> list[str]:
-    """The collectives of a compiled program (its HLO text) that the compiler put between the
-    passes of the tick loop's region, neither in a stage's pass nor among pp's sends: moves of
-    the model's arrays between one layout and another of its buffers (an all-gather over
-    ``context`` where a pass's activations and the buffer holding them disagree). Nothing
-    orders them against pp's sends by data, and XLA:CPU runs what does not wait on each other
-    in any order, each device its own: a device that sends first waits for every device
-    while its stage's others wait for it in the all-gather."""
-    found = []
-    for line in hlo.splitlines():
-        kind = _COLLECTIVE.search(line)
-        name = re.search(r'op_name="([^"]*)"', line) if kind else None
-        if name is None or f"/{TICKS}/" not in name.group(1) + "/":
-            continue
-        if f"/{STAGE_PASS}/" not in name.group(1) and f"/{SENDS}/" not in name.group(1):
-            found.append(kind.group(1))
-    return found
+    """The collectives of a compiled program (its HLO text) that the compiler put in the
+    tick loop (the computation that runs the passes a stage chooses alone) outside every
+    conditional (pp's passes and sends are each one): moves of the model's arrays between
+    one layout and another of its buffers (an all-gather over ``context`` where a pass's
+    activations and the buffer holding them disagree). Nothing orders them against pp's
+    sends by data, and XLA:CPU runs what does not wait on each other in any order, each
+    device its own: a device that sends first waits for every device while its stage's
+    others wait for it in the all-gather."""
+    program = computations(hlo)
+    ticks = {c for c, _ in Varying(program).divergent()}
+    return [i.opcode.removesuffix("-start") for c in ticks
+            for i in reached(program, c, lambda i: i.opcode != "conditional")
+            if i.opcode.removesuffix("-start") in _KINDS]  # fmt: skip
+
+
+_KINDS = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def _named(hlo: str, instruction: Any) -> str:
+    """The model's operation an instruction came from, and where: as its metadata names it
+    (the last part of its ``op_name``), at the line of code that made it."""
+    name = re.search(r'op_name="([^"]*)"', instruction.text)
+    op = name.group(1).rsplit("/", 1)[-1] if name else "operation"
+    where = source_of(hlo, instruction)
+    return f"{op} at {where}" if where else op
 
 
 def _like(tree: Any, spec: P) -> Any:
