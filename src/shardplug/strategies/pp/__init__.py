@@ -48,11 +48,12 @@ from shardplug.plugin import (
     warn_once,
 )
 from shardplug.strategies.pp import blocks
+from shardplug.strategies.pp.checks import divergent_permutes, unordered_collectives
 from shardplug.strategies.pp.chunks import NEVER_RAN
 from shardplug.strategies.pp.report import pipeline_report, written_report
 from shardplug.strategies.pp.schedules import find_schedule
 from shardplug.strategies.pp.stages import Pipeline, rows_split, stack_operation
-from shardplug.strategies.pp.ticks import divergent_permutes, scheduled_grads, unordered_collectives
+from shardplug.strategies.pp.ticks import scheduled_grads
 
 #: the schedule pp runs where none is asked for: ``auto``, zero-bubble (interleaved 1F1B over
 #: ``repeats`` chunks) where the model lets it, GPipe where not (docs/guide.md, measured)
