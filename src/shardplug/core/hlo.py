@@ -82,13 +82,27 @@ def _group_size(line: str, everyone: int) -> int:
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALLS = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)=\{?([^}\s]+)")
+_CALLS = re.compile(
+    r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation)"
+    r"=(\{[^}]*\}|%?[\w.\-]+)"
+)
+
+
+def _called(line: str) -> tuple[tuple[str, str], ...]:
+    """The computations an instruction's line calls, each as ``(role, name)``: a loop's
+    ``body`` and ``condition``, every branch of a conditional, a fusion's or call's."""
+    return tuple((role, name.strip(" {}%")) for role, names in _CALLS.findall(line)
+                 for name in names.split(",") if name.strip(" {}%"))  # fmt: skip
+
+
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 def _runs(lines: list[str]) -> dict[int, int]:
     """For each line, how many times one step runs it: 1, times the known trip count of
-    every while loop around it (a layer stack's scan, microbatches, a pipeline's ticks)."""
+    every while loop around it (a layer stack's scan, microbatches, a pipeline's ticks). A
+    conditional's branch counts once: which iterations take it, the program does not say
+    (pp's reports count a schedule's sending ticks from its table)."""
     owner, calls, entry, current = {}, collections.defaultdict(list), None, None
     for i, line in enumerate(lines):
         head = _COMPUTATION.match(line)
@@ -98,10 +112,10 @@ def _runs(lines: list[str]) -> dict[int, int]:
             continue
         owner[i] = current
         trips = _TRIPS.search(line)
-        for role, names in _CALLS.findall(line):
-            times = int(trips.group(1)) if role == "body" and trips else 1
-            for name in names.split(","):
-                calls[name.strip().lstrip("%")].append((current, times))
+        for role, name in _called(line):
+            if role != "branch_computations":
+                times = int(trips.group(1)) if role == "body" and trips else 1
+                calls[name].append((current, times))
     memo: dict[str | None, int] = {entry: 1}
 
     def runs(name: str | None, depth: int = 0) -> int:
@@ -131,10 +145,6 @@ class Instruction:
 
 
 _OPCODE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\(")
-_CALLED = re.compile(
-    r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation)"
-    r"=(\{[^}]*\}|%?[\w.\-]+)"
-)
 
 
 def computations(hlo_text: str) -> dict[str, list[Instruction]]:
@@ -151,9 +161,7 @@ def computations(hlo_text: str) -> dict[str, list[Instruction]]:
         op = _OPCODE.match(line) if current is not None else None
         if op is None:
             continue
-        calls = tuple((role, name.strip(" {}%")) for role, names in _CALLED.findall(line)
-                      for name in names.split(",") if name.strip(" {}%"))  # fmt: skip
-        current.append(Instruction(op.group(3), line, calls, op.group(2),
+        current.append(Instruction(op.group(3), line, _called(line), op.group(2),
                                    _operands(line, op.end()), bool(op.group(1))))  # fmt: skip
     return out
 
@@ -165,6 +173,9 @@ def _operands(line: str, start: int) -> tuple[str, ...]:
         depth += {"(": 1, ")": -1}.get(line[end], 0)
         end += 1
     return tuple(re.findall(r"%([\w.\-]+)", line[start:end]))
+
+
+_INDEX = ("partition-id", "replica-id")  # a device's own index
 
 
 class Varying:
@@ -186,10 +197,14 @@ class Varying:
                     self.callers[callee].append((c, i))
         self.memo: dict[tuple[str, str, int | None], bool] = {}
         self.known: set[tuple[str, str, int | None]] = set()  # found to vary
+        self.indexed: dict[str, bool] = {}
 
     def _indexed(self, computation: str) -> bool:
-        return any(i.opcode in ("partition-id", "replica-id")
-                   for i in reached(self.program, computation))  # fmt: skip
+        """Whether ``computation`` or one it calls reads the device's index."""
+        if computation not in self.indexed:
+            found = reached(self.program, computation)
+            self.indexed[computation] = any(i.opcode in _INDEX for i in found)
+        return self.indexed[computation]
 
     def __call__(self, computation: str, name: str, index: int | None = None) -> bool:
         """Whether value ``name`` of ``computation`` (its element ``index``, of a tuple) may
@@ -214,7 +229,7 @@ class Varying:
         if i is None:
             return True  # not found: assume the worst
         op, args = i.opcode, i.operands
-        if op in ("partition-id", "replica-id"):
+        if op in _INDEX:
             return True
         if op == "parameter":
             return self._parameter(c, index)
