@@ -57,11 +57,17 @@ def test_gloo_lines_written_at_once_by_two_threads_are_not_relayed():
         " peer ranks. Expected number of connected peer ranks is : 3\n",
         "[Gloo] Rank 2 is connected to 3 peer ranks. Expected number of connected peer ranks "
         "is : 3\n",
+        # three threads at once, their pieces mixed (a pmap launch on a loaded machine)
+        "[Gloo] Rank 0[Gloo] Rank  is connected to 17 is connected to  peer ranks. Expected "
+        "number of connected peer ranks is : 7\n",
+        "3 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n",
+        "Expected number of connected peer ranks is : 7\n",
+        "42\n",  # the program's own, though only digits
         "shardplug: trained\n",
     ]
     out, held, said = io.StringIO(), [], []
     _stream(0, io.StringIO("".join(lines)), out, threading.Lock(), held, said)
-    assert out.getvalue() == "[0] shardplug: trained\n" and said == [True]
+    assert out.getvalue() == "[0] 42\n[0] shardplug: trained\n" and said == [True]
 
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp", "2d", "pmap"])

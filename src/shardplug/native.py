@@ -17,10 +17,14 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-#: what gloo says of every connection it makes (one line per device); its threads write at
-#: once, so one line may hold two halves, the next the rest
+#: what gloo says of every connection it makes (one line per device), written in pieces
+#: ("[Gloo] Rank ", the rank, " is connected to ", ...) by threads at once: a line may mix
+#: the pieces of several in any order, and is gloo's when it holds nothing else (a line
+#: of digits alone is the program's)
 GLOO_CONNECTED = re.compile(
-    r"\[Gloo\] Rank \d+ is connected to|^\s*\d*\s*peer ranks\. Expected number of connected"
+    r"^(?=.*(?:\[Gloo\]|is connected to|peer ranks))\s*"
+    r"(?:\[Gloo\] Rank |\s*is connected to\s*|\s*peer ranks\.\s*"
+    r"|Expected number of connected peer ranks is : |\d+\s*)+$"
 )
 #: the runtime's native logging (absl/glog lines, stack frames, gRPC's detail): when one
 #: process fails, the runtime aborts the others with dozens of these
