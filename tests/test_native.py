@@ -63,18 +63,13 @@ def test_launch_says_the_spmd_line_once_for_the_job_and_drops_absls_notice():
 def compiled_afresh(monkeypatch):
     """The tests' persistent compilation cache off (a program loaded from it is not
     partitioned again, so XLA says nothing), nothing said yet, every line not asked for."""
-    from jax.experimental.compilation_cache import compilation_cache
-
     from shardplug import native
+    from shardplug.core.cache import uncached
 
     monkeypatch.setattr(native, "_EXPLAINED", set())
     monkeypatch.delenv("SHARDPLUG_TRACEBACK", raising=False)
-    was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    yield
-    jax.config.update("jax_enable_compilation_cache", was)
-    compilation_cache.reset_cache()
+    with uncached():
+        yield
 
 
 def test_in_one_process_xlas_lines_are_said_once_in_shardplugs_words(capfd, compiled_afresh):

@@ -375,19 +375,12 @@ def partitioned_hlo(lowered: Any) -> str:
     before the backend rewrites them (XLA's CPU backend, for one, runs bfloat16 all-reduces
     in float32, since its collectives do not implement bfloat16 reductions). Compiled afresh,
     outside JAX's persistent compilation cache: a program from it runs no pass, so dumps none."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache
+    from shardplug.core.cache import uncached
 
-    was = jax.config.jax_enable_compilation_cache
     with tempfile.TemporaryDirectory() as folder:
-        jax.config.update("jax_enable_compilation_cache", False)
-        compilation_cache.reset_cache()  # JAX decides once whether it uses the cache
-        try:
+        with uncached():
             dump = {"xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning"}
             lowered.compile(compiler_options=dump)
-        finally:
-            jax.config.update("jax_enable_compilation_cache", was)
-            compilation_cache.reset_cache()
         found = sorted(f for f in os.listdir(folder) if "after_spmd-partitioning" in f)
         if not found:
             raise RuntimeError("XLA wrote no HLO after SPMD partitioning")

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from shardplug.core import memory, ops
+from shardplug.core import cache, memory, ops
 from shardplug.core.compose import implemented
 from shardplug.core.means import divides_by_data
 from shardplug.core.sharding import leaf_paths
@@ -190,13 +190,14 @@ def _trace(step_for, abstract, batch_shardings, *, strategy, mesh, state_shardin
 
 def build(step_for: Callable[[Any], Callable], batch: Any, **context: Any) -> Program:
     """:func:`lower`, compiled: the program for batches shaped like ``batch``."""
+    platform = context["mesh"].devices.flat[0].platform
     lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
-    compiled = lowered.compile()
+    compiled = cache.compile_step(lowered, jaxpr, platform)
     try:
         _checked(compiled, context["strategy"], context["mesh"])
     except TraceAgain:  # a parallelism changed what it traces: once more, and final
         lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
-        compiled = lowered.compile()
+        compiled = cache.compile_step(lowered, jaxpr, platform)
         _checked(compiled, context["strategy"], context["mesh"])
     return Program(compiled, batch_shardings, feed.signature(batch), jaxpr)
 
