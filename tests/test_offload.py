@@ -134,23 +134,32 @@ def test_the_compiled_step_holds_on_the_devices_exactly_what_did_not_move():
     assert on_host["update_bytes"] == 0 and on_host["peak_bytes"] == with_opt["peak_bytes"]
 
 
-def test_checkpoints_move_between_runs_with_and_without_offload(tmp_path):
+HOST_UPDATE = pytest.param({"params": True, "update": "host"}, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize(
+    "mode", [{}, {"params": True}, HOST_UPDATE], ids=["state", "params", "params-update-host"]
+)
+def test_checkpoints_move_between_runs_with_and_without_offload(tmp_path, mode):
+    """Saved under each offload mode and resumed without it, and the other way: the same
+    losses as one run (a save with the parameters on the host crashed judging them finite)."""
     full = trainer("fsdp")
     full.fit(iter(batches()), 2 * STEPS)
     rest = [r["loss"] for r in full.history][STEPS:]
     for first, then in ((True, False), (False, True)):
         saved = tmp_path / f"{first}"
-        start = trainer("fsdp", {} if first else None, checkpoint_dir=saved)
+        start = trainer("fsdp", mode if first else None, checkpoint_dir=saved)
         start.fit(iter(batches()[:STEPS]), STEPS)
         del start
         shutil.copytree(saved, tmp_path / f"{first}-resumed")
         resumed = trainer(
-            "fsdp", {} if then else None, checkpoint_dir=tmp_path / f"{first}-resumed"
+            "fsdp", mode if then else None, checkpoint_dir=tmp_path / f"{first}-resumed"
         )
         assert resumed.restore() == STEPS
-        kind = {x.sharding.memory_kind for x in jax.tree.leaves(resumed.state.opt_state)}
-        assert kind == {"pinned_host" if then else "device"}
-        resumed.fit(iter(batches()[STEPS:]), STEPS)
+        for part, moves in (("opt_state", True), ("params", "params" in mode)):
+            kind = {x.sharding.memory_kind for x in jax.tree.leaves(getattr(resumed.state, part))}
+            assert kind == {"pinned_host" if then and moves else "device"}, part
+        resumed.fit(iter(batches()[STEPS:]), STEPS)  # and saves its last step
         np.testing.assert_allclose([r["loss"] for r in resumed.history], rest, rtol=1e-6)
 
 
