@@ -110,6 +110,7 @@ def test_the_compiled_step_holds_on_the_devices_exactly_what_did_not_move():
     for name, offload in (("none", None), ("opt", {}), ("both", {"params": True})):
         run = trainer("fsdp", offload, allocate=False)
         report = explain(run, batch)
+        with_both_notes = report.notes
         args = memory.argument_bytes(run.compiled.as_text())
         got[name] = (args, report.per_device)
         shardings = run.state_shardings
@@ -121,6 +122,10 @@ def test_the_compiled_step_holds_on_the_devices_exactly_what_did_not_move():
     assert none["device"] - both_args["device"] == opt + params
     assert with_opt["host_bytes"] == opt == with_opt["opt_state_bytes"] and plain["host_bytes"] == 0
     assert plain["peak_bytes"] - with_opt["peak_bytes"] == opt
+    # explain's device arguments drop by what moved too, and offload moves no activation
+    assert plain["argument_bytes"] - with_opt["argument_bytes"] == opt
+    assert plain["argument_bytes"] - with_both["argument_bytes"] == opt + params
+    assert not any("moves activations" in note for note in with_both_notes)
     assert plain["peak_bytes"] - with_both["peak_bytes"] == opt + params
     # copied in for the update a parameter's Adam moments at a time (XLA:CPU counts no
     # copy: said in a note), or updated there

@@ -21,9 +21,9 @@ from shardplug.core.compose import order
 from shardplug.core.facts import Explained, StepFacts
 from shardplug.core.hlo import collectives, gradient_parts, textbook_collectives
 from shardplug.core.memory import (
+    activations_on_host,
     any_off,
     entry_bytes,
-    host_values,
     leafwise,
     off_devices,
     peak_bytes,
@@ -141,6 +141,16 @@ def _batch_axes(batch_shardings: Any) -> tuple[str, ...]:
             return leading_axes(sharding.spec)
     return ()
 
+
+
+def _on_device(analysis: Any, name: str, host: int) -> int | None:
+    """A compiled program's ``name`` (argument, output) bytes in the device's own memory:
+    less those laid out in host memory where the backend counts them among the device's
+    (XLA:CPU; a backend that reports host arguments apart has left them out)."""
+    size = getattr(analysis, f"{name}_size_in_bytes", None)
+    if size is None or getattr(analysis, f"host_{name}_size_in_bytes", 0):
+        return size
+    return size - host
 
 def _brought_for_update(trainer: Any, shardings: Any, state: Any, mesh: Any) -> int:
     """The most bytes per device of the optimizer state that the step holds on the devices
@@ -260,6 +270,7 @@ def explain(
     from_backend = device_memory is None
     if from_backend:
         device_memory = backend_memory(device)
+    entry = entry_bytes(hlo_text)
     per_device = {
         "params_bytes": params_bytes,
         "opt_state_bytes": _tree_bytes(state.opt_state, shardings.opt_state),
@@ -269,11 +280,12 @@ def explain(
         "model_state_bytes": _tree_bytes(state.model_state, shardings.model_state),
         "batch_bytes": _tree_bytes(jax.tree.map(global_struct, batch), trainer.batch_shardings),
         "temp_bytes": getattr(analysis, "temp_size_in_bytes", None),
-        "argument_bytes": getattr(analysis, "argument_size_in_bytes", None),
-        "output_bytes": getattr(analysis, "output_size_in_bytes", None),
+        # in the device's own memory: what offload keeps on the host is counted apart
+        "argument_bytes": _on_device(analysis, "argument", entry["arguments"]["host"]),
+        "output_bytes": _on_device(analysis, "output", entry["outputs"]["host"]),
         "alias_bytes": getattr(analysis, "alias_size_in_bytes", 0) or 0,
         # in host memory, each device's share (offload): not in the device's peak
-        "host_bytes": entry_bytes(hlo_text)["arguments"]["host"],
+        "host_bytes": entry["arguments"]["host"],
         "peak_bytes": peak_bytes(analysis, hlo_text),
         "device_memory_bytes": device_memory,
     }
@@ -323,7 +335,7 @@ def explain(
             f"no copy, so the peak above leaves it out; on a GPU the update holds it beside "
             f"the parameters and gradients (offload's update=host leaves it on the host)"
         )
-    if device.platform == "cpu" and host_values(trainer.jaxpr):
+    if device.platform == "cpu" and activations_on_host(trainer.jaxpr):
         notes.append(
             "the step moves activations it saves for the backward pass to host memory "
             "(--remat offload): XLA:CPU keeps one memory, so the temporaries above count "

@@ -327,6 +327,28 @@ def host_values(jaxpr: Any) -> list[Any]:
     return found
 
 
+#: the operations whose programs save activations per layer: a layer stack's loop, remat
+_SAVING = frozenset({"scan", "while", "checkpoint", "remat"})
+
+
+def activations_on_host(jaxpr: Any) -> list[Any]:
+    """:func:`host_values` a loop or a remat computes (and its outputs): the activations a
+    remat policy that offloads moves, not the training state offload keeps on the host."""
+    found = []
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        subs = [sub for value in eqn.params.values()
+                for sub in (value if isinstance(value, tuple) else (value,))
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr")]  # fmt: skip
+        if eqn.primitive.name in _SAVING:
+            host = jax.memory.Space.Host
+            found += [v.aval for v in eqn.outvars
+                      if getattr(v.aval, "memory_space", None) == host]  # fmt: skip
+            found += [v for sub in subs for v in host_values(sub)]
+        else:
+            found += [v for sub in subs for v in activations_on_host(sub)]
+    return found
+
+
 def update_in_pieces(
     optimizer: Any,
     grads: Any,
