@@ -469,3 +469,17 @@ def test_what_undoes_or_cannot_take_offload_is_refused_in_one_line():
     with pytest.raises(PluginError, match="place_state put the state's step in host memory"):
         task().trainer(strategy=shardplug.get_strategy("fsdp", addons=[Everything()]),
                        devices=2, precision="float32", allocate=False)  # fmt: skip
+
+
+def test_the_conformance_suite_runs_offload_beside_an_add_on_packages_own():
+    """A conformance class whose options name its own add-on (an add-on package's) runs the
+    offload check with both (``got multiple values for keyword argument 'addons'``)."""
+    from shardplug.testing import StrategyConformance
+
+    class WithAddon(StrategyConformance):
+        strategy = "fsdp"
+        mesh = "fsdp=2"
+        devices = 2
+        options = {"addons": ["grad-bf16"]}  # noqa: RUF012 (a class attribute the suite reads)
+
+    WithAddon().test_keeps_the_state_where_offload_places_it()

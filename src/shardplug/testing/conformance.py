@@ -294,7 +294,9 @@ class StrategyConformance:
 
         model_name = "transformer" if self._needs_transformer() else "mlp"
         options = self._model_options()
-        strategy = shardplug.get_strategy(self.strategy, addons=["offload"], **self.options)
+        given = {k: v for k, v in self.options.items() if k != "addons"}
+        addons = [*self.options.get("addons", ()), "offload"]  # an add-on package's own first
+        strategy = shardplug.get_strategy(self.strategy, addons=addons, **given)
         model, trainer = _trainer(strategy, {}, "nnx", model_name, self.seed, self.devices,
                                   self.mesh, options)  # fmt: skip
         batches = model.batches(model.batch_size, self.seed)
