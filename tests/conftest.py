@@ -26,6 +26,10 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
+# The CPU alone, as the command line's --target needs it (JAX's CUDA plugin, where CI
+# installs it for tests/test_targets.py, then compiles for GPUs that are not here).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)

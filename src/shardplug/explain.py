@@ -18,9 +18,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardplug.core.compose import order
+from shardplug.core.devices import is_compile_only
 from shardplug.core.facts import Explained, StepFacts
 from shardplug.core.hlo import collectives, gradient_parts, textbook_collectives
-from shardplug.core.memory import (
+from shardplug.core.memory import (  # fmt: skip
     activations_on_host,
     any_off,
     entry_bytes,
@@ -30,6 +31,7 @@ from shardplug.core.memory import (
 )
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.core.step import PRECISIONS
+from shardplug.core.targets import compile_noting, memory_of
 from shardplug.errors import ConfigError, PluginError
 from shardplug.flops import float32_note, product_dtypes
 from shardplug.loop.feed import global_struct
@@ -226,7 +228,7 @@ def explain(
     if param is not None and param not in paths:  # before compiling: a typo costs nothing
         raise ConfigError(f"no parameter {param!r}; the parameters are: {', '.join(paths)}")
     with sorted_stderr(trainer.strategy.name):  # XLA's own lines, said in one of ours
-        trainer.compile(batch)
+        target_notes = compile_noting(trainer, batch)  # for a GPU not here: what it is
     flat_params = jax.tree.leaves(state.params)
     flat_shardings = jax.tree.leaves(shardings.params)
     pairs = zip(flat_params, flat_shardings, strict=True)
@@ -269,7 +271,7 @@ def explain(
     device = mesh.devices.flat[0]
     from_backend = device_memory is None
     if from_backend:
-        device_memory = backend_memory(device)
+        device_memory = backend_memory(device) or memory_of(device)
     entry = entry_bytes(hlo_text)
     per_device = {
         "params_bytes": params_bytes,
@@ -313,7 +315,7 @@ def explain(
                  jax.tree.leaves(trainer.batch_shardings)[0]),
         _picture(param, params[chosen].shape, flat_shardings[chosen]),
     ]  # fmt: skip
-    notes: list[str] = []
+    notes: list[str] = list(target_notes)
     reports: dict[str, Any] = {}
     composition = trainer.strategy.composition
     stored = [x.spec for x in flat_shardings]
@@ -441,8 +443,9 @@ def _parts_note(group: dict[str, Any]) -> str:
 
 
 def backend_memory(device: Any) -> int | None:
-    """The bytes the backend lets this process allocate on ``device`` (None on CPUs)."""
-    return (device.memory_stats() or {}).get("bytes_limit")
+    """The bytes the backend lets this process allocate on ``device`` (None on CPUs, and on
+    a device compiled for and not present: a ``--target``'s)."""
+    return None if is_compile_only(device) else (device.memory_stats() or {}).get("bytes_limit")
 
 
 def memory_limit_note(device: Any) -> str:

@@ -426,9 +426,11 @@ def axis_names(pairs: Sequence[str]) -> dict[str, str]:
     return names
 
 
-def trainer_for(config: RunConfig, task: Any, strategy: Any, *, allocate: bool = True) -> Any:
+def trainer_for(config: RunConfig, task: Any, strategy: Any, *, allocate: bool = True,
+                devices: Any = None) -> Any:  # fmt: skip
     """The one Trainer a command builds: ``task``'s (:meth:`shardplug.Task.trainer`) with
-    ``strategy`` (:func:`strategy_of`) and every setting the command line gave."""
+    ``strategy`` (:func:`strategy_of`) and every setting the command line gave; on
+    ``devices`` where given (a ``--target``'s), else on ``--devices`` of JAX's."""
     run = {}
     if config.command == "train":  # the loop's settings, the checkpoints'
         run = dict(
@@ -439,7 +441,8 @@ def trainer_for(config: RunConfig, task: Any, strategy: Any, *, allocate: bool =
             data_timeout=config.data_timeout, peak_tflops=config.peak_tflops,
         )  # fmt: skip
     return task.trainer(
-        strategy=strategy, devices=config.devices, mesh=config.mesh, seed=config.seed or 0,
+        strategy=strategy, devices=config.devices if devices is None else devices,
+        mesh=config.mesh, seed=config.seed or 0,
         grad_accum=config.grad_accum, precision=config.precision, axis_types=config.axis_types,
         allocate=allocate, **run,
     )  # fmt: skip

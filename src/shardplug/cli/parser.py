@@ -348,6 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--param", default=None, help="parameter to picture (default: largest)")
     explain.add_argument("--all", action="store_true", help="a row for every parameter "
                          "(default: one per layout and reason, layers as *)")  # fmt: skip
+    explain.add_argument("--target", default=None, metavar="GPU",
+                         help="compile for this GPU, not present (h100, h200, a100; --devices "
+                         "of them): its compiler's program and memory; needs JAX's CUDA "
+                         "plugin, pip install 'shardplug[target]'")  # fmt: skip
 
     recommend = sub.add_parser(
         "recommend",

@@ -22,11 +22,19 @@ from shardplug.errors import ConfigError
 def cmd_explain(args: argparse.Namespace) -> int:
     config = RunConfig.of(args)
     strategy = strategy_of(config)  # an unknown name or option is one line, before anything
+    devices = None
+    if args.target is not None:  # compiled on this machine's CPU for a GPU not here
+        from shardplug.core.targets import find_target, on_cpu_alone, target_devices
+
+        find_target(args.target)
+        on_cpu_alone()
     task = _prepare(config)
+    if args.target is not None:
+        devices = target_devices(args.target, config.devices or 1)
     from shardplug.explain import explain
     from shardplug.views import plot, render
 
-    trainer = trainer_for(config, task, strategy, allocate=False)
+    trainer = trainer_for(config, task, strategy, allocate=False, devices=devices)
     batch = plan_batch(task)
     report = explain(trainer, batch, device_memory=args.device_memory, param=args.param)
     if args.json:

@@ -166,6 +166,10 @@ def choose(query: Any, key: Any, value: Any, *, platform: str) -> tuple[Implemen
     return "cudnn", None
 
 
+#: why cuDNN's fused attention refused each call it refused (explain --target reads it)
+REFUSED: list[str] = []
+
+
 def _try_cudnn(query, key, value, bias, mask, scale, causal, lengths) -> Implementation:
     """``"cudnn"`` if cuDNN accepts these inputs when traced, ``"xla"`` (said once) if not:
     its wrapper may refuse inputs whose explicit shardings it has no rule for."""
@@ -179,6 +183,7 @@ def _try_cudnn(query, key, value, bias, mask, scale, causal, lengths) -> Impleme
         )  # fmt: skip
     except Exception as exc:  # whatever cuDNN's wrapper refuses (dtypes, shapes, shardings)
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        REFUSED.append(reason)
         _say_once(f"cuDNN's fused attention refused these inputs ({reason}); using XLA's")
         return "xla"
     return "cudnn"

@@ -7,7 +7,8 @@ loaded one waits forever (XLA aborts it after 40 s) where two of its collectives
 no data of each other. pp's ticks are such a program: its sends round the stage ring and
 the values leaving the region are conditionals that every device takes alike, ordered by
 ``optimization_barrier`` alone, which XLA removes once it has scheduled them. Such programs,
-collectives inside conditionals on CPU devices, are compiled afresh.
+collectives inside conditionals on CPU devices, are compiled afresh; so is a program for a
+GPU that is not here (``--target``), which JAX writes to the cache and cannot load back.
 """
 
 from __future__ import annotations
@@ -65,21 +66,28 @@ def collectives_in_conditionals(jaxpr: Any) -> bool:
     return find(getattr(jaxpr, "jaxpr", jaxpr))
 
 
-def keep_out(jaxpr: Any, platform: str) -> bool:
-    """Whether a program is compiled outside the cache: collectives inside conditionals, on
-    CPU devices, with a JAX after 0.10 and a cache in use."""
+def keep_out(jaxpr: Any, device: Any) -> bool:
+    """Whether a program for ``device``'s kind is compiled outside the cache: for a GPU that
+    is not here (a compile-only device, whose program JAX cannot load back), or with
+    collectives inside conditionals, on CPU devices, with a JAX after 0.10."""
     import jax
 
-    if platform != "cpu" or not jax.config.jax_compilation_cache_dir:
+    from shardplug.core.devices import is_compile_only
+
+    if not jax.config.jax_compilation_cache_dir:
+        return False
+    if is_compile_only(device):
+        return True
+    if device.platform != "cpu":
         return False
     if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11):
         return False
     return collectives_in_conditionals(jaxpr)
 
 
-def compile_step(lowered: Any, jaxpr: Any, platform: str) -> Any:
+def compile_step(lowered: Any, jaxpr: Any, device: Any) -> Any:
     """``lowered.compile()``, outside the cache where :func:`keep_out` says so."""
-    if keep_out(jaxpr, platform):
+    if keep_out(jaxpr, device):
         with uncached():
             return lowered.compile()
     return lowered.compile()

@@ -89,3 +89,9 @@ def cpu_only_note() -> str:
         "an NVIDIA GPU is visible to the system but JAX has only its CPU backend, so this "
         f"run uses the CPU: install JAX's CUDA plugin with {CUDA_INSTALL}"
     )
+
+
+def is_compile_only(device: Any) -> bool:
+    """Whether ``device`` is a GPU compiled for and not present (``explain --target``'s,
+    :func:`shardplug.core.targets.target_devices`)."""
+    return device.platform == "gpu" and device not in jax.devices()

@@ -456,28 +456,6 @@ def make_eval_step(
     return step
 
 
-def _finite(tree: Any) -> jax.Array:
-    """Whether every array of ``tree`` is finite, each judged in the memory it lives in (an
-    offloaded parameter on the host, never brought to the devices for it)."""
-    leaves = jax.tree.leaves(tree)
-    off = tuple(memory.off_devices(getattr(x, "sharding", None)) for x in leaves)
-    return _all_finite(leaves, off)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _all_finite(leaves: list[Any], off: tuple[bool, ...]) -> jax.Array:
-    here = [x for x, o in zip(leaves, off, strict=True) if not o]
-    there = [x for x, o in zip(leaves, off, strict=True) if o]
-    ok = jnp.isfinite(optax.tree.norm(here))
-    if there:
-        def each(leaves: list[Any]) -> jax.Array:  # no constant of the devices' memory in it
-            return functools.reduce(jnp.logical_and, [jnp.isfinite(x).all() for x in leaves])
-
-        on_host = memory.on_host(each, there)
-        ok = ok & jax.device_put(on_host, jax.memory.Space.Device)
-    return ok
-
-
 def key_impl(x: Any) -> Any:
     """A PRNG key array's implementation, None for any other leaf."""
     is_key = hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)

@@ -190,14 +190,14 @@ def _trace(step_for, abstract, batch_shardings, *, strategy, mesh, state_shardin
 
 def build(step_for: Callable[[Any], Callable], batch: Any, **context: Any) -> Program:
     """:func:`lower`, compiled: the program for batches shaped like ``batch``."""
-    platform = context["mesh"].devices.flat[0].platform
+    device = context["mesh"].devices.flat[0]
     lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
-    compiled = cache.compile_step(lowered, jaxpr, platform)
+    compiled = cache.compile_step(lowered, jaxpr, device)
     try:
         _checked(compiled, context["strategy"], context["mesh"])
     except TraceAgain:  # a parallelism changed what it traces: once more, and final
         lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
-        compiled = cache.compile_step(lowered, jaxpr, platform)
+        compiled = cache.compile_step(lowered, jaxpr, device)
         _checked(compiled, context["strategy"], context["mesh"])
     return Program(compiled, batch_shardings, feed.signature(batch), jaxpr)
 

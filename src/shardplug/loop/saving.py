@@ -8,12 +8,15 @@ saved.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import optax
 
-from shardplug.core.step import _finite
+from shardplug.core import memory
 from shardplug.errors import CheckpointError, NonFiniteError
 from shardplug.loop import feed
 from shardplug.loop.program import RunState
@@ -117,3 +120,25 @@ class RunCheckpoints:
                 f"{existing[-1]}): call restore() to continue that run, or choose an empty "
                 f"directory"
             )
+
+
+def _finite(tree: Any) -> jax.Array:
+    """Whether every array of ``tree`` is finite, each judged in the memory it lives in (an
+    offloaded parameter on the host, never brought to the devices for it)."""
+    leaves = jax.tree.leaves(tree)
+    off = tuple(memory.off_devices(getattr(x, "sharding", None)) for x in leaves)
+    return _all_finite(leaves, off)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _all_finite(leaves: list[Any], off: tuple[bool, ...]) -> jax.Array:
+    here = [x for x, o in zip(leaves, off, strict=True) if not o]
+    there = [x for x, o in zip(leaves, off, strict=True) if o]
+    ok = jnp.isfinite(optax.tree.norm(here))
+    if there:
+        def each(leaves: list[Any]) -> jax.Array:  # no constant of the devices' memory in it
+            return functools.reduce(jnp.logical_and, [jnp.isfinite(x).all() for x in leaves])
+
+        on_host = memory.on_host(each, there)
+        ok = ok & jax.device_put(on_host, jax.memory.Space.Device)
+    return ok
