@@ -30,18 +30,93 @@ NAMES = {dtype: name for name, dtype in DTYPES.items()}
 INDEX = "model.safetensors.index.json"
 
 
+#: the longest header shardplug reads (safetensors' own limit)
+MAX_HEADER = 100_000_000
+
+
 def _header(path: pathlib.Path) -> tuple[dict[str, Any], int]:
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise PretrainedError(f"{path}: not a safetensors file (shorter than its header)")
-        (size,) = struct.unpack("<Q", head)
-        try:
-            header = json.loads(f.read(size))
-        except ValueError:
-            raise PretrainedError(f"{path}: not a safetensors file (no JSON header)") from None
+    """A safetensors file's tensors (name: dtype, shape, byte range) and where their bytes
+    start, checked by the format's rules before a byte of them is used: a header that is a
+    JSON object of entries, each a known dtype, a shape of counts and a range as long as
+    shape times dtype, the ranges in order, one after the other, covering the data exactly."""
+    damaged = f"{path}: a damaged safetensors file ({{}}); download or copy it again"
+    try:
+        total = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise PretrainedError(f"{path}: not a safetensors file (shorter than a header)")
+            (size,) = struct.unpack("<Q", head)
+            if size > min(MAX_HEADER, total - 8):
+                why = f"its header says it is {size} bytes long, the file has {total - 8}"
+                raise PretrainedError(damaged.format(why))
+            text = f.read(size)
+    except OSError as exc:
+        raise PretrainedError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        header = json.loads(text)
+    except (ValueError, UnicodeDecodeError):
+        raise PretrainedError(f"{path}: not a safetensors file (no JSON header)") from None
+    if not isinstance(header, dict):
+        raise PretrainedError(damaged.format(f"its header is a {type(header).__name__}, not an "
+                                             "object of tensors"))  # fmt: skip
     header.pop("__metadata__", None)
+    spans = []
+    for name, entry in header.items():
+        spans.append((_span(name, entry, damaged, path), name))
+    end = 0
+    for (begin, stop), name in sorted(spans):
+        if begin != end:
+            why = "it overlaps the one before" if begin < end else "a gap before it"
+            raise PretrainedError(damaged.format(f"{name!r} starts at byte {begin}: {why}"))
+        end = stop
+    if end != total - 8 - size:
+        why = f"its tensors cover {end} bytes of data, the file holds {total - 8 - size}"
+        raise PretrainedError(damaged.format(why))
     return header, 8 + size
+
+
+def _span(name: str, entry: Any, damaged: str, path: pathlib.Path) -> tuple[int, int]:
+    """A header entry's byte range, checked against its dtype and shape."""
+
+    def counts(value: Any, length: int | None = None) -> bool:
+        return (isinstance(value, list) and (length is None or len(value) == length)
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                        for v in value))  # fmt: skip
+
+    if not isinstance(entry, dict):
+        raise PretrainedError(damaged.format(f"{name!r} is a {type(entry).__name__}, not an "
+                                             "entry of dtype, shape and data_offsets"))  # fmt: skip
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPES:
+        raise PretrainedError(
+            f"{path}: {name}: dtype {dtype} is not one shardplug reads ({', '.join(DTYPES)})"
+            if isinstance(dtype, str) else damaged.format(f"{name!r} has no dtype")
+        )  # fmt: skip
+    if not counts(shape):
+        raise PretrainedError(damaged.format(f"{name!r} has shape {shape!r}"))
+    if not counts(offsets, 2) or offsets[0] > offsets[1]:
+        raise PretrainedError(damaged.format(f"{name!r} has data_offsets {offsets!r}"))
+    want = int(np.prod(shape, dtype=object)) * DTYPES[dtype].itemsize
+    if offsets[1] - offsets[0] != want:
+        raise PretrainedError(damaged.format(
+            f"{name!r} spans {offsets[1] - offsets[0]} bytes; its shape {shape} of {dtype} "
+            f"takes {want}"))  # fmt: skip
+    return offsets[0], offsets[1]
+
+
+def _shards(index: pathlib.Path) -> list[str]:
+    """The shard files an index's ``weight_map`` names."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, ValueError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(f, str) and f and "/" not in f for f in weight_map.values()
+    ):
+        raise PretrainedError(f"{index}: not a safetensors index (a weight_map of tensor "
+                              "names to shard files in this folder); copy it again")  # fmt: skip
+    return sorted(set(weight_map.values()))
 
 
 class Tensors:
@@ -53,8 +128,7 @@ class Tensors:
         self.bytes_read = 0
         index = self.directory / INDEX
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            files = _shards(index)
         else:
             files = sorted(p.name for p in self.directory.glob("*.safetensors"))
             if not files:
