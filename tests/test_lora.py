@@ -5,6 +5,7 @@ and bad input in one line."""
 
 import functools
 import itertools
+import json
 import math
 import shutil
 from pathlib import Path
@@ -358,3 +359,29 @@ def test_a_frozen_base_stays_frozen_whatever_the_optimizer():
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(before["lora"]["blocks.wi"]["r"],
                               run.state.params["lora"]["blocks.wi"]["r"])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: (d / "adapter_config.json").write_text("{"), "not readable JSON"),
+        (lambda d: (d / "adapter_config.json").write_text("[]"), "a list, not PEFT's adapter"),
+        (lambda d: _edit(d, r="16"), "r is '16'; PEFT's rank is a positive integer"),
+        (lambda d: _edit(d, lora_alpha=None), "lora_alpha is None; it takes a number"),
+        (lambda d: (d / "adapter_model.safetensors").write_bytes(b"\x10" + bytes(7) + b"{}"),
+         "a damaged safetensors file"),
+    ],
+)
+def test_damaged_adapters_are_one_line(tmp_path, capsys, damage, message):
+    where = Path(shutil.copytree(PEFT, tmp_path / "adapters"))
+    damage(where)
+    assert main(["train", "--init-from", "tests/fixtures/hf/llama", "--lora-from", str(where),
+                 "--steps", "1"]) == 2  # fmt: skip
+    (line,) = said(capsys.readouterr().err)
+    assert line.startswith("shardplug: error: ") and message in line, line
+
+
+def _edit(where, **changes):
+    raw = json.loads((where / "adapter_config.json").read_text())
+    raw.update(changes)
+    (where / "adapter_config.json").write_text(json.dumps(raw))

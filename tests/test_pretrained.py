@@ -204,6 +204,10 @@ def _config(where: pathlib.Path, **changes) -> None:
             lambda d: _config(d, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
             "rotary scaling 'yarn' is not supported",
         ),
+        (lambda d: (d / "config.json").write_text("[1, 2]"), "a list, not a model's config"),
+        (lambda d: _config(d, hidden_size="64"), "hidden_size is '64'; it takes a positive"),
+        (lambda d: _config(d, num_key_value_heads=0), "num_key_value_heads is 0; it takes a"),
+        (lambda d: _config(d, rms_norm_eps="tiny"), "rms_norm_eps is 'tiny'; it takes a number"),
     ],
 )
 def test_a_bad_checkpoint_is_one_line(tmp_path, damage, message):

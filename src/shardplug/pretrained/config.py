@@ -109,10 +109,30 @@ class DecoderConfig:
 
 
 def need(raw: dict, key: str, where: pathlib.Path) -> Any:
-    """``raw[key]``, or a one-line error naming the checkpoint."""
+    """``raw[key]``, a count (a positive integer), or a one-line error naming the checkpoint."""
     if key not in raw:
         raise PretrainedError(f"{where}: config.json has no {key!r}, which a decoder needs")
-    return raw[key]
+    return count(raw, key, where)
+
+
+def count(raw: dict, key: str, where: pathlib.Path) -> int | None:
+    """``raw[key]`` where it is a positive integer, None where absent or null; else a
+    one-line error (``"hidden_size": "64"`` is a string, not a count)."""
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PretrainedError(f"{where}: config.json's {key} is {value!r}; it takes a positive "
+                              "integer")  # fmt: skip
+    return value
+
+
+def number(raw: dict, key: str, where: pathlib.Path, default: float) -> float:
+    """``raw[key]`` as a float (``default`` where absent); else a one-line error."""
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PretrainedError(f"{where}: config.json's {key} is {value!r}; it takes a number")
+    return float(value)
 
 
 def rope(raw: dict, where: pathlib.Path, params: dict | None = None) -> tuple[float, dict]:
@@ -158,15 +178,15 @@ def read_fields(raw: dict, where: pathlib.Path, *, family: str, traits: Traits,
         mlp=need(raw, "intermediate_size", where),
         layers=need(raw, "num_hidden_layers", where),
         heads=heads,
-        kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or width // heads,
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        kv_heads=count(raw, "num_key_value_heads", where) or heads,
+        head_dim=count(raw, "head_dim", where) or width // heads,
+        norm_eps=number(raw, "rms_norm_eps", where, 1e-6),
         tied=bool(raw.get("tie_word_embeddings", False)),
-        router_aux_loss=float(raw.get("router_aux_loss_coef", 0.0)),
-        sliding_window=raw.get("sliding_window"),
+        router_aux_loss=number(raw, "router_aux_loss_coef", where, 0.0),
+        sliding_window=count(raw, "sliding_window", where),
         activation=ACTIVATIONS[act],
         traits=traits,
-        max_positions=raw.get("max_position_embeddings"),
+        max_positions=count(raw, "max_position_embeddings", where),
         dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         raw=raw,
     )

@@ -62,7 +62,7 @@ def read(directory: str | pathlib.Path, c: DecoderConfig) -> tuple[int, float, d
                 f"{where}: {key} {config[key]!r}; shardplug's adapters are plain LoRA "
                 f"({key} {plain!r})"
             )
-    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    rank, alpha = settings(directory)
     files = Tensors(directory)
     names = set(files.names())
     factors = {}
@@ -131,13 +131,27 @@ def _config(directory: str | pathlib.Path) -> dict[str, Any]:
     where = pathlib.Path(directory) / CONFIG
     if not where.is_file():
         raise PretrainedError(f"--lora-from {directory}: no {CONFIG} there (PEFT's adapters)")
-    return json.loads(where.read_text())
+    try:
+        config = json.loads(where.read_text())
+    except (OSError, ValueError) as e:
+        raise PretrainedError(f"--lora-from {where}: not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise PretrainedError(f"--lora-from {where}: a {type(config).__name__}, not PEFT's "
+                              "adapter config (an object)")  # fmt: skip
+    return config
 
 
 def settings(directory: str | pathlib.Path) -> tuple[int, float]:
     """``(rank, alpha)`` of PEFT's adapters in ``directory``, from their config."""
     config = _config(directory)
-    return int(config["r"]), float(config["lora_alpha"])
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise PretrainedError(f"--lora-from {directory}: {CONFIG}'s r is {rank!r}; PEFT's "
+                              "rank is a positive integer")  # fmt: skip
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise PretrainedError(f"--lora-from {directory}: {CONFIG}'s lora_alpha is {alpha!r}; "
+                              "it takes a number")  # fmt: skip
+    return rank, float(alpha)
 
 
 def of_run(run: dict[str, Any]) -> tuple[int, float] | None:

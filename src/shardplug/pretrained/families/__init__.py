@@ -43,6 +43,8 @@ def read_config(directory: str | pathlib.Path) -> DecoderConfig:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise PretrainedError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise PretrainedError(f"{path}: a {type(raw).__name__}, not a model's config (an object)")
     family = FAMILIES.get(raw.get("model_type"))
     if family is None:
         named = raw.get("model_type") or ", ".join(raw.get("architectures") or []) or "none given"
