@@ -219,14 +219,25 @@ def test_the_losses_are_drawn_from_a_run_and_from_its_metrics(tmp_path, capsys):
     assert f"drew the losses in {png}" in capsys.readouterr().out
     assert main(["plot", str(metrics)]) == 0 and again.read_bytes()[:4] == b"\x89PNG"
     (tmp_path / "bad.jsonl").write_text('{"step": 0, "loss": 1.0}\nnot json\n')
+    (tmp_path / "text.jsonl").write_text('{"step": 0, "loss": "4.1"}\n')
+    (tmp_path / "list.jsonl").write_text('[1, 2]\n')
+    named_png = tmp_path / "metrics.png"  # the metrics, named as a picture
+    named_png.write_bytes(metrics.read_bytes())
+    kept = {p: p.read_bytes() for p in (metrics, named_png)}
     for argv, message in [
         (["plot", str(tmp_path / "none.jsonl")], "no such file; give the JSON lines"),
         (["plot", str(tmp_path / "bad.jsonl")], "bad.jsonl:2: not a JSON line"),
+        (["plot", str(tmp_path / "text.jsonl")], "row 1: its loss is '4.1'; train"),
+        (["plot", str(tmp_path / "list.jsonl")], "row 1 is not an object"),
+        (["plot", str(named_png)], "is the file this command reads, which it never writes"),
+        (["plot", str(metrics), "--out", str(metrics)], "a picture is drawn as .png"),
         (["train", "--model", "mlp", "--plot", str(tmp_path)], "is a folder: name the .png"),
+        (["train", "--model", "mlp", "--plot", "loss.xyz"], "--plot loss.xyz: a picture is"),
     ]:
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+    assert {p: p.read_bytes() for p in kept} == kept  # nothing the user gave was written
 
 
 def test_recommend_compares_strategies_of_its_own_and_takes_no_strategy_option(capsys):

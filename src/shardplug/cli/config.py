@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -466,16 +467,31 @@ def plan_batch(task: Any) -> Any:
     return batch
 
 
-def _png(path: Path) -> Path:
-    """Where ``--plot`` draws: refused at once when it names a folder; ``.png`` added when
-    it has no suffix (as matplotlib would); its missing folders made."""
+#: the formats a picture is drawn in (matplotlib's, by the file's suffix)
+PICTURES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp")
+
+
+def _png(path: Path, flag: str = "--plot", reads: tuple[Path, ...] = ()) -> Path:
+    """Where ``flag`` draws, checked before anything runs: refused at once when it names a
+    folder, a format no picture is drawn in, a file the command reads (``reads``) or a
+    folder it cannot write in; ``.png`` added when it has no suffix (as matplotlib would);
+    its missing folders made."""
     if path.is_dir():
-        raise ConfigError(f"--plot {path} is a folder: name the .png file to write in it")
+        raise ConfigError(f"{flag} {path} is a folder: name the .png file to write in it")
     path = path if path.suffix else path.with_suffix(".png")
+    if path.suffix.lower() not in PICTURES:
+        raise ConfigError(f"{flag} {path}: a picture is drawn as {', '.join(PICTURES)}; name "
+                          f"a file ending in one, e.g. {path.with_suffix('.png')}")  # fmt: skip
+    if any(path.resolve() == r.resolve() for r in reads):
+        other = path.with_name(f"{path.stem}-loss.png")
+        raise ConfigError(f"{flag} {path} is the file this command reads, which it never "
+                          f"writes: give another, e.g. {flag} {other}")  # fmt: skip
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"--plot {path}: cannot make its folder ({e.strerror})") from None
+        raise ConfigError(f"{flag} {path}: cannot make its folder ({e.strerror})") from None
+    if not os.access(path.parent, os.W_OK):
+        raise ConfigError(f"{flag} {path}: its folder {path.parent} is not writable")
     return path
 
 

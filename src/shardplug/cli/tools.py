@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -219,7 +220,18 @@ def cmd_plot(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"{path}:{number}: not a JSON line (is it train's --metrics-out?)"
             ) from None
-    out = args.out or path.with_suffix(".png")
+    from shardplug.cli.config import _png
+
+    out = _png(args.out or path.with_suffix(".png"), "--out", reads=(path,))
+    for number, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}: row {number} is not an object (is it train's "
+                              "--metrics-out?)")  # fmt: skip
+        bad = [k for k in ("step", "loss") if row.get(k) is not None
+               and (isinstance(row[k], bool) or not isinstance(row[k], int | float))]  # fmt: skip
+        if bad:
+            raise ConfigError(f"{path}: row {number}: its {bad[0]} is {row[bad[0]]!r}; train "
+                              "--metrics-out writes numbers")  # fmt: skip
     print(f"shardplug: wrote {plot_losses(rows, out, title=path.name)}")
     return 0
 
@@ -243,7 +255,13 @@ def plot_losses(rows: list[dict], out: Path, title: str = "") -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    drawing = out.with_name(f".{out.stem}.drawing{out.suffix}")  # written whole, then named
+    try:
+        fig.savefig(drawing, dpi=120)
+        os.replace(drawing, out)
+    finally:
+        drawing.unlink(missing_ok=True)
     plt.close(fig)
     return out
