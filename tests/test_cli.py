@@ -256,3 +256,10 @@ def test_a_resume_reads_the_run_the_checkpoint_holds():
     assert (old.task, old.seed) == ("shardplug.builtin_tasks:digits", 3)
     with pytest.raises(ConfigError, match=r"holds a run of task t\.py:task, not one --init-from"):
         resumed(RunConfig(init_from="ckpt", checkpoint_dir=Path("c")), {"task": "t.py:task"})
+
+
+@pytest.mark.parametrize("size", ["1e309", "1e400GB", "1.2.3GB", "0", "-5GB", "80XB"])
+def test_a_device_memory_that_is_not_a_size_is_one_line(size, capsys):
+    assert main(["recommend", "--model", "mlp", "--device-memory", size]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("shardplug: error: argument --device-memory: expected a ")

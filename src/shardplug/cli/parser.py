@@ -58,9 +58,14 @@ def _memory(text: str) -> int:
     unit = match.group(2).upper() if match else None
     if match is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"expected a size such as 80GB or 512MiB, got {text!r}")
-    value = float(match.group(1)) * _UNITS[unit]
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    try:
+        value = float(match.group(1)) * _UNITS[unit]
+    except ValueError:  # "1.2.3"
+        raise argparse.ArgumentTypeError(f"expected a size such as 80GB, got {text!r}") from None
+    if not 0 < value < 2**63:  # 1e309 is infinite, and no device holds 8 EiB
+        raise argparse.ArgumentTypeError(
+            f"expected a positive size below 8 EiB, such as 80GB, got {text!r}"
+        )
     return int(value)
 
 
