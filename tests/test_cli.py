@@ -260,6 +260,6 @@ def test_a_resume_reads_the_run_the_checkpoint_holds():
 
 @pytest.mark.parametrize("size", ["1e309", "1e400GB", "1.2.3GB", "0", "-5GB", "80XB"])
 def test_a_device_memory_that_is_not_a_size_is_one_line(size, capsys):
-    assert main(["recommend", "--model", "mlp", "--device-memory", size]) == 2
+    assert main(["recommend", "--model", "mlp", f"--device-memory={size}"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("shardplug: error: argument --device-memory: expected a ")
