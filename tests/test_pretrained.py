@@ -322,6 +322,12 @@ def test_text_that_cannot_be_used_is_one_line(tmp_path, capsys):
     bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
     with pytest.raises(PretrainedError, match=r"bad.jsonl:2: each line of a .jsonl file"):
         model.task(batch_size=2, text=str(bad), sequence=4)
+    for lines, message in [('{"text": 42}\n', 'bad.jsonl:1: its "text" is 42; a document'),
+                           ('{"text": null}\n', 'its "text" is None'),
+                           ("\n\n  \n", "no text in its files")]:  # fmt: skip
+        bad.write_text(lines)
+        with pytest.raises(PretrainedError, match=message):
+            model.task(batch_size=2, text=str(bad), sequence=4)
     for argv, message in [
         (["--data", "text:x.txt"], "--data text:... fine-tunes a pretrained checkpoint"),
         (["--init-from", str(FIXTURES / "llama"), "--data", "x.txt"], "give text:FILE_OR_GLOB"),

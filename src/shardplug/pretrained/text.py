@@ -56,12 +56,19 @@ def documents(pattern: str) -> list[str]:
                 continue
             try:
                 record = json.loads(line)
-                out.append(record["text"])
+                found = record["text"]
             except (ValueError, KeyError, TypeError):
                 raise PretrainedError(
                     f"{path}:{number}: each line of a .jsonl file is a JSON object with a "
                     '"text" field'
                 ) from None
+            if not isinstance(found, str):
+                raise PretrainedError(f'{path}:{number}: its "text" is {found!r}; a document '
+                                      "is a string")  # fmt: skip
+            out.append(found)
+    if not any(doc.strip() for doc in out):
+        raise PretrainedError(f"text:{pattern}: no text in its files (only blank lines); give "
+                              "documents to train on")  # fmt: skip
     return out
 
 
