@@ -118,6 +118,23 @@ def test_export_writes_the_familys_tensors_back_byte_for_byte(tmp_path, family):
     assert again.config == model.config  # the config round-trips (tensors in one file now)
 
 
+def test_an_export_that_fails_leaves_no_folder_behind(tmp_path, monkeypatch):
+    import shardplug.pretrained as module
+
+    model = pretrained.load(FIXTURES / "qwen2")
+
+    def full_disk(path, entries):
+        pathlib.Path(path).write_bytes(b"part")
+        raise OSError(28, "No space left on device")
+
+    trainer = shardplug.Trainer(model.adapter("nnx"), loss_fn=model.loss_fn,
+                                optimizer=optax.sgd(0.0), devices=1)  # fmt: skip
+    monkeypatch.setattr(module, "write", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        pretrained.export(trainer.state.params, model, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []  # written whole or not at all
+
+
 def test_configs_as_transformers_4_and_5_write_them_read_the_same(tmp_path):
     raw = json.loads((FIXTURES / "llama" / "config.json").read_text())  # 4.x: rope_scaling
     five = {k: v for k, v in raw.items() if k not in ("rope_theta", "rope_scaling")}

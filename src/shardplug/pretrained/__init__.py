@@ -21,6 +21,7 @@ and shapes, one tensor at a time.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -382,12 +383,16 @@ def _write(
         for entry in entries:
             entry[3]()
         return out
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     partial = out / "model.safetensors.partial"
     try:
         write(partial, entries)
     except BaseException:
         partial.unlink(missing_ok=True)
+        if made:  # an output is written whole or not at all: no empty folder left
+            with contextlib.suppress(OSError):
+                out.rmdir()
         raise
     partial.rename(out / "model.safetensors")
     raw = dict(config.raw)
