@@ -120,6 +120,7 @@ BAD = [
     (["--strategy", "fsdp", "-o", "threshold=3"], "has no option 'threshold'"),
     (["--strategy", "fsdp", "-o", "min_size=big"], "option min_size='big' is not a valid int"),
     (["--strategy", "fsdp", "-o", "min_size"], "is not KEY=VALUE"),
+    (["--strategy", "fsdp+cp", "-o", "cp.scheme="], "option cp.scheme= has no value: give one"),
     (["--model", "resnet"], "unknown model 'resnet'; available: classifier, cnn, mlp, transformer"),
     (["--adapter", "keras"], "unknown adapter 'keras'; available: nnx, linen, equinox"),
     (["--devices", "0"], "argument --devices: must be positive, got 0"),

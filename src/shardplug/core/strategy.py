@@ -42,6 +42,11 @@ class StrategyOption:
         """The option's value from text (``-o KEY=VALUE``), typed by its annotation (of a
         union, the first of its plain types the text is: ``none``, bool, int, float, str)."""
         kind = self.type
+        if not text.strip():  # -o cp.scheme= ran with the default, where =bogus is refused
+            raise StrategyOptionError(
+                f"option {self.name}= has no value: give one, or leave the option out for its "
+                "default"
+            )
         if "|" in kind:
             kinds = [k.strip() for k in kind.split("|")]
             if "None" in kinds and text.lower() == "none":
