@@ -97,3 +97,45 @@ def test_skipped_steps_are_counted_and_the_metrics_are_strict_json(tasks, tmp_pa
     rows = [json.loads(line, parse_constant=refuse) for line in out.read_text().splitlines()]
     assert [r["loss"] is None for r in rows] == [False, True, False, True, False]
     assert [r["skipped"] for r in rows] == [0, 1, 0, 1, 0]
+
+
+def _api_misuse(case):
+    import optax
+
+    import shardplug
+
+    model = shardplug.get_model("mlp")
+
+    def trainer(loss_fn=model.loss_fn, **kwargs):
+        return shardplug.Trainer(model.adapter("nnx"), loss_fn=loss_fn,
+                                 optimizer=optax.sgd(0.1), devices=2, **kwargs)  # fmt: skip
+
+    return {
+        "strategy=3": lambda: trainer(strategy=3),
+        "strategy=None": lambda: trainer(strategy=None),
+        "strategy=class": lambda: trainer(strategy=shardplug.Trainer),
+        "mesh of strings": lambda: trainer(mesh={"data": "2"}),
+        "fit(42)": lambda: trainer().fit(42, 1),
+        "fit([None, None])": lambda: trainer().fit([None, None], 2),
+        "a loss of one argument": lambda: trainer(loss_fn=lambda m: 0.0).fit(model.batches(8), 1),
+        "a loss that is not a function": lambda: trainer(loss_fn=3).fit(model.batches(8), 1),
+    }[case]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [("strategy=3", "strategy=3: give a strategy's name"),
+     ("strategy=None", "strategy=None: give a strategy's name"),
+     ("strategy=class", "give a strategy's name"),
+     ("mesh of strings", "mesh={'data': '2'}: give 'data=2,model=4' or a dict"),
+     ("fit(42)", r"fit\(batches=42\): give an iterable of batches"),
+     ("fit([None, None])", "the first batch is None: a batch is a pytree of arrays"),
+     ("a loss of one argument", r"cannot be called as loss_fn\(model, batch\)"),
+     ("a loss that is not a function", r"loss_fn must be a function")],
+)  # fmt: skip
+def test_the_python_apis_misuses_are_config_errors_naming_the_argument(case, message):
+    from shardplug.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as caught:
+        _api_misuse(case)()
+    assert "\n" not in str(caught.value)

@@ -29,6 +29,7 @@ from shardplug.core.mesh import (
 from shardplug.core.state import state_shardings
 from shardplug.core.step import TrainState
 from shardplug.core.strategy import Strategy
+from shardplug.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,7 @@ class Layout:
         step moving onto explicit axes if the model needs them)."""
         if devices is None or isinstance(devices, int):
             devices = select_devices(devices)
-        shape = parse_mesh(mesh) if isinstance(mesh, str) else None if mesh is None else dict(mesh)
+        shape = parse_mesh(mesh) if isinstance(mesh, str) else _sizes(mesh)
         types, why = explain_axis_types(axis_types, adapter)
         mesh = strategy.make_mesh(list(devices), shape, types)
         layout = cls(strategy, mesh, types, why, axis_types)
@@ -141,3 +142,16 @@ class Layout:
             if refused is not None:
                 raise refused from exc
             raise
+
+
+def _sizes(mesh: Any) -> dict[str, int] | None:
+    """A mesh given as a mapping: each axis name's size, a positive integer (None: none)."""
+    if mesh is None:
+        return None
+    if not isinstance(mesh, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v > 0
+        for k, v in mesh.items()
+    ):
+        raise ConfigError(f"mesh={mesh!r}: give 'data=2,model=4' or a dict of axis names to "
+                          "positive integer sizes, e.g. {'data': 2, 'model': 4}")  # fmt: skip
+    return dict(mesh)

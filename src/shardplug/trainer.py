@@ -249,7 +249,11 @@ class Trainer:
             self._saver.refuse_existing()
         self._runs("train")
         evaluating = periodic(eval_data, eval_every, eval_steps, self.evaluate)
-        iterator = iter(batches)
+        try:
+            iterator = iter(batches)
+        except TypeError:
+            raise ConfigError(f"fit(batches={batches!r}): give an iterable of batches (a list, "
+                              "a generator, a Grain dataset's iterator)") from None  # fmt: skip
         if stateful(iterator):  # Grain's: its state goes into every checkpoint
             iterator = self._data = Tracked.resumed(iterator, self.step, self._data_state)
             self._data_state = None

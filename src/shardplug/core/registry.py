@@ -266,6 +266,11 @@ def resolve_strategy(strategy: str | Strategy, axis_names: Mapping[str, str] | N
     which takes the axis names itself)."""
     if isinstance(strategy, str):
         return get_strategy(strategy, axis_names=axis_names)
+    if not isinstance(strategy, Strategy):
+        raise ConfigError(
+            f"strategy={strategy!r}: give a strategy's name (e.g. 'fsdp', 'fsdp+tp') or the "
+            "Strategy shardplug.get_strategy(name, ...) returns"
+        )
     if axis_names:
         raise ConfigError(
             "axis_names goes with a strategy name; for a Strategy object pass it to "

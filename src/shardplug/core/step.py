@@ -58,10 +58,19 @@ EXTRAS = ("rng", "train", "state")
 
 def loss_extras(loss_fn: LossFn) -> frozenset[str]:
     """Which of ``rng``, ``train`` and ``state`` the loss function takes by name."""
+    if not callable(loss_fn):
+        raise ConfigError(f"loss_fn={loss_fn!r}: give a function loss_fn(model, batch)")
     try:
-        params = inspect.signature(loss_fn).parameters
+        signature = inspect.signature(loss_fn)
     except (TypeError, ValueError):
         return frozenset()
+    params = signature.parameters
+    try:  # the model and the batch, by position
+        signature.bind(None, None, **{k: None for k in EXTRAS if k in params})
+    except TypeError:
+        name = getattr(loss_fn, "__name__", "loss_fn")
+        raise ConfigError(f"loss_fn {name}{signature} cannot be called as loss_fn(model, batch): "
+                          "take the model and the batch, in that order") from None  # fmt: skip
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return frozenset(EXTRAS)
     return frozenset(name for name in EXTRAS if name in params)

@@ -15,7 +15,13 @@ from typing import Any, NamedTuple
 import jax
 
 from shardplug.core.step import NONFINITE
-from shardplug.errors import BatchError, NonFiniteError, ShardplugWarning, TrainingInterrupted
+from shardplug.errors import (
+    BatchError,
+    ConfigError,
+    NonFiniteError,
+    ShardplugWarning,
+    TrainingInterrupted,  # fmt: skip
+)
 from shardplug.loop import feed
 from shardplug.loop.metrics import StepFacts, device_rows, peak_tflops
 from shardplug.loop.profile import Trace
@@ -41,10 +47,14 @@ def compiled_on_first(
 ) -> Iterator[Any] | None:
     """``compile(first batch)``, and the iterator with that batch back in front; None (said
     in a warning) when there is no batch."""
-    first = next(iterator, None)
-    if first is None:
+    done = object()
+    first = next(iterator, done)
+    if first is done:
         warnings.warn(f"batches ran out after 0 of {steps} steps", ShardplugWarning, 3)
         return None
+    if first is None or not jax.tree.leaves(first):  # fit([None, None]) "ran out" at once
+        raise ConfigError(f"the first batch is {first!r}: a batch is a pytree of arrays (a "
+                          "dict of them, say), and batches an iterable of those")  # fmt: skip
     compile(first)
     return itertools.chain([first], iterator)
 
