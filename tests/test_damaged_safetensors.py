@@ -132,3 +132,12 @@ def test_a_broken_index_is_one_line(tmp_path):
         index.write_text(text)
         with pytest.raises(PretrainedError, match="not a safetensors index"):
             Tensors(tmp_path)
+
+
+def test_a_tensor_holding_nan_is_refused_when_read_naming_it(tmp_path):
+    """Not at step 0 as a loss that is not finite, with advice about the learning rate."""
+    path = tmp_path / "model.safetensors"
+    bad = np.array([1.0, np.nan, np.inf], np.float32)
+    write(path, [("w", bad.shape, bad.dtype, lambda: bad)])
+    with pytest.raises(PretrainedError, match=r"tensor w holds 2 NaN or infinite values"):
+        Tensors(tmp_path).read("w")

@@ -27,6 +27,7 @@ DTYPES = {
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }  # fmt: skip
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_FLOATS = frozenset(DTYPES[k] for k in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"))
 INDEX = "model.safetensors.index.json"
 
 
@@ -185,6 +186,10 @@ class Tensors:
         out = np.array(mapped[index])
         del mapped
         self.bytes_read += out.nbytes
+        if out.dtype in _FLOATS and not np.isfinite(out).all():  # found here, not at step 0
+            bad = int(out.size - np.isfinite(out).sum())
+            raise PretrainedError(f"{path}: tensor {name} holds {bad} NaN or infinite values: "
+                                  "the checkpoint is damaged; copy it again")  # fmt: skip
         return out
 
 
