@@ -225,6 +225,9 @@ def _config(where: pathlib.Path, **changes) -> None:
         (lambda d: _config(d, hidden_size="64"), "hidden_size is '64'; it takes a positive"),
         (lambda d: _config(d, num_key_value_heads=0), "num_key_value_heads is 0; it takes a"),
         (lambda d: _config(d, rms_norm_eps="tiny"), "rms_norm_eps is 'tiny'; it takes a number"),
+        (lambda d: _config(d, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+         "rope_parameters (default) and rope_scaling (yarn) disagree"),
     ],
 )
 def test_a_bad_checkpoint_is_one_line(tmp_path, damage, message):

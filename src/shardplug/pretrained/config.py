@@ -138,9 +138,20 @@ def number(raw: dict, key: str, where: pathlib.Path, default: float) -> float:
 def rope(raw: dict, where: pathlib.Path, params: dict | None = None) -> tuple[float, dict]:
     """``(theta, scaling)`` from 5.x's ``rope_parameters`` (or ``params``, one layer type's)
     or 4.x's ``rope_theta`` and ``rope_scaling`` (whose type was once called ``type``)."""
-    params = dict(params if params is not None else raw.get("rope_parameters") or {})
+    new, old = raw.get("rope_parameters"), raw.get("rope_scaling")
+    for key, value in (("rope_parameters", new), ("rope_scaling", old)):
+        if value is not None and not isinstance(value, dict):
+            raise PretrainedError(f"{where}: config.json's {key} is {value!r}; it takes an "
+                                  "object (rope_type, factor, ...)")  # fmt: skip
+    if params is None and new and old:
+        kinds = [v.get("rope_type", v.get("type", "default")) for v in (new, old)]
+        if kinds[0] != kinds[1]:
+            raise PretrainedError(f"{where}: config.json's rope_parameters ({kinds[0]}) and "
+                                  f"rope_scaling ({kinds[1]}) disagree: keep the one the model "
+                                  "was trained with")  # fmt: skip
+    params = dict(params if params is not None else new or {})
     if not params:
-        params = dict(raw.get("rope_scaling") or {})
+        params = dict(old or {})
         params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
