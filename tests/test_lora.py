@@ -320,6 +320,10 @@ def test_the_default_targets_leave_heads_routers_and_unnamed_kernels_alone():
         lora(shardplug.get_model("cnn").task("nnx"), 8)  # its kernels' dimensions: unnamed
     with pytest.raises(ConfigError, match="rank 64 is not below its input"):
         lora(base(), 64, targets="wi")
+    # a default target the rank is too large for is refused, never left out in silence
+    with pytest.raises(ConfigError, match=r"is one of the default targets: rank 64 is not "
+                                          r"below .*; choose a rank below"):  # fmt: skip
+        lora(shardplug.get_model("transformer").task("nnx"), 64)
 
 
 def test_checkpoints_hold_the_adapters_alone_and_refuse_another_base(tmp_path):

@@ -255,6 +255,12 @@ class LoraAdapter(Adapter):
             elif self.rank >= min(fan_in, fan_out):
                 why = (f"rank {self.rank} is not below its input ({fan_in}) and output "
                        f"({fan_out}): an adapter would be no smaller than the weight")  # fmt: skip
+                if chosen and self.pattern is None and leaf.ndim - lead == 2:  # a matrix
+                    raise ConfigError(
+                        f"lora: {path}, of shape {tuple(leaf.shape)}, is one of the default "
+                        f"targets: {why}; choose a rank below {min(fan_in, fan_out)}, or "
+                        "targets that leave it out"
+                    )
             if chosen and why is not None and self.pattern is not None:
                 raise ConfigError(
                     f"lora: targets {self.pattern.pattern!r} match {path}, of shape "
