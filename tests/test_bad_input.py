@@ -24,6 +24,14 @@ def text_loss():
 def vector_metric():
     return loss_says(lambda loss: (loss, {"per_row": np.ones(3)}))
 
+def vector_loss():
+    def loss_fn(m, batch):
+        out = model.loss_fn(m, batch)
+        loss = out[0] if isinstance(out, tuple) else out
+        return loss * np.ones(2, np.float32)
+    return shardplug.Task(model.adapter("nnx"), loss_fn, optax.adam(1e-3),
+                          data=lambda: model.batches(64, 0))
+
 def empty():
     return shardplug.Task(model.adapter("nnx"), model.loss_fn, optax.adam(1e-3), data=[])
 
@@ -139,3 +147,13 @@ def test_the_python_apis_misuses_are_config_errors_naming_the_argument(case, mes
     with pytest.raises(ConfigError, match=message) as caught:
         _api_misuse(case)()
     assert "\n" not in str(caught.value)
+
+
+def test_recommend_of_a_task_every_strategy_refuses_says_the_tasks_fault(tasks, capsys):
+    argv = ["recommend", "--task", f"{tasks}:vector_loss", "--device-memory", "80GB",
+            "--strategies", "dp,fsdp"]  # fmt: skip
+    assert main(argv) == 2  # not "no strategy fits ... add devices", exit 0
+    assert one_line(capsys) == (
+        "shardplug: error: recommend: every strategy was refused this task (2); dp: loss_fn "
+        "must return a scalar loss, got shape (2,): average it"
+    )

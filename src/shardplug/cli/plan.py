@@ -89,6 +89,11 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         return 0
     with _candidates_progress() as progress:
         result = recommend(planned, memory, strategies, progress=progress)
+    rows = result["strategies"]
+    if rows and all("error" in r for r in rows):  # the task's fault, not the devices'
+        plain = next((r for r in rows if r["strategy"] == "dp"), rows[0])  # the task's own
+        raise ConfigError(f"recommend: every strategy was refused this task ({len(rows)}); "
+                          f"{plain['strategy']}: {plain['error']}")  # fmt: skip
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
