@@ -368,3 +368,12 @@ def test_bfloat16_weights_train_under_a_pipeline_on_cpu():
     history = trainer.fit(iter([{"tokens": reference("llama", rows=4)["tokens"]}] * 2), steps=2)
     want = reference("llama")["loss"]
     assert abs(history[0]["lm_loss"] - want) < 2e-2 * want  # bf16 weights and activations
+
+
+def test_float16_parameters_on_cpu_are_one_line(capsys):
+    from shardplug.cli import main
+
+    assert main(["train", "--init-from", str(FIXTURES / "qwen2"), "--param-dtype", "float16",
+                 "--steps", "1", "--devices", "1"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "XLA:CPU has no float16 matrix product" in err[0], err

@@ -30,7 +30,7 @@ from shardplug.core.step import (
     unwrap_keys,
     wrap_keys,
 )
-from shardplug.errors import PluginError, ShardplugError, TraceAgain, unsay
+from shardplug.errors import ConfigError, PluginError, ShardplugError, TraceAgain, unsay
 from shardplug.flops import forward_flops
 from shardplug.loop import feed
 
@@ -177,7 +177,7 @@ def _trace(step_for, abstract, batch_shardings, *, strategy, mesh, state_shardin
         out_shardings=(flat_shardings, None),
         donate_argnums=0,
     )
-    with tracing(mesh, strategy), ops.reading_lengths() as seen:
+    with tracing(mesh, strategy), ops.reading_lengths() as seen, _cpu_float16():
         traced = flat.trace(
             list(map(with_sharding, run.leaves, flat_shardings)),
             jax.tree.map(with_sharding, abstract, batch_shardings),
@@ -186,6 +186,20 @@ def _trace(step_for, abstract, batch_shardings, *, strategy, mesh, state_shardin
         memory.check_program(traced.jaxpr, flat_shardings, len(jax.tree.leaves(abstract)),
                              f"strategy {strategy.name!r}", paths)  # fmt: skip
         return (traced.lower(), traced.jaxpr), seen
+
+
+@contextlib.contextmanager
+def _cpu_float16() -> Any:
+    """XLA:CPU's refusal of a float16 matrix product, in one line (not 392 of XLA's)."""
+    try:
+        yield
+    except ValueError as exc:
+        if "is not supported by dot_general on CPU" not in str(exc):
+            raise
+        raise ConfigError(
+            f"{str(exc).splitlines()[0]}: XLA:CPU has no float16 matrix product; train "
+            "float16 parameters on a GPU, or cast them (--param-dtype bfloat16 or float32)"
+        ) from None
 
 
 def build(step_for: Callable[[Any], Callable], batch: Any, **context: Any) -> Program:
