@@ -264,3 +264,19 @@ def test_a_device_memory_that_is_not_a_size_is_one_line(size, capsys):
     assert main(["recommend", "--model", "mlp", f"--device-memory={size}"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("shardplug: error: argument --device-memory: expected a ")
+
+
+def test_a_path_that_cannot_be_used_is_one_line(tmp_path, capsys):
+    """An OSError about a path the command was given (a file where a folder is needed, a
+    folder it cannot read or write) is the user's to fix: one line, exit 2."""
+    ck = tmp_path / "ck"
+    assert main(["train", "--model", "mlp", "--steps", "1", "--quiet",
+                 "--checkpoint-dir", str(ck)]) == 0  # fmt: skip
+    (tmp_path / "afile").write_text("mine")
+    capsys.readouterr()
+    assert main(["export", "--checkpoint-dir", str(ck), "--out",
+                 str(tmp_path / "afile" / "w.npz")]) == 2  # fmt: skip
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"shardplug: error: {tmp_path / 'afile'}: a file, where a folder is needed; "
+                    "check the path and its permissions")  # fmt: skip
+    assert (tmp_path / "afile").read_text() == "mine"

@@ -9,6 +9,7 @@ prints the whole traceback instead.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import sysconfig
@@ -98,6 +99,17 @@ def _run(args, errors: list[str]) -> int:
         except KeyboardInterrupt:
             print("shardplug: interrupted", file=sys.stderr)
             return 130
+        except OSError as exc:
+            if exc.filename is None or os.environ.get("SHARDPLUG_TRACEBACK"):
+                raise
+            # a file or folder the command was given: unreadable, read-only, a file where a
+            # folder is needed; the user's to fix, in one line
+            named = f"{exc.filename} -> {exc.filename2}" if exc.filename2 else exc.filename
+            why = exc.strerror or str(exc)
+            if exc.errno in (errno.EEXIST, errno.ENOTDIR) and Path(exc.filename).is_file():
+                why = "a file, where a folder is needed"
+            error(f"{named}: {why}; check the path and its permissions")
+            return EXIT_BAD_INPUT
         except Exception as exc:
             part, where = who_raised(exc)
             if part.startswith("shardplug") or os.environ.get("SHARDPLUG_TRACEBACK"):
