@@ -113,13 +113,17 @@ def _longest(config: RunConfig, planned: Callable, batch: Any, memory: int,
         )
     start = _sequence_of(batch)
 
-    def compile_at(name: str, sequence: int, rows: int | None):
-        if sequence == start and rows is None:
-            return planned(name)
-        other = task_of(config, sequence, rows).task
-        return planned(name, task=other, batch=plan_batch(other))
+    with _candidates_progress() as progress:  # minutes for a pretrained model: said
 
-    result = longest_sequences(compile_at, memory, strategies, start)
+        def compile_at(name: str, sequence: int, rows: int | None):
+            progress(strategies.index(name), len(strategies), f"{name} at {sequence} tokens")
+            if sequence == start and rows is None:
+                return planned(name)
+            other = task_of(config, sequence, rows).task
+            return planned(name, task=other, batch=plan_batch(other))
+
+        result = longest_sequences(compile_at, memory, strategies, start)
+        progress(len(strategies), len(strategies), "")
     refused = [r for r in result["strategies"] if "error" in r]
     if len(refused) == len(result["strategies"]):
         raise ConfigError(
