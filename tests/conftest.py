@@ -34,6 +34,9 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# The backends start now, with their 8 devices: a command line run in-process first (with
+# --devices 2, say) would otherwise start them with its own count for every later test.
+jax.devices()
 
 
 import pytest  # noqa: E402

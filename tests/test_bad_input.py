@@ -66,7 +66,7 @@ def one_line(capsys) -> str:
         (["--lr", "nan"], "argument --lr: must be a finite number, got nan"),
         (
             ["--task", "{tasks}:text_loss"],
-            "loss_fn must return a scalar array as the loss, got str",
+            "loss_fn must return the loss as a scalar array computed from the model, got str",
         ),
         (["--task", "{tasks}:vector_metric"], "metric 'per_row' has shape (3,): metrics must be"),
         (["--task", "{tasks}:empty"], "task empty: its data gave no batch, so nothing was trained"),
@@ -127,6 +127,7 @@ def _api_misuse(case):
         "fit([None, None])": lambda: trainer().fit([None, None], 2),
         "a loss of one argument": lambda: trainer(loss_fn=lambda m: 0.0).fit(model.batches(8), 1),
         "a loss that is not a function": lambda: trainer(loss_fn=3).fit(model.batches(8), 1),
+        "a constant loss": lambda: trainer(loss_fn=lambda m, b: 1.0).fit(model.batches(8), 1),
     }[case]
 
 
@@ -139,7 +140,8 @@ def _api_misuse(case):
      ("fit(42)", r"fit\(batches=42\): give an iterable of batches"),
      ("fit([None, None])", "the first batch is None: a batch is a pytree of arrays"),
      ("a loss of one argument", r"cannot be called as loss_fn\(model, batch\)"),
-     ("a loss that is not a function", r"loss_fn must be a function")],
+     ("a loss that is not a function", r"loss_fn must be a function"),
+     ("a constant loss", r"computed from the model, got the Python number 1.0")],
 )  # fmt: skip
 def test_the_python_apis_misuses_are_config_errors_naming_the_argument(case, message):
     from shardplug.errors import ConfigError

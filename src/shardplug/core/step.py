@@ -86,10 +86,11 @@ def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array], Any]:
     loss, counts = parts[0], {}
     if isinstance(loss, means.Mean):
         loss, counts[means.weight_key()] = means.declared("the loss", loss)
-    if not hasattr(loss, "shape") and not isinstance(loss, int | float):
-        raise ConfigError(
-            f"loss_fn must return a scalar array as the loss, got {type(loss).__name__}"
-        )
+    if not hasattr(loss, "shape"):  # a Python number depends on no parameter: nothing trains
+        what = f"the Python number {loss!r}" if isinstance(loss, int | float) else type(
+            loss).__name__  # fmt: skip
+        raise ConfigError(f"loss_fn must return the loss as a scalar array computed from the "
+                          f"model, got {what}")  # fmt: skip
     if jnp.shape(loss) != ():
         raise ConfigError(
             f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}: average it"
