@@ -159,3 +159,21 @@ def test_recommend_of_a_task_every_strategy_refuses_says_the_tasks_fault(tasks, 
         "shardplug: error: recommend: every strategy was refused this task (2); dp: loss_fn "
         "must return a scalar loss, got shape (2,): average it"
     )
+
+
+def test_what_is_right_is_still_taken():
+    """The checks above refuse no valid input: numpy's integers as mesh sizes, an empty
+    value for an option that takes text or a list."""
+    import numpy as np
+    import optax
+
+    import shardplug
+    from shardplug.core.registry import strategy_options
+
+    model = shardplug.get_model("mlp")
+    trainer = shardplug.Trainer(model.adapter("nnx"), loss_fn=model.loss_fn,
+                                optimizer=optax.sgd(0.1), devices=2,
+                                mesh={"data": np.int64(2)}, allocate=False)  # fmt: skip
+    assert dict(trainer.mesh.shape) == {"data": 2}
+    prefer = next(o for o in strategy_options("fsdp") if o.name == "prefer")
+    assert prefer.parse("") == ()

@@ -141,3 +141,27 @@ def test_a_tensor_holding_nan_is_refused_when_read_naming_it(tmp_path):
     write(path, [("w", bad.shape, bad.dtype, lambda: bad)])
     with pytest.raises(PretrainedError, match=r"tensor w holds 2 NaN or infinite values"):
         Tensors(tmp_path).read("w")
+
+
+def test_valid_files_the_reader_does_not_read_every_dtype_of_still_load(tmp_path):
+    """A zero-size tensor, a scalar and a dtype shardplug does not read (U32) are valid: the
+    file loads, and only reading the U32 tensor is refused."""
+    path = tmp_path / "model.safetensors"
+    arrays = {"empty": np.zeros((0, 4), np.float32), "scalar": np.array(3.0, np.float32)}
+    write(path, [(n, a.shape, a.dtype, lambda a=a: a) for n, a in arrays.items()])
+    header, data = _parts(path)
+    header["ids"] = {"dtype": "U32", "shape": [2],
+                     "data_offsets": [len(data), len(data) + 8]}  # fmt: skip
+    _rewrite(path, header, data + np.arange(2, dtype=np.uint32).tobytes())
+    tensors = Tensors(tmp_path)
+    assert tensors.read("empty").shape == (0, 4) and tensors.read("scalar") == 3.0
+    with pytest.raises(PretrainedError, match="ids: dtype U32 is not one shardplug reads"):
+        tensors.read("ids")
+
+
+def test_a_deeply_nested_header_is_one_line(tmp_path):
+    path = _intact(tmp_path)
+    text = b"[" * 100_000
+    path.write_bytes(struct.pack("<Q", len(text)) + text)
+    with pytest.raises(PretrainedError, match="no JSON header"):
+        Tensors(tmp_path)

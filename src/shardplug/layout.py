@@ -13,6 +13,7 @@ axes the run cannot give it is refused in one line (``model_axes_error``).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -148,10 +149,16 @@ def _sizes(mesh: Any) -> dict[str, int] | None:
     """A mesh given as a mapping: each axis name's size, a positive integer (None: none)."""
     if mesh is None:
         return None
-    if not isinstance(mesh, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v > 0
-        for k, v in mesh.items()
-    ):
+    def size(v: Any) -> int:
+        if isinstance(v, bool):
+            raise TypeError(v)
+        return operator.index(v)  # an int, or numpy's
+
+    try:
+        sizes = {k: size(v) for k, v in mesh.items() if isinstance(k, str)}
+    except (AttributeError, TypeError):
+        sizes = {}
+    if not sizes or len(sizes) != len(mesh) or min(sizes.values()) < 1:
         raise ConfigError(f"mesh={mesh!r}: give 'data=2,model=4' or a dict of axis names to "
                           "positive integer sizes, e.g. {'data': 2, 'model': 4}")  # fmt: skip
-    return dict(mesh)
+    return sizes

@@ -21,11 +21,16 @@ from collections.abc import Iterator
 #: ("[Gloo] Rank ", the rank, " is connected to ", ...) by threads at once: a line may mix
 #: the pieces of several in any order, and is gloo's when it holds nothing else (a line
 #: of digits alone is the program's)
-GLOO_CONNECTED = re.compile(
-    r"^(?=.*(?:\[Gloo\]|is connected to|peer ranks))\s*"
-    r"(?:\[Gloo\] Rank |\s*is connected to\s*|\s*peer ranks\.\s*"
-    r"|Expected number of connected peer ranks is : |\d+\s*)+$"
+GLOO_PIECES = re.compile(
+    r"\[Gloo\] Rank |is connected to|peer ranks\.|Expected number of connected peer ranks is :"
 )
+
+
+def _gloo(line: str) -> bool:
+    return GLOO_PIECES.search(line) is not None and not GLOO_PIECES.sub("", line).strip(
+        "0123456789 \t\r\n")  # fmt: skip
+
+
 #: the runtime's native logging (absl/glog lines, stack frames, gRPC's detail): when one
 #: process fails, the runtime aborts the others with dozens of these
 NATIVE = re.compile(
@@ -45,7 +50,7 @@ _WHERE = re.compile(r'op_name="(?:jit\([^)]*\)/)*([^"]*)"')
 def sort(line: str) -> str:
     """What ``line`` is: ``"gloo"``, ``"absl"`` (the notice), ``"remat"`` (XLA's SPMD
     line), ``"native"`` (other native logging), or ``""`` (the program's own)."""
-    if GLOO_CONNECTED.search(line):
+    if _gloo(line):
         return "gloo"
     if line.startswith(ABSL_NOTICE):
         return "absl"

@@ -17,6 +17,7 @@ import traceback
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from shardplug.cli.config import parse_options
 from shardplug.cli.parser import EXIT_BAD_INPUT, EXIT_FAILED, build_parser
@@ -99,18 +100,11 @@ def _run(args, errors: list[str]) -> int:
         except KeyboardInterrupt:
             print("shardplug: interrupted", file=sys.stderr)
             return 130
-        except OSError as exc:
-            if exc.filename is None or os.environ.get("SHARDPLUG_TRACEBACK"):
-                raise
-            # a file or folder the command was given: unreadable, read-only, a file where a
-            # folder is needed; the user's to fix, in one line
-            named = f"{exc.filename} -> {exc.filename2}" if exc.filename2 else exc.filename
-            why = exc.strerror or str(exc)
-            if exc.errno in (errno.EEXIST, errno.ENOTDIR) and Path(exc.filename).is_file():
-                why = "a file, where a folder is needed"
-            error(f"{named}: {why}; check the path and its permissions")
-            return EXIT_BAD_INPUT
         except Exception as exc:
+            if (isinstance(exc, OSError) and _given(exc.filename, args)
+                    and not os.environ.get("SHARDPLUG_TRACEBACK")):  # fmt: skip
+                error(_path_error(exc))  # a path the command was given: the user's to fix
+                return EXIT_BAD_INPUT
             part, where = who_raised(exc)
             if part.startswith("shardplug") or os.environ.get("SHARDPLUG_TRACEBACK"):
                 if part.startswith("shardplug"):  # shardplug's own failure: a bug to report
@@ -122,6 +116,30 @@ def _run(args, errors: list[str]) -> int:
                 f"SHARDPLUG_TRACEBACK=1 shows the traceback"
             )
             return EXIT_FAILED
+
+
+def _given(filename: Any, args: Any) -> bool:
+    """Whether ``filename`` is a path the command line gave, or in or above one."""
+    if filename is None:
+        return False
+    where = os.path.abspath(os.fsdecode(filename))
+    for value in vars(args).values():
+        if isinstance(value, str | Path) and str(value):
+            given = os.path.abspath(os.fsdecode(value))
+            if where == given or given.startswith(where + os.sep) or where.startswith(
+                    given + os.sep):  # fmt: skip
+                return True
+    return False
+
+
+def _path_error(exc: OSError) -> str:
+    """A file or folder the command was given, unreadable, read-only or a file where a
+    folder is needed, in one line."""
+    named = f"{exc.filename} -> {exc.filename2}" if exc.filename2 else exc.filename
+    why = exc.strerror or str(exc)
+    if exc.errno in (errno.EEXIST, errno.ENOTDIR) and Path(exc.filename).is_file():
+        why = "a file, where a folder is needed"
+    return f"{named}: {why}; check the path and its permissions"
 
 
 def who_raised(exc: BaseException) -> tuple[str, str]:

@@ -468,7 +468,8 @@ def plan_batch(task: Any) -> Any:
 
 
 #: the formats a picture is drawn in (matplotlib's, by the file's suffix)
-PICTURES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp")
+PICTURES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".webp", ".gif", ".tif", ".tiff",
+            ".eps", ".ps", ".pgf", ".avif", ".raw", ".rgba")
 
 
 def _png(path: Path, flag: str = "--plot", reads: tuple[Path, ...] = ()) -> Path:

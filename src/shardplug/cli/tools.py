@@ -227,7 +227,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         if not isinstance(row, dict):
             raise ConfigError(f"{path}: row {number} is not an object (is it train's "
                               "--metrics-out?)")  # fmt: skip
-        bad = [k for k in ("step", "loss") if row.get(k) is not None
+        bad = [k for k in ("step", "loss", "eval_loss") if row.get(k) is not None
                and (isinstance(row[k], bool) or not isinstance(row[k], int | float))]  # fmt: skip
         if bad:
             raise ConfigError(f"{path}: row {number}: its {bad[0]} is {row[bad[0]]!r}; train "
@@ -248,7 +248,8 @@ def plot_losses(rows: list[dict], out: Path, title: str = "") -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(*zip(*losses, strict=True), label="loss", linewidth=1)
-    held = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    held = [(r["step"], r["eval_loss"]) for r in rows
+            if r.get("eval_loss") is not None and "step" in r]
     if held:
         ax.plot(*zip(*held, strict=True), "o-", label="held-out loss", markersize=3)
     ax.set(xlabel="step", ylabel="loss", title=title)

@@ -18,8 +18,9 @@ from collections.abc import Iterator
 from typing import Any
 
 #: the collectives of a manual region (``shard_map``), as JAX names their primitives
-COLLECTIVES = frozenset({"ppermute", "psum", "pmax", "pmin", "all_gather", "all_to_all",
-                         "reduce_scatter", "psum_scatter", "all_gather_invariant"})  # fmt: skip
+COLLECTIVES = frozenset({"ppermute", "psum", "psum_invariant", "pmax", "pmin", "all_gather",
+                         "all_to_all", "ragged_all_to_all", "reduce_scatter", "psum_scatter",
+                         "all_gather_invariant", "psend", "precv"})  # fmt: skip
 
 
 @contextlib.contextmanager

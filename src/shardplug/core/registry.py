@@ -268,8 +268,8 @@ def resolve_strategy(strategy: str | Strategy, axis_names: Mapping[str, str] | N
         return get_strategy(strategy, axis_names=axis_names)
     if not isinstance(strategy, Strategy):
         raise ConfigError(
-            f"strategy={strategy!r}: give a strategy's name (e.g. 'fsdp', 'fsdp+tp') or the "
-            "Strategy shardplug.get_strategy(name, ...) returns"
+            f"strategy={strategy!r}: give a strategy's name (shardplug strategies lists them; "
+            "parallelisms joined by +) or the Strategy shardplug.get_strategy(name) returns"
         )
     if axis_names:
         raise ConfigError(

@@ -42,7 +42,8 @@ class StrategyOption:
         """The option's value from text (``-o KEY=VALUE``), typed by its annotation (of a
         union, the first of its plain types the text is: ``none``, bool, int, float, str)."""
         kind = self.type
-        if not text.strip():  # -o cp.scheme= ran with the default, where =bogus is refused
+        plain_text = kind == "str" or kind.startswith(("Sequence", "tuple"))
+        if not text.strip() and not plain_text:  # -o cp.scheme= ran with the default
             raise StrategyOptionError(
                 f"option {self.name}= has no value: give one, or leave the option out for its "
                 "default"

@@ -27,6 +27,9 @@ DTYPES = {
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }  # fmt: skip
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
+#: the bits of an element of each dtype safetensors names (those shardplug reads and others)
+BITS = {**{name: dtype.itemsize * 8 for name, dtype in DTYPES.items()}, "U16": 16, "U32": 32,
+        "U64": 64, "C64": 64, "F8_E8M0": 8, "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4}  # fmt: skip
 _FLOATS = frozenset(DTYPES[k] for k in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"))
 INDEX = "model.safetensors.index.json"
 
@@ -56,7 +59,7 @@ def _header(path: pathlib.Path) -> tuple[dict[str, Any], int]:
         raise PretrainedError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     try:
         header = json.loads(text)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise PretrainedError(f"{path}: not a safetensors file (no JSON header)") from None
     if not isinstance(header, dict):
         raise PretrainedError(damaged.format(f"its header is a {type(header).__name__}, not an "
@@ -89,16 +92,14 @@ def _span(name: str, entry: Any, damaged: str, path: pathlib.Path) -> tuple[int,
         raise PretrainedError(damaged.format(f"{name!r} is a {type(entry).__name__}, not an "
                                              "entry of dtype, shape and data_offsets"))  # fmt: skip
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
-        raise PretrainedError(
-            f"{path}: {name}: dtype {dtype} is not one shardplug reads ({', '.join(DTYPES)})"
-            if isinstance(dtype, str) else damaged.format(f"{name!r} has no dtype")
-        )  # fmt: skip
+    if not isinstance(dtype, str) or not dtype:
+        raise PretrainedError(damaged.format(f"{name!r} has no dtype"))
     if not counts(shape):
         raise PretrainedError(damaged.format(f"{name!r} has shape {shape!r}"))
     if not counts(offsets, 2) or offsets[0] > offsets[1]:
         raise PretrainedError(damaged.format(f"{name!r} has data_offsets {offsets!r}"))
-    want = int(np.prod(shape, dtype=object)) * DTYPES[dtype].itemsize
+    bits = BITS.get(dtype)  # a dtype shardplug does not read is refused when read, not here
+    want = -(-int(np.prod(shape, dtype=object)) * bits // 8) if bits else offsets[1] - offsets[0]
     if offsets[1] - offsets[0] != want:
         raise PretrainedError(damaged.format(
             f"{name!r} spans {offsets[1] - offsets[0]} bytes; its shape {shape} of {dtype} "
@@ -163,9 +164,11 @@ class Tensors:
         return tuple(self._entries[name][1]["shape"])
 
     def dtype(self, name: str) -> np.dtype:
-        code = self._entries[name][1]["dtype"]
+        path, entry, _ = self._entries[name]
+        code = entry["dtype"]
         if code not in DTYPES:
-            raise PretrainedError(f"{name}: dtype {code} is not one shardplug reads")
+            raise PretrainedError(f"{path}: {name}: dtype {code} is not one shardplug reads "
+                                  f"({', '.join(DTYPES)})")  # fmt: skip
         return DTYPES[code]
 
     def array(self, name: str) -> np.ndarray:
@@ -215,7 +218,8 @@ def write(
     with pathlib.Path(path).open("wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
         for name, shape, dtype, produce in tensors:
-            array = np.ascontiguousarray(produce(), dtype=dtype)
+            array = np.asarray(produce(), dtype=dtype)  # a scalar stays one (shape ())
+            array = np.ascontiguousarray(array) if array.ndim else array
             if array.shape != tuple(shape):
                 raise PretrainedError(f"{name}: produced {array.shape}, declared {tuple(shape)}")
             f.write(array.tobytes())
