@@ -40,7 +40,8 @@ def uncached() -> Iterator[None]:
         compilation_cache.reset_cache()
 
 
-def _subjaxprs(eqn: Any) -> Iterator[Any]:
+def subjaxprs(eqn: Any) -> Iterator[Any]:
+    """The programs an equation runs (a cond's branches, a scan's body, a call's jaxpr)."""
     for value in eqn.params.values():
         for v in value if isinstance(value, tuple | list) else (value,):
             inner = getattr(v, "jaxpr", v)
@@ -49,7 +50,7 @@ def _subjaxprs(eqn: Any) -> Iterator[Any]:
 
 
 def _collective_within(jaxpr: Any) -> bool:
-    return any(eqn.primitive.name in COLLECTIVES or any(map(_collective_within, _subjaxprs(eqn)))
+    return any(eqn.primitive.name in COLLECTIVES or any(map(_collective_within, subjaxprs(eqn)))
                for eqn in jaxpr.eqns)  # fmt: skip
 
 
@@ -58,9 +59,9 @@ def collectives_in_conditionals(jaxpr: Any) -> bool:
 
     def find(jaxpr: Any) -> bool:
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "cond" and any(map(_collective_within, _subjaxprs(eqn))):
+            if eqn.primitive.name == "cond" and any(map(_collective_within, subjaxprs(eqn))):
                 return True
-            if any(map(find, _subjaxprs(eqn))):
+            if any(map(find, subjaxprs(eqn))):
                 return True
         return False
 

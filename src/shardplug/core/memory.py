@@ -334,11 +334,11 @@ _SAVING = frozenset({"scan", "while", "checkpoint", "remat"})
 def activations_on_host(jaxpr: Any) -> list[Any]:
     """:func:`host_values` a loop or a remat computes (and its outputs): the activations a
     remat policy that offloads moves, not the training state offload keeps on the host."""
+    from shardplug.core.cache import subjaxprs
+
     found = []
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-        subs = [sub for value in eqn.params.values()
-                for sub in (value if isinstance(value, tuple) else (value,))
-                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr")]  # fmt: skip
+        subs = list(subjaxprs(eqn))
         if eqn.primitive.name in _SAVING:
             host = jax.memory.Space.Host
             found += [v.aval for v in eqn.outvars
