@@ -332,9 +332,9 @@ def _pieces_program(optimizer):
 )
 def test_the_update_brings_one_parameters_state_at_a_time_and_computes_the_same(name, away):
     """Each parameter's optimizer state (and the parameter, ``away``: kept on the host too)
-    comes to the devices only once the previous parameter's new state has left for the host
-    (a barrier between them, in the program's data flow), and the update is the whole
-    tree's, bit for bit."""
+    comes to the devices only once its gradient exists and the previous parameter's new
+    state has left for the host (a barrier, in the program's data flow), and the update is
+    the whole tree's, bit for bit."""
     optimizer = OPTIMIZERS[name]()
     params, grads, state = _pieces_program(optimizer)
     labels = memory.leafwise(optimizer, grads, state, params)
@@ -368,10 +368,14 @@ def test_the_update_brings_one_parameters_state_at_a_time_and_computes_the_same(
         return e.primitive.name == "device_put" and space in str(e.params["devices"])
 
     barriers = [e for e in eqns if e.primitive.name == "optimization_barrier"]
-    assert len(barriers) == 2  # between three parameters
-    for barrier in barriers:
+    assert len(barriers) == 3  # one a parameter
+    gradients = set(jax.make_jaxpr(pieces)(given, held, grads).jaxpr.invars[-3:])
+    for k, barrier in enumerate(barriers):
         inputs = [made_by.get(v) for v in barrier.invars if type(v).__name__ != "Literal"]
-        assert any(e is not None and to(e, "Host") for e in inputs)  # the last one's, sent
+        # its own gradient: nothing comes before the gradient it updates with exists
+        assert len(gradients & set(barrier.invars)) == 1
+        # and from the second on, the last one's new state, sent
+        assert any(e is not None and to(e, "Host") for e in inputs) == (k > 0)
         fed = [e for e in eqns if any(v in barrier.outvars for v in e.invars
                                       if type(v).__name__ != "Literal")]  # fmt: skip
         assert fed and all(to(e, "Device") for e in fed)  # the next one's, brought

@@ -313,7 +313,7 @@ def explain(
     pictures = [
         _picture(batch_info[0]["path"], tuple(batch_info[0]["shape"]),
                  jax.tree.leaves(trainer.batch_shardings)[0]),
-        _picture(param, params[chosen].shape, flat_shardings[chosen]),
+        _picture(param, params[chosen].shape, NamedSharding(mesh, flat_shardings[chosen].spec)),
     ]  # fmt: skip
     notes: list[str] = list(target_notes)
     reports: dict[str, Any] = {}

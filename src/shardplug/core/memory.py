@@ -85,6 +85,29 @@ def on_devices(tree: Any, shardings: Any) -> Any:
     )
 
 
+def abstract_for(shardings: Any, mesh: Any) -> Any:
+    """``shardings`` as ``place_state`` is given them: on ``mesh``, or on its abstract mesh
+    where its devices are compile-only (``explain --target``'s GPUs not present), whose
+    shardings JAX lets keep a host memory kind (a compile-only device has no memories, and
+    a ``NamedSharding`` on it drops the kind)."""
+    from shardplug.core.devices import is_compile_only
+
+    if not is_compile_only(mesh.devices.flat[0]):
+        return shardings
+    return jax.tree.map(lambda s: NamedSharding(mesh.abstract_mesh, s.spec), shardings,
+                        is_leaf=lambda s: isinstance(s, NamedSharding))  # fmt: skip
+
+
+def concrete(placed: Any, mesh: Any) -> Any:
+    """What ``place_state`` chose, on ``mesh`` again except where an array lives off the
+    devices of a compile-only mesh (:func:`abstract_for`): JAX compiles a program whose
+    host arguments are laid out on the abstract mesh, its devices taken from the rest."""
+    return jax.tree.map(
+        lambda s: s if off_devices(s) or s.mesh is mesh else NamedSharding(mesh, s.spec),
+        placed, is_leaf=lambda s: isinstance(s, NamedSharding),
+    )  # fmt: skip
+
+
 def checked(placed: Any, laid_out: Any, who: str) -> Any:
     """``placed`` (what ``place_state`` returned) checked against the state's layout
     ``laid_out``: the same tree, each array split as laid out (a memory kind the devices
@@ -393,8 +416,9 @@ def update_in_pieces(
         mine = [k for k, label in enumerate(labels) if label == i]
         moving = [k for k in mine if off[k]]  # the rest are on the devices already
         brought = ([s_leaves[k] for k in moving], p_leaves[i] if away[i] else None)
-        if sent:  # not before the last parameter's state has left
-            brought = jax.lax.optimization_barrier((brought, sent))[0]
+        # not before this parameter's gradient exists, nor before the last one's state has
+        # left: the GPU's scheduler would otherwise bring it in early and hold it
+        brought = jax.lax.optimization_barrier((brought, g_leaves[i], sent))[0]
         values = {**shared, **{k: s_leaves[k] for k in mine if not off[k]},
                   **dict(zip(moving, (jax.device_put(x, device) for x in brought[0]),
                              strict=True))}  # fmt: skip

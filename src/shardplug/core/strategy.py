@@ -231,10 +231,11 @@ class Strategy:
     def place_state(self, shardings: Any, state: Any, mesh: Any) -> Any:
         """The state's shardings with the memory each array lives in, as a plugin's
         ``place_state`` says (checked), or as given."""
-        placed = self._call("place_state", shardings=shardings, state=state, mesh=mesh)
+        given = memory.abstract_for(shardings, mesh)
+        placed = self._call("place_state", shardings=given, state=state, mesh=mesh)
         if placed is None:
             return shardings
-        return memory.checked(placed, shardings, f"strategy {self.name!r}")
+        return memory.concrete(memory.checked(placed, given, f"strategy {self.name!r}"), mesh)
 
     def update_memory(self, shardings: Any, mesh: Any) -> str:
         """Where the optimizer's update computes (``device`` or ``host``), as a plugin's

@@ -15,8 +15,11 @@ library: ``pip install 'shardplug[target]'``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import re
+from collections.abc import Iterator
 from typing import Any
 
 from shardplug.core.devices import is_compile_only
@@ -153,29 +156,30 @@ def memory_of(device: Any) -> int | None:
 def compile_noting(trainer: Any, batch: Any) -> list[str]:
     """``trainer.compile(batch)``; for compile-only devices, what the report of that program
     must say: the GPU it is compiled for, and XLA's attention where shardplug's fused
-    attention could not compile as cuDNN's. Refused where the GPU's program cannot be what
-    the run holds: state or activations in host memory, which compile-only devices lack."""
-    from shardplug.core.fallbacks import NAME as FALLBACKS
-    from shardplug.core.memory import activations_on_host, any_off
-
+    attention could not compile as cuDNN's. The optimizer's update on the host
+    (``offload``'s ``update=host``) is refused there: the GPU compiler of JAX up to 0.12
+    fails on its host computation without a GPU."""
     device = trainer.mesh.devices.flat[0]
     if not is_compile_only(device):
         trainer.compile(batch)
         return []
-    # JAX drops the memory kind of a compile-only device's sharding: ask who places state
-    places = [i for i in trainer.strategy.pm.hook.place_state.get_hookimpls()
-              if i.plugin_name != FALLBACKS]  # fmt: skip
-    if places or any_off(trainer.state_shardings):
+    if trainer.strategy.update_memory(trainer.state_shardings, trainer.mesh) == "host":
         raise ConfigError(_NO_HOST.format(device.device_kind))
     from shardplug.core.attention import REFUSED
 
     refused = len(REFUSED)
-    trainer.compile(batch)
-    if activations_on_host(trainer.jaxpr):
-        raise ConfigError(_NO_HOST.format(device.device_kind))
+    with as_present(device):
+        trainer.compile(batch)
     count = len(trainer.mesh.devices.flat)
     notes = [f"compiled for {count} x {device.device_kind}, not present: the GPU compiler's "
              "program and memory, its kernels untuned (no GPU to time them)"]  # fmt: skip
+    copies, overlapping, first = host_copies(trainer.compiled.as_text())
+    if copies:
+        notes.append(
+            f"the GPU's program brings host memory to the device in {copies} copies, "
+            f"{overlapping} of them while the backward pass runs (before its last matrix "
+            f"product), the first {first:.0%} of the way through its schedule"
+        )
     if len(REFUSED) > refused:
         notes.append(
             f"attention compiled as XLA's, not as cuDNN's fused kernel ({REFUSED[-1]}): the "
@@ -184,8 +188,99 @@ def compile_noting(trainer: Any, batch: Any) -> list[str]:
     return notes
 
 
+#: the cuDNN a GPU run has (the CUDA plugin's floor: jax-cuda12-plugin[with-cuda] 0.12)
+CUDNN = 91002
+
+
+@contextlib.contextmanager
+def as_present(device: Any) -> Iterator[None]:
+    """Within: JAX's cuDNN attention lowers for ``device``'s GPU (compile-only) as it would
+    with the GPU present. Its checks ask the cuDNN library for its version and the first
+    local GPU for its compute capability, neither of which a CPU machine has; they answer
+    here for the GPU compiled for and the cuDNN its run would load (:data:`CUDNN`). XLA
+    compiles cuDNN's kernel as a custom call without the library. A JAX whose checks have
+    other names lowers XLA's attention in its place, said in the report."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    target = next((t for t in TARGETS.values() if t.kind == device.device_kind), None)
+    names = ("check_cudnn_version", "check_compute_capability",
+             "is_cuda_compute_capability_equal")  # fmt: skip
+    if target is None or not all(hasattr(fused, n) for n in names):
+        yield
+        return
+    have = (target.capability, 0)
+
+    def version(text: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in text.split("."))
+
+    saved = {n: getattr(fused, n) for n in names}
+    fused.check_cudnn_version = lambda: CUDNN
+    fused.check_compute_capability = lambda capability: have >= version(capability)
+    fused.is_cuda_compute_capability_equal = lambda capability: have == version(capability)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(fused, name, value)
+
+
 _NO_HOST = (
-    "--target compiles for a {} that is not here, whose devices have no host memory to "
-    "compile offload's or --remat offload's copies for yet: explain it without --target "
-    "(the CPU's figures)"
+    "--target compiles for a {} that is not here, and the GPU compiler of this JAX fails on "
+    "offload's update=host without a GPU: explain the update on the devices (the default), "
+    "or without --target (the CPU's figures)"
 )
+
+
+_PRODUCT = re.compile(r"\b(?:dot|convolution)\(|__cublas|__cudnn")
+_CALLED = re.compile(r"\b(?:calls|body|condition|to_apply|branch_computations)=\{?([^,}\s]+"
+                     r"(?:,\s*%[^,}\s]+)*)")  # fmt: skip
+_COPY = re.compile(r"=\s*\((.*?)\) copy-start\(")
+
+
+def host_copies(hlo_text: str) -> tuple[int, int, float]:
+    """In a compiled GPU program's schedule: how many copies bring host memory (``S(5)``)
+    to the device, how many of them start before the program's last matrix product
+    (overlapping the backward pass; a loop or call that runs one counts as one), and how
+    far through the schedule the first starts (0 to 1)."""
+    bodies: dict[str, str] = {}
+    entry: list[str] = []
+    name, lines = None, []
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name, lines = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%"), []
+            if line.startswith("ENTRY"):
+                lines = entry
+        elif line.startswith("}"):
+            if name is not None and lines is not entry:
+                bodies[name] = "\n".join(lines)
+            name = None
+        elif name is not None:
+            lines.append(line)
+    known: dict[str, bool] = {}
+
+    def has_product(text: str, seen: frozenset[str] = frozenset()) -> bool:
+        if _PRODUCT.search(text):
+            return True
+        for group in _CALLED.findall(text):
+            for callee in (c.strip().lstrip("%") for c in group.split(",")):
+                if callee in bodies and callee not in seen:
+                    if callee not in known:
+                        known[callee] = has_product(bodies[callee], seen | {callee})
+                    if known[callee]:
+                        return True
+        return False
+
+    last = max((k for k, line in enumerate(entry) if has_product(line)), default=-1)
+    starts = [k for k, line in enumerate(entry) if _to_device(line)]
+    first = starts[0] / max(len(entry), 1) if starts else 1.0
+    return len(starts), sum(k < last for k in starts), first
+
+
+def _to_device(line: str) -> bool:
+    """Whether an HLO line starts a copy from host memory to the device's: XLA's
+    ``copy-start`` gives (destination, source, context)."""
+    found = _COPY.search(line)
+    if found is None:
+        return False
+    parts = re.split(r",\s*(?![^{\[]*[}\]])", found.group(1))
+    return len(parts) == 3 and "S(5)" not in parts[0] and "S(5)" in parts[1]
