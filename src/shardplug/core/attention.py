@@ -19,8 +19,9 @@ take ``segment_ids`` (a keyword of its own) is given the same mask instead.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import jax
@@ -170,9 +171,40 @@ def choose(query: Any, key: Any, value: Any, *, platform: str) -> tuple[Implemen
 REFUSED: list[str] = []
 
 
+_REFUSING: list[str] = []
+
+
+@contextlib.contextmanager
+def refusing(reason: str) -> Iterator[None]:
+    """Within: :func:`attention` takes XLA's kernel where it would take cuDNN's, for
+    ``reason`` (said once, and kept in :data:`REFUSED`)."""
+    _REFUSING.append(reason)
+    try:
+        yield
+    finally:
+        _REFUSING.pop()
+
+
+def partitioner_failed(exc: BaseException) -> str | None:
+    """Why compiling failed in JAX's cuDNN attention partitioner (the rule that splits the
+    fused kernel over a mesh, run by the compiler: it has layouts it cannot split), or None
+    for any other failure."""
+    text = str(exc)
+    if "fused_attention_stablehlo" not in text:
+        return None
+    last = next((line.strip() for line in reversed(text.splitlines()) if "Error:" in line),
+                type(exc).__name__)  # fmt: skip
+    return f"JAX's cuDNN partitioner failed on this layout: {last}"
+
+
 def _try_cudnn(query, key, value, bias, mask, scale, causal, lengths) -> Implementation:
     """``"cudnn"`` if cuDNN accepts these inputs when traced, ``"xla"`` (said once) if not:
     its wrapper may refuse inputs whose explicit shardings it has no rule for."""
+    if _REFUSING:
+        REFUSED.append(_REFUSING[-1])
+        _say_once(f"cuDNN's fused attention refused these inputs ({_REFUSING[-1]}); "
+                  "using XLA's")  # fmt: skip
+        return "xla"
     try:
         jax.eval_shape(
             lambda q, k, v: jax.nn.dot_product_attention(

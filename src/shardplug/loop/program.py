@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from shardplug.core import cache, memory, ops
+from shardplug.core import attention, cache, memory, ops
 from shardplug.core.compose import implemented
 from shardplug.core.means import divides_by_data
 from shardplug.core.sharding import leaf_paths
@@ -206,7 +206,15 @@ def build(step_for: Callable[[Any], Callable], batch: Any, **context: Any) -> Pr
     """:func:`lower`, compiled: the program for batches shaped like ``batch``."""
     device = context["mesh"].devices.flat[0]
     lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
-    compiled = cache.compile_step(lowered, jaxpr, device)
+    try:
+        compiled = cache.compile_step(lowered, jaxpr, device)
+    except Exception as exc:  # cuDNN's attention could not be split this way: XLA's, said
+        reason = attention.partitioner_failed(exc)
+        if reason is None:
+            raise
+        with attention.refusing(reason):
+            lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
+        compiled = cache.compile_step(lowered, jaxpr, device)
     try:
         _checked(compiled, context["strategy"], context["mesh"])
     except TraceAgain:  # a parallelism changed what it traces: once more, and final
@@ -243,9 +251,14 @@ def loss_facts(adapter: Any, loss_fn: Any, batch: Any, mesh: Any) -> tuple[bool,
     forward FLOPs; ``(False, None)`` for a model that traces only inside a strategy's
     program (one that reads a per-device program's axis), whose rows then count the
     step's FLOPs."""
-    try:
-        traced = trace_loss(adapter, loss_fn, batch, mesh)
-    except (NameError, ValueError, TypeError, ShardplugError):
+    # the model alone, in float32: what it warns (its attention's kernel) is not the run's
+    with warnings.catch_warnings(record=True) as said:
+        try:
+            traced = trace_loss(adapter, loss_fn, batch, mesh)
+        except (NameError, ValueError, TypeError, ShardplugError):
+            traced = None
+    unsay(str(w.message) for w in said)  # the step's own trace says what applies to it
+    if traced is None:
         return False, None
     return divides_by_data(traced.jaxpr, len(jax.tree.leaves(batch))), forward_flops(traced)
 
