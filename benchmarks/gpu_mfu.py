@@ -229,14 +229,20 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     import shardplug
     from shardplug.explain import backend_memory, explain, memory_limit_note
 
-    device = jax.devices()[0]
-    memory = args.device_memory or backend_memory(device)
+    devices = 1
+    if args.target:  # compiled on this CPU machine for a GPU not here
+        from shardplug.core.targets import memory_of, target_devices
+
+        devices = target_devices(args.target, 1)
+    device = jax.devices()[0] if devices == 1 else devices[0]
+    memory = args.device_memory or (memory_of(device) if args.target else None)
+    memory = memory or backend_memory(device)
     rows = []
     for name in args.sizes.split(","):
         t = task(name, args.batch or 8, args.remat)
         trainer = shardplug.Trainer(
-            t.adapter, loss_fn=t.loss_fn, optimizer=t.optimizer, strategy="dp", devices=1,
-            precision=args.precision, allocate=False,
+            t.adapter, loss_fn=t.loss_fn, optimizer=t.optimizer, strategy=_strategy(args),
+            devices=devices, precision=args.precision, allocate=False,
         )  # fmt: skip
         report = explain(trainer, next(iter(t.batches())), device_memory=memory)
         peak = report.per_device["peak_bytes"]
@@ -254,6 +260,20 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _strategy(args: argparse.Namespace) -> Any:
+    """``dp`` with the add-ons and options the command line gave (``--addon offload -o
+    offload.params=true``); the hand-written twin is always the plain step."""
+    import shardplug
+
+    options = {}
+    for given in args.option:
+        key, sep, value = given.partition("=")
+        if not sep:
+            raise SystemExit(f"-o {given}: give KEY=VALUE")
+        options[key] = {"true": True, "false": False}.get(value.lower(), value)
+    return shardplug.get_strategy("dp", addons=args.addon, **options)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="125m")
@@ -263,11 +283,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--remat", choices=REMAT, default="none")
+    parser.add_argument("--addon", action="append", default=[], help="an add-on (offload)")
+    parser.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an add-on's option, e.g. offload.params=true")  # fmt: skip
     parser.add_argument("--plan", action="store_true", help="the largest size that fits")
+    parser.add_argument("--target", default=None, metavar="GPU",
+                        help="--plan for this GPU, compiled on this machine (h100, h200, a100; "
+                        "JAX_PLATFORMS=cpu and shardplug[target])")  # fmt: skip
     parser.add_argument("--device-memory", type=float, default=None, help="bytes, for --plan")
     parser.add_argument("--sizes", default=",".join(n for n in SIZES if n != "smoke"),
                         help="the sizes --plan tries, smallest first")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.target:
+        from shardplug.core.targets import on_cpu_alone
+
+        on_cpu_alone()  # before JAX starts its backends
     if args.plan:
         result = _plan(args)
         print(json.dumps(result))
@@ -283,8 +313,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     batch = args.batch or size.batch
     t = task(args.size, batch, args.remat)
     trainer = shardplug.Trainer(
-        t.adapter, loss_fn=t.loss_fn, optimizer=t.optimizer, strategy="dp", devices=1,
-        precision=args.precision, log_every=args.steps,
+        t.adapter, loss_fn=t.loss_fn, optimizer=t.optimizer, strategy=_strategy(args),
+        devices=1, precision=args.precision, log_every=args.steps,
     )  # fmt: skip
     data = batches(size, batch)
 
@@ -342,6 +372,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "sequence": size.sequence,
         "precision": args.precision,
         "remat": args.remat,
+        "addons": args.addon,
+        "options": args.option,
         "model_flops_per_token": per_token,
         "shardplug": figures(mine, trainer.jaxpr),
         "hand_written": figures(hand, traced.jaxpr),

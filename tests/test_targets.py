@@ -3,6 +3,8 @@ plugin (CI installs it for this file alone, after the rest), the GPU compiler's 
 memory; without it, one line saying what to install."""
 
 import importlib.util
+import pathlib
+import sys
 
 import jax
 import optax
@@ -10,13 +12,14 @@ import pytest
 
 import shardplug
 from shardplug.cli import main
-from shardplug.core.targets import TARGETS, find_target, target_devices
+from shardplug.core.targets import TARGETS, find_target, host_copies, target_devices
 from shardplug.errors import ConfigError
 from shardplug.explain import explain
 
 PLUGIN = importlib.util.find_spec("jax_plugins") is not None and (
     importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
 )
+ROOT = pathlib.Path(__file__).parent.parent
 needs_plugin = pytest.mark.skipif(not PLUGIN, reason="JAX's CUDA plugin is not installed")
 # which attention a GPU's program runs is said as a warning (and checked in a note below)
 pytestmark = pytest.mark.filterwarnings("ignore:shardplug.attention")
@@ -66,10 +69,87 @@ def test_the_step_is_the_gpu_compilers_program_and_memory():
     assert jax.tree.leaves(trainer.state.params)[0].dtype.name == "float32"
 
 
+def _gpt_1b(*addons, options=None):
+    """The 1B GPT of benchmarks/gpu_mfu.py (batch 16 x 1024, bf16 compute, AdamW) explained
+    for one H100, under ``addons``."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_mfu
+
+    task = gpu_mfu.task("1b")
+    strategy = shardplug.get_strategy("dp", addons=list(addons), **(options or {}))
+    trainer = shardplug.Trainer(
+        task.adapter, loss_fn=task.loss_fn, optimizer=task.optimizer, strategy=strategy,
+        devices=target_devices("h100", 1), allocate=False, precision="bf16",
+    )  # fmt: skip
+    return explain(trainer, gpu_mfu.batches(gpu_mfu.SIZES["1b"], 16, 1)[0]), trainer
+
+
+@pytest.fixture(scope="module")
+def gpt_1b():
+    """The 1B GPT's H100 programs: plain, offload, offload with the parameters (each ~10 s)."""
+    return {"plain": _gpt_1b(), "offload": _gpt_1b("offload"),
+            "params": _gpt_1b("offload", options={"offload.params": True})}  # fmt: skip
+
+
+#: the 1B GPT's device peak measured on one H100 80GB (benchmarks/gpu/h100_mfu_1b.json)
+MEASURED_1B = 40.5598e9
+
+
 @needs_plugin
-def test_what_a_compile_only_gpu_cannot_hold_is_refused_in_one_line():
-    model, trainer = _trainer(shardplug.get_strategy("fsdp", addons=["offload"]), 2)
-    with pytest.raises(ConfigError, match="no host memory to compile offload's") as caught:
+def test_the_h100_program_of_the_1b_gpt_has_the_measured_peak(gpt_1b):
+    report, trainer = gpt_1b["plain"]
+    # cuDNN's fused attention, as the GPU runs it (not XLA's, whose scores cost 20 GB more)
+    text = trainer.compiled.as_text()
+    assert "__cudnn$fmhaSoftmaxBackward" in text
+    assert not any("XLA's, not as cuDNN's" in n for n in report.notes)
+    assert abs(report.per_device["peak_bytes"] / MEASURED_1B - 1) < 0.006
+
+
+@needs_plugin
+def test_offload_frees_the_optimizer_state_in_the_h100_program(gpt_1b):
+    plain = gpt_1b["plain"][0].per_device
+    offload, trainer = gpt_1b["offload"]
+    moved = offload.per_device
+    assert moved["host_bytes"] == plain["opt_state_bytes"]
+    assert plain["peak_bytes"] - moved["peak_bytes"] >= 8.0e9  # the issue's bound
+    assert plain["peak_bytes"] - moved["peak_bytes"] >= 0.99 * plain["opt_state_bytes"]
+    # one parameter's state at a time (the embedding's, the largest), not the whole state
+    assert moved["update_bytes"] == 2 * 4 * 50304 * 2048 + 4  # and Adam's step count
+    copies, overlapping, first = host_copies(trainer.compiled.as_text())
+    assert copies > 200 and overlapping >= copies - 3 and first > 0.25
+    assert any("brings host memory to the device in" in n for n in offload.notes)
+    params = gpt_1b["params"][0].per_device
+    both = plain["opt_state_bytes"] + plain["params_bytes"]
+    assert plain["peak_bytes"] - params["peak_bytes"] >= 0.97 * both
+
+
+@needs_plugin
+def test_offload_frees_memory_under_full_remat_in_the_h100_program():
+    """The Llama example at 1B (16 layers of width 2048, sequence 1024), --remat full."""
+    llama = _example("llama")
+    config = llama.Config(layers=16, width=2048, heads=16, mlp=5632, vocab=32000,
+                          sequence=1024, batch=16, remat="full")  # fmt: skip
+    task = llama.task_of(config, "llama-1b")
+    batch = next(iter(task.batches()))
+    peaks = {}
+    for addons in ((), ("offload",)):
+        trainer = task.trainer(strategy=shardplug.get_strategy("dp", addons=list(addons)),
+                               devices=target_devices("h100", 1), allocate=False,
+                               precision="bf16")  # fmt: skip
+        peaks[addons] = explain(trainer, batch).per_device
+    plain, moved = peaks[()], peaks[("offload",)]
+    assert plain["peak_bytes"] - moved["peak_bytes"] >= (
+        plain["opt_state_bytes"] - moved["update_bytes"])
+
+
+@needs_plugin
+def test_the_update_on_the_host_is_refused_for_a_gpu_not_here_in_one_line():
+    model, trainer = _trainer(
+        shardplug.get_strategy("fsdp", addons=["offload"], **{"offload.update": "host"}), 2
+    )
+    with pytest.raises(ConfigError, match="fails on offload's update=host") as caught:
         explain(trainer, next(model.batches(8, 0)))
     assert "\n" not in str(caught.value)
 
@@ -83,3 +163,57 @@ def test_the_command_line_explains_for_a_named_gpu(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["per_device"]["device_memory_bytes"] == TARGETS["h100"].memory_bytes
     assert any(n.startswith("compiled for 2 x NVIDIA H100") for n in report["notes"])
+
+
+def _example(name):
+    spec = importlib.util.spec_from_file_location(f"{name}_example",
+                                                  ROOT / "examples" / "tasks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_plugin
+def test_recommend_plans_for_a_named_gpu(capsys):
+    assert main(["recommend", "--target", "h100", "--devices", "2", "--strategies", "dp,fsdp",
+                 "--model", "mlp"]) == 0  # fmt: skip
+    out = " ".join(capsys.readouterr().out.split())
+    # the GPU's memory, not the CPU's (which has no limit: --device-memory is needed there)
+    assert "on 2 devices of 85.0 GB (compiled for NVIDIA H100 80GB HBM3, not present)" in out
+    assert "recommended: " in out
+
+
+@needs_plugin
+def test_a_layout_cudnns_partitioner_cannot_split_takes_xlas_attention_said():
+    """JAX's cuDNN attention partitioner fails on pp+fsdp's layout (a GSPMDSharding has no
+    spec): the step compiles with XLA's attention, and the report says why."""
+    llama = _example("llama")
+    task = llama.tiny()
+    trainer = task.trainer(strategy="pp+fsdp", devices=target_devices("h100", 8),
+                           mesh="stage=2", allocate=False, precision="bf16")  # fmt: skip
+    report = explain(trainer, next(iter(task.batches())))
+    assert any("JAX's cuDNN partitioner failed on this layout" in n for n in report.notes)
+    assert "__cudnn$fmha" not in trainer.compiled.as_text()
+
+
+@needs_plugin
+def test_the_gpu_benchmark_plans_for_a_named_gpu():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_mfu
+
+    result = gpu_mfu.main(["--plan", "--target", "h100", "--sizes", "125m", "--batch", "8"])
+    assert result["device"] == TARGETS["h100"].kind
+    assert result["device_memory"] == TARGETS["h100"].memory_bytes
+    assert result["largest_that_fits"] == "125m"
+
+
+@needs_plugin
+def test_the_calibration_script_puts_prediction_beside_the_h100s_measure():
+    spec = importlib.util.spec_from_file_location("target_memory",
+                                                  ROOT / "benchmarks" / "target_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (row,) = module.main(["--cases", "125m"])["cases"]
+    assert row["measured_peak_bytes"] == 24306889728  # benchmarks/gpu/h100_mfu_125m.json
+    assert abs(row["predicted_over_measured"] - 1) < 0.006

@@ -353,10 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--param", default=None, help="parameter to picture (default: largest)")
     explain.add_argument("--all", action="store_true", help="a row for every parameter "
                          "(default: one per layout and reason, layers as *)")  # fmt: skip
-    explain.add_argument("--target", default=None, metavar="GPU",
-                         help="compile for this GPU, not present (h100, h200, a100; --devices "
-                         "of them): its compiler's program and memory; needs JAX's CUDA "
-                         "plugin, pip install 'shardplug[target]'")  # fmt: skip
+    _target(explain)
 
     recommend = sub.add_parser(
         "recommend",
@@ -374,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     recommend.add_argument("--strategies", default=None, metavar="A,B",
                            help="the strategies to compare (default: every installed one and "
                            "composition)")  # fmt: skip
+    _target(recommend)
     recommend.add_argument("--longest-sequence", action="store_true",
                            help="instead: the longest sequence each strategy fits, one sample "
                            "per data-parallel device (the task at other lengths: --sequence, "
@@ -431,3 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", type=Path, default=None,
                       help="the PNG to write (default: beside the metrics, .png)")  # fmt: skip
     return parser
+
+
+def _target(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--target", default=None, metavar="GPU",
+                         help="compile for this GPU, not present (h100, h200, a100; --devices "
+                         "of them): its compiler's program and memory; needs JAX's CUDA "
+                         "plugin, pip install 'shardplug[target]'")  # fmt: skip

@@ -22,15 +22,7 @@ from shardplug.errors import ConfigError
 def cmd_explain(args: argparse.Namespace) -> int:
     config = RunConfig.of(args)
     strategy = strategy_of(config)  # an unknown name or option is one line, before anything
-    devices = None
-    if args.target is not None:  # compiled on this machine's CPU for a GPU not here
-        from shardplug.core.targets import find_target, on_cpu_alone, target_devices
-
-        find_target(args.target)
-        on_cpu_alone()
-    task = _prepare(config)
-    if args.target is not None:
-        devices = target_devices(args.target, config.devices or 1)
+    task, devices = _prepare_for(args, config)
     from shardplug.explain import explain
     from shardplug.views import plot, render
 
@@ -50,16 +42,17 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_recommend(args: argparse.Namespace) -> int:
     config = RunConfig.of(args)
-    task = _prepare(config)
+    task, devices = _prepare_for(args, config)
     import jax
 
     from shardplug.core.devices import select_devices
     from shardplug.core.registry import get_strategy
+    from shardplug.core.targets import memory_of
     from shardplug.explain import backend_memory
     from shardplug.recommend import candidates, recommend
 
-    devices = select_devices(config.devices)
-    memory = args.device_memory or backend_memory(devices[0])
+    devices = devices or select_devices(config.devices)
+    memory = args.device_memory or memory_of(devices[0]) or backend_memory(devices[0])
     if memory is None:
         raise ConfigError(
             f"--device-memory: the {jax.default_backend().upper()} backend gives no memory "
@@ -74,11 +67,13 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     from shardplug.views import render_longest, render_recommend
 
     title = f"{task.name} ({task.adapter.framework}) on {len(devices)} devices of {size(memory)}"
+    if args.target is not None:
+        title += f" (compiled for {devices[0].device_kind}, not present)"
     batch = plan_batch(task)  # one batch for every strategy planned
 
     def planned(name: str, options: Any = None, task: Any = task, batch: Any = batch) -> Any:
         strategy = strategy_of(config, name, options)
-        return trainer_for(config, task, strategy, allocate=False), batch
+        return trainer_for(config, task, strategy, allocate=False, devices=devices), batch
 
     if args.longest_sequence:
         result = _longest(config, planned, batch, memory, strategies or candidates())
@@ -99,6 +94,19 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         return 0
     render_recommend(result, _console(), title)
     return 0
+
+
+def _prepare_for(args: argparse.Namespace, config: RunConfig) -> tuple[Any, list[Any] | None]:
+    """The task, and with ``--target`` the devices of the GPU compiled for on this CPU
+    machine (None: this machine's own)."""
+    if args.target is None:
+        return _prepare(config), None
+    from shardplug.core.targets import find_target, on_cpu_alone, target_devices
+
+    find_target(args.target)  # a typo is one line, before anything
+    on_cpu_alone()  # before the task starts JAX's backends
+    task = _prepare(config)
+    return task, target_devices(args.target, config.devices or 1)
 
 
 def _longest(config: RunConfig, planned: Callable, batch: Any, memory: int,
