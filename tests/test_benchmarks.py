@@ -96,3 +96,20 @@ def test_packing_counts_more_real_tokens_in_rows_of_the_same_shape():
     assert packed["targets_per_step"] > 2 * padded["targets_per_step"] > 0
     assert result["packed_over_padded"]["tokens_per_s"] == pytest.approx(
         packed["tokens_per_s"] / padded["tokens_per_s"])  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_gpu_check_script_runs_every_offload_mode_on_a_tiny_gpt(tmp_path):
+    """benchmarks/gpu/check.sh, ready for a GPU: every mode trains and writes its JSON."""
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "OUT": str(tmp_path), "SIZE": "smoke", "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "check.sh")], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert len(rows) == 6 and rows["h100_smoke-offload"]["addons"] == ["offload"]
+    assert rows["h100_smoke-offload-params"]["options"] == ["offload.params=true"]
+    assert all(np.isfinite(r["loss"]) for r in rows.values())

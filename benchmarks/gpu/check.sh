@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# What the offload issue asks of one H100, in one run (about 6 minutes): the 1B GPT of
+# benchmarks/gpu_mfu.py (batch 16 x 1024, bf16 compute, AdamW) plain and under each offload
+# mode, and with --remat full plain and offloaded; each against the hand-written plain step
+# in the same process (its "ratio"), each with its predicted and measured device peak.
+# Each writes benchmarks/gpu/h100_<case>.json (or under $OUT when it is set), which
+# benchmarks/target_memory.py reads to put the CPU-compiled prediction beside the measure.
+#
+#   bash benchmarks/gpu/check.sh            # from the repository's root, on the GPU machine
+#   SIZE=smoke bash benchmarks/gpu/check.sh # a tiny GPT, anywhere (tests/test_benchmarks.py)
+set -uo pipefail
+failed=0
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+dest="${OUT:-benchmarks/gpu}"
+size="${SIZE:-1b}"
+mkdir -p "$dest"
+run() {  # NAME ARGS...: one mode in a process of its own (its peak is its own)
+    local name=$1; shift
+    echo "== $name: $*"
+    if timeout 150 "${PYTHON:-python3}" benchmarks/gpu_mfu.py --size "$size" --steps 5 --rounds 3 "$@" \
+        > "$dest/h100_$name.json" 2> "$dest/h100_$name.err"; then
+        "${PYTHON:-python3}" - "$dest/h100_$name.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+gb = lambda b: "none" if b is None else f"{b / 1e9:.2f} GB"
+print(f"   step {r['shardplug']['step_seconds'] * 1e3:.1f} ms, x plain hand-written "
+      f"{r['ratio']:.3f}, peak measured {gb(r['measured_peak_bytes'])}, "
+      f"predicted {gb(r['predicted_peak_bytes'])}, loss {r['loss']:.4f}")
+PY
+    else
+        echo "   failed: $(grep -v '^\s*$' "$dest/h100_$name.err" | tail -1)"
+        failed=1
+    fi
+}
+run "$size-plain"
+run "$size-offload" --addon offload
+run "$size-offload-params" --addon offload -o offload.params=true
+run "$size-offload-update-host" --addon offload -o offload.update=host -o offload.params=true
+run "$size-remat-full" --remat full
+run "$size-remat-full-offload" --remat full --addon offload
+exit $failed
