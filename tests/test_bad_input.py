@@ -108,6 +108,7 @@ def test_skipped_steps_are_counted_and_the_metrics_are_strict_json(tasks, tmp_pa
 
 
 def _api_misuse(case):
+    import jax.numpy as jnp
     import optax
 
     import shardplug
@@ -128,6 +129,16 @@ def _api_misuse(case):
         "a loss of one argument": lambda: trainer(loss_fn=lambda m: 0.0).fit(model.batches(8), 1),
         "a loss that is not a function": lambda: trainer(loss_fn=3).fit(model.batches(8), 1),
         "a constant loss": lambda: trainer(loss_fn=lambda m, b: 1.0).fit(model.batches(8), 1),
+        "an integer loss": lambda: trainer(
+            loss_fn=lambda m, b: jnp.argmax(model.loss_fn(m, b)[0] * jnp.ones(2))
+        ).fit(model.batches(8), 1),
+        "a Mean counted by a word": lambda: trainer(
+            loss_fn=lambda m, b: shardplug.Mean(model.loss_fn(m, b)[0], "rows")
+        ).fit(model.batches(8), 1),
+        "a Mean counted by None": lambda: trainer(
+            loss_fn=lambda m, b: shardplug.Mean(model.loss_fn(m, b)[0], None)
+        ).fit(model.batches(8), 1),
+        "pretrained.load(None)": lambda: shardplug.pretrained.load(None),
     }[case]
 
 
@@ -141,12 +152,16 @@ def _api_misuse(case):
      ("fit([None, None])", "the first batch is None: a batch is a pytree of arrays"),
      ("a loss of one argument", r"cannot be called as loss_fn\(model, batch\)"),
      ("a loss that is not a function", r"loss_fn must be a function"),
-     ("a constant loss", r"computed from the model, got the Python number 1.0")],
+     ("a constant loss", r"computed from the model, got the Python number 1.0"),
+     ("an integer loss", "must return a floating-point loss, got int32"),
+     ("a Mean counted by a word", "the loss is a shardplug.Mean whose count is 'rows'"),
+     ("a Mean counted by None", "the loss is a shardplug.Mean whose count is None"),
+     ("pretrained.load(None)", r"pretrained.load\(None\): give the checkpoint's directory")],
 )  # fmt: skip
 def test_the_python_apis_misuses_are_config_errors_naming_the_argument(case, message):
-    from shardplug.errors import ConfigError
+    from shardplug.errors import ShardplugError
 
-    with pytest.raises(ConfigError, match=message) as caught:
+    with pytest.raises(ShardplugError, match=message) as caught:
         _api_misuse(case)()
     assert "\n" not in str(caught.value)
 

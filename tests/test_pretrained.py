@@ -135,6 +135,25 @@ def test_an_export_that_fails_leaves_no_folder_behind(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # written whole or not at all
 
 
+def test_an_export_under_a_config_of_other_shapes_is_one_line(tmp_path, capsys):
+    """A run exported with a config that says 3 layers where it trained 2: refused before a
+    byte is written, naming the parameter (an IndexError before)."""
+    from shardplug.cli import main
+
+    assert main(["train", "--init-from", str(FIXTURES / "llama"), "--steps", "1", "--devices",
+                 "1", "--checkpoint-dir", str(tmp_path / "ck")]) == 0  # fmt: skip
+    other = tmp_path / "three"
+    shutil.copytree(FIXTURES / "llama", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    capsys.readouterr()
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "ck"), "--out",
+                 str(tmp_path / "out"), "--format", "hf", "--init-from", str(other)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "has shape (2, 32), where the llama config implies (3, 32)" in line
+    assert not (tmp_path / "out").exists()
+
+
 def test_configs_as_transformers_4_and_5_write_them_read_the_same(tmp_path):
     raw = json.loads((FIXTURES / "llama" / "config.json").read_text())  # 4.x: rope_scaling
     five = {k: v for k, v in raw.items() if k not in ("rope_theta", "rope_scaling")}

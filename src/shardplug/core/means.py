@@ -62,6 +62,13 @@ def weight_key(name: str | None = None) -> str:
 def declared(name: str, value: Any) -> tuple[jax.Array, jax.Array]:
     """``(total / count, count)`` of a :class:`Mean` named ``name`` (the loss or a metric);
     ``count`` float32 and without gradient, the division safe where it is 0."""
+    for what in ("total", "count"):
+        part = getattr(value, what)
+        if not hasattr(part, "dtype") and (isinstance(part, bool)
+                                           or not isinstance(part, int | float)):  # fmt: skip
+            raise ConfigError(f"{name} is a shardplug.Mean whose {what} is {part!r}: give a "
+                              "number or a scalar array (the sum over the batch, and how "
+                              "many it sums)")  # fmt: skip
     count = jax.lax.stop_gradient(jnp.asarray(value.count)).astype(jnp.float32)
     total = jnp.asarray(value.total)
     if jnp.issubdtype(total.dtype, jnp.floating):  # a bfloat16 total: summed and divided in f32

@@ -95,6 +95,9 @@ def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array], Any]:
         raise ConfigError(
             f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}: average it"
         )
+    if not jnp.issubdtype(loss.dtype, jnp.floating):  # no gradient: grad raises TypeError
+        raise ConfigError(f"loss_fn must return a floating-point loss, got {loss.dtype}: "
+                          "compute it in floats (an argmax has no gradient)")  # fmt: skip
     metrics = dict(parts[1]) if len(parts) > 1 else {}
     for name, value in list(metrics.items()):
         if isinstance(value, means.Mean):

@@ -24,6 +24,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import os
 import pathlib
 import re
 from collections.abc import Callable
@@ -268,6 +269,9 @@ def load(directory: str | pathlib.Path, *, dtype: Any = None) -> Pretrained:
     """Check a checkpoint directory and ready it to load: its config read, every tensor the
     config implies present with the shape it implies. ``dtype`` (``float32``, ``bfloat16``,
     ``float16``) casts the parameters; by default they keep the dtype they are stored in."""
+    if not isinstance(directory, str | os.PathLike):
+        raise PretrainedError(f"pretrained.load({directory!r}): give the checkpoint's directory "
+                              "as a path (str or pathlib.Path)")  # fmt: skip
     where = pathlib.Path(directory)
     config = read_config(where)
     if not any(where.glob("*.safetensors")) and not (where / INDEX).is_file():
@@ -369,6 +373,14 @@ def _write(
             f" of the {config.family} decoder: export the parameters of a model "
             "pretrained.load made, with that checkpoint's config"
         )
+    for name, (want, _) in expected.items():
+        have = getattr(leaves[name], "shape", None)
+        if have is not None and tuple(have) != tuple(want):
+            raise ConfigError(
+                f"export: {name} has shape {tuple(have)}, where the {config.family} config "
+                f"implies {tuple(want)}: export with the config of the checkpoint the run "
+                "started from (--init-from)"
+            )
     if (out / "config.json").exists() or any(out.glob("*.safetensors")):
         raise ConfigError(f"{out} already holds a checkpoint: choose another directory")
     sources = {name: source(leaves[name]) for name in expected}

@@ -57,6 +57,8 @@ class Lazy:
         self.dtype = (base.dtype if base is not None
                       else np.dtype(jnp.dtype(meta["arrays"][stored]["dtype"])))  # fmt: skip
         self.uses, self._array = 0, None
+        known = meta["arrays"].get(name) if base is None and not quantized else None
+        self.shape = tuple(known["shape"]) if known and "shape" in known else None
 
     def __getitem__(self, position: tuple[int, ...]) -> np.ndarray:
         if self._array is None:
