@@ -37,7 +37,9 @@ SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_lay
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
              rms_norm_eps=1e-5)  # fmt: skip
 
-FAMILIES = {
+#: how transformers builds each registered family's fixture: its config and model classes
+#: and what its config sets beyond SMALL (a family the registry has and this lacks is refused)
+RECIPES = {
     # Llama 3.1/3.2: rope scaling of type llama3
     "llama": (
         transformers.LlamaConfig,
@@ -119,7 +121,7 @@ def as_written_by_4x(config: dict) -> dict:
 
 
 def write(name: str) -> None:
-    config_class, model_class, extra = FAMILIES[name]
+    config_class, model_class, extra = RECIPES[name]
     torch.manual_seed(0)
     model = model_class(config_class(**SMALL, **extra)).eval()
     with torch.no_grad():
@@ -268,12 +270,19 @@ if __name__ == "__main__":
     # --text: the text fixture alone, from the written llama; --text-reference: its
     # reference's loss alone, from the written tokenizer; --lora: the adapters' alone;
     # NAME ...: those families alone
-    names = [a for a in sys.argv[1:] if a in FAMILIES]
+    from shardplug.pretrained.families import MODULES  # the registry: each gets a fixture
+
+    FAMILIES = [m.__name__.rpartition(".")[2] for m in MODULES]
+    lacking = sorted(set(FAMILIES) - set(RECIPES))
+    if lacking:
+        sys.exit(f"hf_fixtures: no recipe for the registered {', '.join(lacking)}: add "
+                 "its transformers classes to RECIPES")
+    names = [a for a in sys.argv[1:] if a in RECIPES]
     if "--text-reference" in sys.argv:
         write_text_reference()
         sys.exit()
     if "--text" not in sys.argv and "--lora" not in sys.argv:
-        for family in names or FAMILIES:
+        for family in names or FAMILIES:  # the registry's families
             write(family)
     if "--text" in sys.argv or (not names and "--lora" not in sys.argv):
         write_text()

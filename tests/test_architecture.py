@@ -47,6 +47,22 @@ def test_no_module_is_over_500_lines():
     assert set(LONG) <= {str(p.relative_to(SRC)) for p in SRC.rglob("*.py")}, "LONG is stale"
 
 
+def test_the_trainer_is_a_facade_of_at_most_300_lines():
+    """The Trainer hands its work to the layout, the settings and the loop (its module's
+    docstring): what grows belongs there."""
+    assert len((SRC / "trainer.py").read_text().splitlines()) <= 300
+
+
+def test_core_names_no_parallelisms_operation_even_in_comments():
+    """An operation one parallelism brings (an expert-parallel ragged product, a pipeline's
+    send) is named in that parallelism's code; core's comments speak of operations in
+    general."""
+    found = [f"{p.relative_to(SRC)}:{n}" for p in sorted((SRC / "core").rglob("*.py"))
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             if "ragged_dot" in line]  # fmt: skip
+    assert not found, found
+
+
 def _module(path: Path) -> str:
     parts = path.relative_to(SRC.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

@@ -18,10 +18,12 @@ import pytest
 import shardplug
 from shardplug import pretrained
 from shardplug.errors import PretrainedError
+from shardplug.pretrained import families
 from shardplug.pretrained.safetensors import Tensors
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "mixtral", "phi3")
+#: every registered family is tested: a new one needs its fixture (scripts/hf_fixtures.py)
+FAMILIES = tuple(m.__name__.rpartition(".")[2] for m in families.MODULES)
 
 
 def reference(family: str, rows: int = 1) -> dict[str, np.ndarray]:
@@ -152,6 +154,20 @@ def test_an_export_under_a_config_of_other_shapes_is_one_line(tmp_path, capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "has shape (2, 32), where the llama config implies (3, 32)" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_every_registered_family_has_a_fixture_and_a_recipe_to_make_it():
+    """A family added to the registry is in these tests (FAMILIES above) and in the fixture
+    script, which writes a fixture for each (its table read here without transformers)."""
+    import ast
+
+    script = pathlib.Path(__file__).parent.parent / "scripts" / "hf_fixtures.py"
+    tree = ast.parse(script.read_text())
+    table = next(n.value for n in tree.body if isinstance(n, ast.Assign)
+                 and getattr(n.targets[0], "id", None) == "RECIPES")  # fmt: skip
+    assert {k.value for k in table.keys} == set(FAMILIES) and len(FAMILIES) >= 7
+    for family in FAMILIES:
+        assert (FIXTURES / family / "config.json").is_file(), family
 
 
 def test_configs_as_transformers_4_and_5_write_them_read_the_same(tmp_path):

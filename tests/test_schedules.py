@@ -3,6 +3,7 @@ their tables against the formulas, chunks placed in a V, the backward pass cut i
 trajectories equal to one device's in every composition, activation memory flat in the
 microbatches, and bad input in one line."""
 
+import dataclasses
 import json
 import math
 import textwrap
@@ -472,11 +473,23 @@ def test_explain_prints_the_schedule(capsys):
     assert "stage 3: .  .  .  F0 B0 W0 F1 B1 W1" in out
 
 
-def test_the_pytest_plugin_lists_the_built_in_schedules():
-    from shardplug.testing.pytest_plugin import SCHEDULES as LISTED
+def test_the_pytest_plugin_and_recommend_read_the_schedules_from_the_registry(monkeypatch):
+    """A schedule added to pp's registry is in the pytest plugin's matrix, and recommend
+    plans under it unless it needs chunks of its own (repeats)."""
+    from shardplug.recommend import planned_schedules
+    from shardplug.strategies.pp import schedules
     from shardplug.testing.pytest_plugin import installed_schedules
 
-    assert tuple(SCHEDULES) == LISTED and installed_schedules()[:5] == ["gpipe", *LISTED]
+    assert installed_schedules()[:5] == ["gpipe", *SCHEDULES]
+    assert planned_schedules() == ["gpipe", "1f1b", "zb"]
+    added = dataclasses.replace(SCHEDULES["zb"], name="zb-copy")
+    monkeypatch.setitem(schedules.SCHEDULES, "zb-copy", added)
+    schedules.installed.cache_clear()
+    try:
+        assert "zb-copy" in installed_schedules() and "zb-copy" in planned_schedules()
+    finally:
+        monkeypatch.undo()
+        schedules.installed.cache_clear()
 
 
 def test_recommend_picks_a_schedule_as_well_as_a_composition():

@@ -259,8 +259,12 @@ def _plain(row: dict[str, Any], infos: dict[str, Any]) -> tuple:
     return (row["pipelined"], *_plainness(row["strategy"], infos))
 
 
-#: the schedules recommend plans a pipeline under (interleaved ones need repeats)
-PLANNED_SCHEDULES = ("gpipe", "1f1b", "zb")
+def planned_schedules() -> list[str]:
+    """The schedules recommend plans a pipeline under: gpipe and every installed schedule
+    that runs one chunk a stage (those that need repeats plan other layer counts)."""
+    from shardplug.strategies.pp.schedules import installed
+
+    return ["gpipe", *(name for name, s in installed().items() if not s.chunked)]
 
 
 def _schedule_for(row: dict[str, Any], compile_trainer, device_memory: int) -> None:
@@ -271,7 +275,7 @@ def _schedule_for(row: dict[str, Any], compile_trainer, device_memory: int) -> N
     if "schedule" not in {o.name for o in strategy_options(row["strategy"])}:
         return
     tried = {name: _row(compile_trainer, row["strategy"], {"schedule": name}, device_memory)
-             for name in PLANNED_SCHEDULES}  # fmt: skip
+             for name in planned_schedules()}  # fmt: skip
     fits = {k: r for k, r in tried.items() if r["fits"] and "bubble" in r}
     if not fits:
         return

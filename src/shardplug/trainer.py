@@ -138,10 +138,8 @@ class Trainer:
     skipped_steps = reads("_run", "skipped", "Steps skipped for a non-finite loss or gradient.")
     step = reads("_run", "step", "Steps taken (a restored checkpoint's too): the data position.")
 
-    @property
-    def param_shardings(self) -> Any:
-        """The ``NamedSharding`` of every parameter, as the strategy chose it."""
-        return self.layout.shardings.params
+    param_shardings = property(lambda self: self.layout.shardings.params,
+                               doc="The ``NamedSharding`` of every parameter.")  # fmt: skip
 
     @property
     def state(self) -> TrainState:
@@ -154,8 +152,7 @@ class Trainer:
         self._planned = None if self.allocated else state
         self._run = RunState.of(state, getattr(self, "_run", None))
 
-    program = property(lambda self: self._train, doc="The compiled step as a value (a "
-                       "``Program``), or None before the first batch.")  # fmt: skip
+    program = property(lambda self: self._train, doc="The compiled step (a ``Program``).")
 
     compiled = reads("_train", "compiled", "The compiled step (``jax.stages.Compiled``), or None.")
     jaxpr = reads("_train", "jaxpr", "The traced training step, or None before compiling.")
@@ -292,14 +289,12 @@ class Trainer:
 
     def _runs(self, what: str) -> None:
         if not self.allocated:
-            raise ConfigError(
-                f"this Trainer plans (allocate=False): it compiles, it does not {what}"
-            )
+            raise ConfigError(f"this Trainer plans (allocate=False): it compiles, it does not "
+                              f"{what}")  # fmt: skip
 
-    @property
-    def last_checkpoint(self) -> str | None:
-        """The path of the newest checkpoint saved or restored by this trainer, if any."""
-        return None if self._saver is None else self._saver.last(self._run)
+    last_checkpoint = property(
+        lambda self: None if self._saver is None else self._saver.last(self._run),
+        doc="The path of the newest checkpoint saved or restored by this trainer, if any.")
 
 
 __all__ = ["Trainer"]

@@ -275,7 +275,7 @@ def make_step(
                     grad_fn, strategy, mesh, state, batch, rng, param_shardings,
                     batch_shardings, encodes,
                 )  # fmt: skip
-            except NotImplementedError:  # an op JAX cannot vmap (ragged_dot's groups)
+            except NotImplementedError:  # an op JAX has no batching rule for
                 if encodes:
                     raise
                 grad_fn = _accumulate(value_and_grad, grad_accum, batch_shardings)
