@@ -266,10 +266,8 @@ def _strategy(args: argparse.Namespace) -> Any:
     import shardplug
 
     options = {}
-    for given in args.option:
-        key, sep, value = given.partition("=")
-        if not sep:
-            raise SystemExit(f"-o {given}: give KEY=VALUE")
+    for given in args.option:  # KEY=VALUE, checked by main
+        key, _, value = given.partition("=")
         options[key] = {"true": True, "false": False}.get(value.lower(), value)
     return shardplug.get_strategy("dp", addons=args.addon, **options)
 
@@ -294,6 +292,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sizes", default=",".join(n for n in SIZES if n != "smoke"),
                         help="the sizes --plan tries, smallest first")  # fmt: skip
     args = parser.parse_args(argv)
+    unknown = [n for n in args.sizes.split(",") if n not in SIZES]
+    if unknown:
+        parser.error(f"--sizes: no size {unknown[0]!r}; choose from {', '.join(SIZES)}")
+    for given in args.option:
+        if "=" not in given:
+            parser.error(f"-o {given}: give KEY=VALUE, e.g. offload.params=true")
     if args.target:
         from shardplug.core.targets import on_cpu_alone
 
@@ -388,4 +392,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from shardplug.errors import ShardplugError
+
+    try:
+        main()
+    except ShardplugError as exc:  # a bad GPU, add-on or option: one line, as the CLI says it
+        sys.exit(print(f"gpu_mfu: error: {exc}", file=sys.stderr) or 2)

@@ -77,6 +77,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cases", default=",".join(CASES), help="which (default: all)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="write the JSON here")
     args = parser.parse_args(argv)
+    unknown = [c for c in args.cases.split(",") if c not in CASES]
+    if unknown:
+        parser.error(f"--cases: no case {unknown[0]!r}; choose from {', '.join(CASES)}")
+    if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
+        parser.error(f"--out {args.out}: give a file in an existing folder")
     from shardplug.core.targets import on_cpu_alone
 
     on_cpu_alone()  # before JAX starts its backends
@@ -92,4 +97,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    from shardplug.errors import ShardplugError
+
+    try:
+        main()
+    except ShardplugError as exc:  # no CUDA plugin, JAX started on a GPU: one line
+        sys.exit(print(f"target_memory: error: {exc}", file=sys.stderr) or 2)

@@ -154,6 +154,15 @@ def test_an_export_under_a_config_of_other_shapes_is_one_line(tmp_path, capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "has shape (2, 32), where the llama config implies (3, 32)" in line
     assert not (tmp_path / "out").exists()
+    # the same shapes under another architecture's name: refused, not relabelled
+    relabelled = {**config, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+    relabelled.pop("rope_scaling")
+    (other / "config.json").write_text(json.dumps(relabelled))
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "ck"), "--out",
+                 str(tmp_path / "out"), "--format", "hf", "--init-from", str(other)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "is a mistral checkpoint, and the run started from" in line and "a llama" in line
+    assert not (tmp_path / "out").exists()
 
 
 def test_every_registered_family_has_a_fixture_and_a_recipe_to_make_it():

@@ -18,8 +18,10 @@ mkdir -p "$dest"
 run() {  # NAME ARGS...: one mode in a process of its own (its peak is its own)
     local name=$1; shift
     echo "== $name: $*"
+    # written whole or not at all: a failed run leaves its .err, never an empty .json
     if timeout 150 "${PYTHON:-python3}" benchmarks/gpu_mfu.py --size "$size" --steps 5 --rounds 3 "$@" \
-        > "$dest/h100_$name.json" 2> "$dest/h100_$name.err"; then
+        > "$dest/.h100_$name.part" 2> "$dest/h100_$name.err" \
+        && mv "$dest/.h100_$name.part" "$dest/h100_$name.json"; then
         "${PYTHON:-python3}" - "$dest/h100_$name.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -29,6 +31,7 @@ print(f"   step {r['shardplug']['step_seconds'] * 1e3:.1f} ms, x plain hand-writ
       f"predicted {gb(r['predicted_peak_bytes'])}, loss {r['loss']:.4f}")
 PY
     else
+        rm -f "$dest/.h100_$name.part"
         echo "   failed: $(grep -v '^\s*$' "$dest/h100_$name.err" | tail -1)"
         failed=1
     fi

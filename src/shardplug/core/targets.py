@@ -225,7 +225,7 @@ def as_present(device: Any) -> Iterator[None]:
 
 
 _NO_HOST = (
-    "--target compiles for a {} that is not here, and the GPU compiler of this JAX fails on "
+    "--target compiles for the {}, which is not here, and the GPU compiler of this JAX fails on "
     "offload's update=host without a GPU: explain the update on the devices (the default), "
     "or without --target (the CPU's figures)"
 )

@@ -325,13 +325,23 @@ def export_checkpoint(checkpoint_dir: str | pathlib.Path, directory: str | pathl
 
     checkpoints = Checkpoints(checkpoint_dir, read_only=True)
     step, meta = checkpoints.read_meta_of(step)
-    init_from = init_from or meta.get("config", {}).get("init_from")
+    recorded = meta.get("config", {}).get("init_from")
+    init_from = init_from or recorded
     if init_from is None:
         raise ConfigError(
             f"{checkpoint_dir}: the run did not start --init-from a pretrained checkpoint; "
             "give --init-from DIR, the checkpoint whose config it has"
         )
     config = read_config(init_from)
+    started = config.family
+    if recorded and pathlib.Path(recorded) != pathlib.Path(init_from):
+        with contextlib.suppress(PretrainedError, ConfigError, OSError):  # gone: not checked
+            started = read_config(recorded).family
+    if started != config.family:  # the same shapes can be another architecture's
+        raise ConfigError(
+            f"--init-from {init_from} is a {config.family} checkpoint, and the run started "
+            f"from {recorded}, a {started}: export with a {started} config"
+        )
     from shardplug.pretrained import peft
 
     adapters = peft.of_run(meta.get("config", {}))
