@@ -271,3 +271,70 @@ def test_a_layer_stack_operation_without_rows_is_given_blocks_closed_over_them(m
         with pytest.warns(shardplug.errors.ShardplugWarning, match="takes no rows=: its blocks"):
             got = shardplug.stack.scan(block, params, x, rows={"segment_ids": ids})
     np.testing.assert_array_equal(got, want)
+
+
+def _documents(batch, length, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((batch, length), np.int32)
+    for row in range(batch):
+        cuts = np.sort(rng.choice(np.arange(1, length), 3, replace=False))
+        ids[row] = np.searchsorted(cuts, np.arange(length), side="right")
+    return jax.numpy.asarray(ids)
+
+
+@pytest.mark.parametrize("split", ["rows", "rows and heads"])
+def test_the_fused_kernel_keeps_documents_apart_as_xlas_masked_attention_does(split):
+    """A GPU's packed attention (Pallas' flash kernel, in its interpreter here) against XLA's
+    masked attention: the output and all three gradients, with grouped key heads, its rows
+    split over 8 devices (or rows and heads): each device runs the kernel on its own."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shardplug.core import flash
+
+    batch, length, heads, dim = 8, 256, 4, 32
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (batch, length, heads, dim))
+    k, v = (jax.random.normal(x, (batch, length, 2, dim)) for x in keys[1:])
+    ids = _documents(batch, length)
+    scale = dim**-0.5
+
+    def masked(q, k, v):
+        mask = (ids[:, :, None] == ids[:, None, :])[:, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale)
+
+    def fused(q, k, v):
+        return flash.packed_attention(q, k, v, ids, causal=True, scale=scale, interpret=True)
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    spec = P(("data", "model")) if split == "rows" else P("data", None, "model")
+    laid = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+
+    def loss(f):
+        return lambda *x: jnp.sum(jnp.sin(f(*x)))
+
+    with jax.set_mesh(mesh):
+        np.testing.assert_allclose(jax.jit(fused)(*laid), masked(q, k, v), atol=2e-6)
+        step = jax.jit(jax.grad(loss(fused), argnums=(0, 1, 2)))
+        got, want = step(*laid), jax.grad(loss(masked), argnums=(0, 1, 2))(q, k, v)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, atol=2e-6 * float(jnp.max(jnp.abs(b))))
+        assert got[0].sharding.spec == spec  # the gradient stays where the queries were
+        text = step.lower(*laid).compile().as_text()
+    assert not any(c in text for c in ("all-gather", "all-to-all", "all-reduce"))
+
+
+def test_what_the_fused_kernel_cannot_take_is_said():
+    from shardplug.core import flash
+
+    def shaped(*shape):
+        return jax.ShapeDtypeStruct(shape, np.float32)
+
+    q = shaped(2, 256, 4, 32)
+    assert flash.fits(q, q, q) is None
+    assert "not a multiple of 128" in flash.fits(shaped(2, 200, 4, 32), shaped(2, 200, 4, 32),
+                                                  shaped(2, 200, 4, 32))  # fmt: skip
+    assert "queries of 256 and keys of 128" in flash.fits(q, shaped(2, 128, 4, 32), q)
+    assert "4 query heads over 3 key heads" in flash.fits(q, shaped(2, 256, 3, 32),
+                                                          shaped(2, 256, 3, 32))  # fmt: skip

@@ -22,7 +22,9 @@ PLUGIN = importlib.util.find_spec("jax_plugins") is not None and (
 ROOT = pathlib.Path(__file__).parent.parent
 needs_plugin = pytest.mark.skipif(not PLUGIN, reason="JAX's CUDA plugin is not installed")
 # which attention a GPU's program runs is said as a warning (and checked in a note below)
-pytestmark = pytest.mark.filterwarnings("ignore:shardplug.attention")
+pytestmark = [pytest.mark.filterwarnings("ignore:shardplug.attention"),
+              # JAX 0.12 deprecates Pallas' Triton backend, which core.flash's kernel runs on
+              pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")]
 
 
 def test_an_unknown_gpu_or_count_is_one_line(capsys):
@@ -217,3 +219,39 @@ def test_the_calibration_script_puts_prediction_beside_the_h100s_measure():
     (row,) = module.main(["--cases", "125m"])["cases"]
     assert row["measured_peak_bytes"] == 24306889728  # benchmarks/gpu/h100_mfu_125m.json
     assert abs(row["predicted_over_measured"] - 1) < 0.006
+
+
+@needs_plugin
+def test_packed_documents_take_the_fused_kernel_in_the_h100_program(tmp_path):
+    """Packed rows (segment ids) of a Llama-shaped model compile for an H100 to Pallas'
+    Triton flash kernel, not a score matrix: the temporaries grow linearly in the sequence
+    (XLA's masked attention's grow with its square) and stay near the padded step's, which
+    runs cuDNN's fused kernel."""
+    import json
+
+    from shardplug import pretrained
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import packing
+
+    config = json.loads((ROOT / "tests" / "fixtures" / "hf" / "llama" / "config.json").read_text())
+    config.update(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=64, vocab_size=1000,
+                  max_position_embeddings=65536)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    task = pretrained.load(tmp_path).task("nnx")
+    temps = {}
+    for length in (4096, 16384):
+        docs = packing.documents(length // 8, 512, length, 1000)
+        for name, rows in (("packed", packing.packed_rows), ("padded", packing.padded_rows)):
+            if name == "padded" and length != 4096:
+                continue
+            trainer = task.trainer(strategy="dp", devices=target_devices("h100", 1),
+                                   allocate=False, precision="bf16")  # fmt: skip
+            report = explain(trainer, rows(docs, length, 1))
+            temps[name, length] = report.per_device["temp_bytes"]
+            text = trainer.compiled.as_text()
+            if name == "packed":
+                assert "__gpu$xla.gpu.triton" in text and "__cudnn$fmha" not in text
+    assert temps["packed", 16384] / temps["packed", 4096] < 4.4  # 4x the tokens: linear
+    assert temps["packed", 4096] < 1.15 * temps["padded", 4096]

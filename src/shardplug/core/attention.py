@@ -118,7 +118,8 @@ def attention_kernel(
     dealt, so it runs cuDNN's fused attention where :func:`attention` would; ``lengths``
     (one per row) masks the keys past each row's length, as padding to split a sequence
     evenly needs (``jax.nn.dot_product_attention``'s ``key_value_seq_lengths``);
-    ``segment_ids`` join the mask (and take XLA's path, said once on a GPU).
+    ``segment_ids`` keep each document to itself: on a GPU through Pallas' flash kernel
+    (:mod:`shardplug.core.flash`: the scores never whole), elsewhere in the mask.
 
     Example, attention over keys and values gathered whole along a sequence axis::
 
@@ -128,13 +129,22 @@ def attention_kernel(
             return attention_kernel(query, key, value, causal=causal, bias=bias, mask=mask,
                                     scale=scale)
     """
+    if segment_ids is not None and implementation is None and _platform() == "gpu":
+        from shardplug.core import flash  # documents kept apart by a fused kernel
+
+        why = (_REFUSING[-1] if _REFUSING else None) or flash.fits(query, key, value) or next(
+            (f"it takes no {name} beside them" for name, x in (("bias", bias), ("mask", mask),
+                                                     ("lengths", lengths)) if x is not None),
+            None)  # fmt: skip
+        if why is None:
+            scale = query.shape[-1] ** -0.5 if scale is None else scale
+            return flash.packed_attention(query, key, value, segment_ids, causal=causal,
+                                          scale=scale)  # fmt: skip
+        implementation = "xla"  # correct, said: XLA's masked attention makes the scores
+        _say_once(f"segment_ids take XLA's attention, which makes the scores whole, not "
+                  f"Pallas' flash kernel (documents apart in linear memory): {why}")  # fmt: skip
     if segment_ids is not None:
         mask = with_segments(mask, segment_ids, segment_ids)
-        if implementation is None and _platform() == "gpu":
-            implementation = "xla"  # correct, said; the fused kernel's packed form: not yet
-            _say_once("segment_ids take XLA's attention: cuDNN's fused attention through JAX "
-                      "takes them only as a dense bias, whose gradient it materialises (and "
-                      "refuses for odd lengths)")  # fmt: skip
     if implementation is None:
         implementation, why = choose(query, key, value, platform=_platform())
         if why is not None:
@@ -186,15 +196,18 @@ def refusing(reason: str) -> Iterator[None]:
 
 
 def partitioner_failed(exc: BaseException) -> str | None:
-    """Why compiling failed in JAX's cuDNN attention partitioner (the rule that splits the
-    fused kernel over a mesh, run by the compiler: it has layouts it cannot split), or None
-    for any other failure."""
+    """Why compiling failed in a fused attention kernel: JAX's cuDNN partitioner (the rule
+    that splits the kernel over a mesh, run by the compiler: it has layouts it cannot split)
+    or Pallas' flash kernel (a JAX whose Triton backend is gone); None for any other
+    failure."""
     text = str(exc)
-    if "fused_attention_stablehlo" not in text:
-        return None
     last = next((line.strip() for line in reversed(text.splitlines()) if "Error:" in line),
                 type(exc).__name__)  # fmt: skip
-    return f"JAX's cuDNN partitioner failed on this layout: {last}"
+    if "fused_attention_stablehlo" in text:
+        return f"JAX's cuDNN partitioner failed on this layout: {last}"
+    if "mha_forward" in text or "mha_backward" in text:  # Pallas' kernel (core.flash)
+        return f"Pallas' flash kernel failed to compile: {last}"
+    return None
 
 
 def _try_cudnn(query, key, value, bias, mask, scale, causal, lengths) -> Implementation:
