@@ -255,3 +255,9 @@ def test_packed_documents_take_the_fused_kernel_in_the_h100_program(tmp_path):
                 assert "__gpu$xla.gpu.triton" in text and "__cudnn$fmha" not in text
     assert temps["packed", 16384] / temps["packed", 4096] < 4.4  # 4x the tokens: linear
     assert temps["packed", 4096] < 1.15 * temps["padded", 4096]
+    # split over two GPUs (rows and heads: fsdp+tp), each runs the kernel on its share
+    docs = packing.documents(4096 // 4, 512, 4096, 1000)
+    trainer = task.trainer(strategy="fsdp+tp", devices=target_devices("h100", 2),
+                           allocate=False, precision="bf16")  # fmt: skip
+    explain(trainer, packing.packed_rows(docs, 4096, 2))
+    assert "__gpu$xla.gpu.triton" in trainer.compiled.as_text()

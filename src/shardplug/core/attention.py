@@ -205,7 +205,7 @@ def partitioner_failed(exc: BaseException) -> str | None:
                 type(exc).__name__)  # fmt: skip
     if "fused_attention_stablehlo" in text:
         return f"JAX's cuDNN partitioner failed on this layout: {last}"
-    if "mha_forward" in text or "mha_backward" in text:  # Pallas' kernel (core.flash)
+    if "core/flash.py" in text or "/_src/pallas/" in text:  # Pallas' kernel (core.flash)
         return f"Pallas' flash kernel failed to compile: {last}"
     return None
 

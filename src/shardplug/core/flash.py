@@ -51,9 +51,12 @@ def available() -> bool:
 def fits(query: Any, key: Any, value: Any) -> str | None:
     """Why these inputs cannot take the kernel (None when they can): it takes one sequence
     for queries and keys, a multiple of :data:`BLOCK` long, one head dimension for all three,
-    and as many key heads as query heads divide."""
+    and as many key heads as query heads divide, outside a shard_map's manual region (its
+    outputs do not say how they vary by device there)."""
     if not available():
         return "this JAX has no Pallas flash-attention kernel for GPUs"
+    if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):  # inside a shard_map
+        return "it is split by a rule of its own, not inside a shard_map (cp's Ulysses)"
     length, heads, dim = query.shape[1], query.shape[2], query.shape[3]
     if key.shape[1] != length:
         return f"it takes no queries of {length} and keys of {key.shape[1]} positions"

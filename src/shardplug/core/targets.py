@@ -217,11 +217,24 @@ def as_present(device: Any) -> Iterator[None]:
     fused.check_cudnn_version = lambda: CUDNN
     fused.check_compute_capability = lambda capability: have >= version(capability)
     fused.is_cuda_compute_capability_equal = lambda capability: have == version(capability)
+    # Pallas' Triton lowering asks the default device for the GPU's kind where a mesh's
+    # partitioner lowers a kernel outside the step's mesh (core.flash): the target's
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:  # a JAX that reads it elsewhere: its lowering says so
+        gpu_info = None
+    kinds = ("get_device_kind", "get_device_platform")
+    kept = {n: getattr(gpu_info, n) for n in kinds if hasattr(gpu_info, n)}
+    if len(kept) == len(kinds):
+        gpu_info.get_device_kind = lambda: device.device_kind
+        gpu_info.get_device_platform = lambda: "gpu"
     try:
         yield
     finally:
         for name, value in saved.items():
             setattr(fused, name, value)
+        for name, value in kept.items():
+            setattr(gpu_info, name, value)
 
 
 _NO_HOST = (

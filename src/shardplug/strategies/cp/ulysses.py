@@ -170,12 +170,12 @@ def ulysses_attention(axis: str, on_all_to_all=None, hybrid: bool = False,
                                  scale=scale, balance=balance, groups=groups,
                                  valid=None if causal or padded == length else length)  # fmt: skip
             else:
-                mask = None if ids is None else with_segments(None, ids, ids)
                 lengths = None
                 if padded != length and not causal:  # causal: no real query sees the padding
                     lengths = jnp.full((q.shape[0],), length, jnp.int32)
-                out = attention_kernel(q, k, v, causal=causal, mask=mask, scale=scale,
-                                       lengths=lengths)  # fmt: skip
+                # the ids as they are: a GPU's fused kernel takes them (a mask elsewhere)
+                out = attention_kernel(q, k, v, causal=causal, scale=scale, lengths=lengths,
+                                       segment_ids=ids)  # fmt: skip
             return swap(out, 1, 2)
 
         out = jax.shard_map(local, in_specs=tuple(specs), out_specs=P(lead, axis, by_tp),
