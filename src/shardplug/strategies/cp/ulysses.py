@@ -36,7 +36,7 @@ from shardplug.plugin import (
     sharding_of,
     warn_once,
 )
-from shardplug.plugin.attention import pad_sequence, with_segments
+from shardplug.plugin.attention import pad_sequence
 from shardplug.strategies.cp.ring import (
     gathered_attention,
     gathers_here,
