@@ -336,5 +336,6 @@ def test_what_the_fused_kernel_cannot_take_is_said():
     assert "not a multiple of 128" in flash.fits(shaped(2, 200, 4, 32), shaped(2, 200, 4, 32),
                                                   shaped(2, 200, 4, 32))  # fmt: skip
     assert "queries of 256 and keys of 128" in flash.fits(q, shaped(2, 128, 4, 32), q)
+    assert "head dimension of 8, under 16" in flash.fits(*[shaped(2, 256, 4, 8)] * 3)
     assert "4 query heads over 3 key heads" in flash.fits(q, shaped(2, 256, 3, 32),
                                                           shaped(2, 256, 3, 32))  # fmt: skip

@@ -62,6 +62,8 @@ def fits(query: Any, key: Any, value: Any) -> str | None:
         return f"it takes no queries of {length} and keys of {key.shape[1]} positions"
     if length % BLOCK:
         return f"it takes no sequence of {length}, not a multiple of {BLOCK}"
+    if dim < 16:  # Triton's matrix product takes no side under 16
+        return f"it takes no head dimension of {dim}, under 16"
     if key.shape[3] != dim or value.shape[3] != dim:
         return "it takes no queries, keys and values of different head dimensions"
     if heads % key.shape[2]:
