@@ -298,6 +298,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for given in args.option:
         if "=" not in given:
             parser.error(f"-o {given}: give KEY=VALUE, e.g. offload.params=true")
+    if args.target and not args.plan:
+        parser.error("--target plans for a GPU that is not here: give --plan too")
     if args.target:
         from shardplug.core.targets import on_cpu_alone
 

@@ -132,15 +132,19 @@ def attention_kernel(
     if segment_ids is not None and implementation is None and _platform() == "gpu":
         from shardplug.core import flash  # documents kept apart by a fused kernel
 
-        why = (_REFUSING[-1] if _REFUSING else None) or flash.fits(query, key, value) or next(
+        why = _refused("flash") or flash.fits(query, key, value) or next(
             (f"it takes no {name} beside them" for name, x in (("bias", bias), ("mask", mask),
                                                      ("lengths", lengths)) if x is not None),
             None)  # fmt: skip
         if why is None:
             scale = query.shape[-1] ** -0.5 if scale is None else scale
-            return flash.packed_attention(query, key, value, segment_ids, causal=causal,
-                                          scale=scale)  # fmt: skip
+            try:
+                return flash.packed_attention(query, key, value, segment_ids, causal=causal,
+                                              scale=scale)  # fmt: skip
+            except NotImplementedError:  # under vmap (a per-shard gradient): no rule there
+                why = "it has no rule under vmap (a gradient computed per shard)"
         implementation = "xla"  # correct, said: XLA's masked attention makes the scores
+        REFUSED.append(f"segment ids: {why}")
         _say_once(f"segment_ids take XLA's attention, which makes the scores whole, not "
                   f"Pallas' flash kernel (documents apart in linear memory): {why}")  # fmt: skip
     if segment_ids is not None:
@@ -181,42 +185,50 @@ def choose(query: Any, key: Any, value: Any, *, platform: str) -> tuple[Implemen
 REFUSED: list[str] = []
 
 
-_REFUSING: list[str] = []
+_REFUSING: list[tuple[str, str]] = []
 
 
 @contextlib.contextmanager
-def refusing(reason: str) -> Iterator[None]:
-    """Within: :func:`attention` takes XLA's kernel where it would take cuDNN's, for
-    ``reason`` (said once, and kept in :data:`REFUSED`)."""
-    _REFUSING.append(reason)
+def refusing(kernel: str, reason: str) -> Iterator[None]:
+    """Within: :func:`attention` takes XLA's kernel where it would take ``kernel``'s
+    (``"cudnn"``, or ``"flash"``: :mod:`shardplug.core.flash`), for ``reason`` (said once,
+    and kept in :data:`REFUSED`)."""
+    _REFUSING.append((kernel, reason))
     try:
         yield
     finally:
         _REFUSING.pop()
 
 
-def partitioner_failed(exc: BaseException) -> str | None:
-    """Why compiling failed in a fused attention kernel: JAX's cuDNN partitioner (the rule
-    that splits the kernel over a mesh, run by the compiler: it has layouts it cannot split)
-    or Pallas' flash kernel (a JAX whose Triton backend is gone); None for any other
-    failure."""
+def _refused(kernel: str) -> str | None:
+    return next((why for k, why in reversed(_REFUSING) if k == kernel), None)
+
+
+def partitioner_failed(exc: BaseException) -> tuple[str, str] | None:
+    """Which fused attention kernel compiling failed in, and why: JAX's cuDNN partitioner
+    (the rule that splits the kernel over a mesh, run by the compiler: it has layouts it
+    cannot split), or Pallas' flash kernel as :mod:`shardplug.core.flash` calls it (its
+    rule's own refusal, or its lowering: a JAX whose Triton backend is gone); None for any
+    other failure."""
+    from shardplug.core.flash import NO_RULE
+
     text = str(exc)
     last = next((line.strip() for line in reversed(text.splitlines()) if "Error:" in line),
                 type(exc).__name__)  # fmt: skip
     if "fused_attention_stablehlo" in text:
-        return f"JAX's cuDNN partitioner failed on this layout: {last}"
-    if "core/flash.py" in text or "/_src/pallas/" in text:  # Pallas' kernel (core.flash)
-        return f"Pallas' flash kernel failed to compile: {last}"
+        return "cudnn", f"JAX's cuDNN partitioner failed on this layout: {last}"
+    lowering = "pallas_call_lowering" in text or "triton" in text.lower()
+    if NO_RULE in text or ("shardplug/core/flash.py" in text and lowering):
+        return "flash", f"Pallas' flash kernel failed to compile: {last}"
     return None
 
 
 def _try_cudnn(query, key, value, bias, mask, scale, causal, lengths) -> Implementation:
     """``"cudnn"`` if cuDNN accepts these inputs when traced, ``"xla"`` (said once) if not:
     its wrapper may refuse inputs whose explicit shardings it has no rule for."""
-    if _REFUSING:
-        REFUSED.append(_REFUSING[-1])
-        _say_once(f"cuDNN's fused attention refused these inputs ({_REFUSING[-1]}); "
-                  "using XLA's")  # fmt: skip
+    if (why := _refused("cudnn")) is not None:
+        REFUSED.append(why)
+        _say_once(f"cuDNN's fused attention refused these inputs ({why}); using XLA's")
         return "xla"
     try:
         jax.eval_shape(

@@ -28,6 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 #: the kernel's sequence block: a packed row's length is a multiple of it
 BLOCK = 128
+#: what the kernel's rule says of a layout it has no rule for (attention's retry reads it)
+NO_RULE = "shardplug.flash: no rule for this layout"
 
 
 def _kernel() -> Any:
@@ -56,7 +58,7 @@ def fits(query: Any, key: Any, value: Any) -> str | None:
     if not available():
         return "this JAX has no Pallas flash-attention kernel for GPUs"
     if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):  # inside a shard_map
-        return "it is split by a rule of its own, not inside a shard_map (cp's Ulysses)"
+        return "it is split by a rule of its own, not inside a shard_map (a strategy's region)"
     length, heads, dim = query.shape[1], query.shape[2], query.shape[3]
     if key.shape[1] != length:
         return f"it takes no queries of {length} and keys of {key.shape[1]} positions"
@@ -103,7 +105,9 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _spec(sharding: Any, rank: int) -> tuple:
-    spec = tuple(getattr(sharding, "spec", ())) + (None,) * rank
+    if not hasattr(sharding, "spec"):  # a layout named by devices alone: no axes to keep
+        raise ValueError(f"{NO_RULE} ({type(sharding).__name__})")
+    spec = tuple(sharding.spec) + (None,) * rank
     return spec[:rank]
 
 

@@ -174,6 +174,10 @@ def compile_noting(trainer: Any, batch: Any) -> list[str]:
     notes = [f"compiled for {count} x {device.device_kind}, not present: the GPU compiler's "
              "program and memory, its kernels untuned (no GPU to time them)"]  # fmt: skip
     copies, overlapping, first = host_copies(trainer.compiled.as_text())
+    from shardplug.core.memory import activations_on_host
+
+    if not copies and activations_on_host(trainer.jaxpr):  # the policy's moves were dropped
+        raise ConfigError(_NO_REMAT.format(device.device_kind))
     if copies:
         notes.append(
             f"the GPU's program brings host memory to the device in {copies} copies, "
@@ -182,7 +186,7 @@ def compile_noting(trainer: Any, batch: Any) -> list[str]:
         )
     if len(REFUSED) > refused:
         notes.append(
-            f"attention compiled as XLA's, not as cuDNN's fused kernel ({REFUSED[-1]}): the "
+            f"attention compiled as XLA's, not as a fused kernel ({REFUSED[-1]}): the "
             "temporaries count attention scores that kernel never holds, so the peak is high"
         )
     return notes
@@ -213,34 +217,43 @@ def as_present(device: Any) -> Iterator[None]:
     def version(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split("."))
 
-    saved = {n: getattr(fused, n) for n in names}
-    fused.check_cudnn_version = lambda: CUDNN
-    fused.check_compute_capability = lambda capability: have >= version(capability)
-    fused.is_cuda_compute_capability_equal = lambda capability: have == version(capability)
-    # Pallas' Triton lowering asks the default device for the GPU's kind where a mesh's
-    # partitioner lowers a kernel outside the step's mesh (core.flash): the target's
-    try:
-        from jax._src.pallas.triton import gpu_info
-    except ImportError:  # a JAX that reads it elsewhere: its lowering says so
-        gpu_info = None
-    kinds = ("get_device_kind", "get_device_platform")
-    kept = {n: getattr(gpu_info, n) for n in kinds if hasattr(gpu_info, n)}
-    if len(kept) == len(kinds):
-        gpu_info.get_device_kind = lambda: device.device_kind
-        gpu_info.get_device_platform = lambda: "gpu"
-    try:
+    with contextlib.ExitStack() as undo:  # every patch undone, whatever ends the compile
+
+        def patch(module: Any, name: str, value: Any) -> None:
+            undo.callback(setattr, module, name, getattr(module, name))
+            setattr(module, name, value)
+
+        patch(fused, "check_cudnn_version", lambda: CUDNN)
+        patch(fused, "check_compute_capability", lambda c: have >= version(c))
+        patch(fused, "is_cuda_compute_capability_equal", lambda c: have == version(c))
+        # Pallas' Triton lowering asks the default device for the GPU's kind where a mesh's
+        # partitioner lowers a kernel outside the step's mesh (core.flash): the target's,
+        # its cached answer forgotten before and after (another target may follow)
+        try:
+            from jax._src.pallas.triton import gpu_info
+        except ImportError:  # a JAX that reads it elsewhere: its lowering says so
+            gpu_info = None
+        kinds = ("get_device_kind", "get_device_platform", "get_gpu_info")
+        if all(hasattr(gpu_info, n) for n in kinds):
+            clear = getattr(gpu_info.get_gpu_info, "cache_clear", lambda: None)
+            undo.callback(clear)
+            patch(gpu_info, "get_device_kind", lambda: device.device_kind)
+            patch(gpu_info, "get_device_platform", lambda: "gpu")
+            clear()
         yield
-    finally:
-        for name, value in saved.items():
-            setattr(fused, name, value)
-        for name, value in kept.items():
-            setattr(gpu_info, name, value)
 
 
 _NO_HOST = (
     "--target compiles for the {}, which is not here, and the GPU compiler of this JAX fails on "
     "offload's update=host without a GPU: explain the update on the devices (the default), "
     "or without --target (the CPU's figures)"
+)
+
+
+_NO_REMAT = (
+    "--target compiles for the {}, which is not here, and JAX drops --remat offload's moves "
+    "to host memory for a device without memories: explain it with --remat full (the same "
+    "recomputation, the inputs kept on the device) or without --target"
 )
 
 

@@ -205,22 +205,27 @@ def _cpu_float16() -> Any:
 def build(step_for: Callable[[Any], Callable], batch: Any, **context: Any) -> Program:
     """:func:`lower`, compiled: the program for batches shaped like ``batch``."""
     device = context["mesh"].devices.flat[0]
-    lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
-    try:
-        compiled = cache.compile_step(lowered, jaxpr, device)
-    except Exception as exc:  # cuDNN's attention could not be split this way: XLA's, said
-        reason = attention.partitioner_failed(exc)
-        if reason is None:
-            raise
-        with attention.refusing(reason):
-            lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
-        compiled = cache.compile_step(lowered, jaxpr, device)
-    try:
-        _checked(compiled, context["strategy"], context["mesh"])
-    except TraceAgain:  # a parallelism changed what it traces: once more, and final
+    refused = contextlib.ExitStack()  # a fused kernel that failed, refused in every retrace
+    with refused:
         lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
-        compiled = cache.compile_step(lowered, jaxpr, device)
-        _checked(compiled, context["strategy"], context["mesh"])
+        try:
+            compiled = cache.compile_step(lowered, jaxpr, device)
+        except Exception as exc:  # a fused attention kernel cannot compile so: XLA's, said
+            failed = attention.partitioner_failed(exc)
+            if failed is None:
+                raise
+            refused.enter_context(attention.refusing(*failed))
+            lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
+            try:
+                compiled = cache.compile_step(lowered, jaxpr, device)
+            except Exception as again:
+                raise again from exc
+        try:
+            _checked(compiled, context["strategy"], context["mesh"])
+        except TraceAgain:  # a parallelism changed what it traces: once more, and final
+            lowered, batch_shardings, jaxpr = lower(step_for, batch, **context)
+            compiled = cache.compile_step(lowered, jaxpr, device)
+            _checked(compiled, context["strategy"], context["mesh"])
     return Program(compiled, batch_shardings, feed.signature(batch), jaxpr)
 
 
