@@ -32,7 +32,9 @@ BLOCK = 128
 NO_RULE = "shardplug.flash: no rule for this layout"
 
 
+@functools.cache
 def _kernel() -> Any:
+    """Pallas' GPU attention module, imported once (None where this JAX lacks it)."""
     import warnings
 
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Iterator
@@ -166,6 +167,7 @@ def compile_noting(trainer: Any, batch: Any) -> list[str]:
     if trainer.strategy.update_memory(trainer.state_shardings, trainer.mesh) == "host":
         raise ConfigError(_NO_HOST.format(device.device_kind))
     from shardplug.core.attention import REFUSED
+    from shardplug.core.memory import activations_on_host
 
     refused = len(REFUSED)
     with as_present(device):
@@ -174,8 +176,6 @@ def compile_noting(trainer: Any, batch: Any) -> list[str]:
     notes = [f"compiled for {count} x {device.device_kind}, not present: the GPU compiler's "
              "program and memory, its kernels untuned (no GPU to time them)"]  # fmt: skip
     copies, overlapping, first = host_copies(trainer.compiled.as_text())
-    from shardplug.core.memory import activations_on_host
-
     if not copies and activations_on_host(trainer.jaxpr):  # the policy's moves were dropped
         raise ConfigError(_NO_REMAT.format(device.device_kind))
     if copies:
@@ -258,8 +258,7 @@ _NO_REMAT = (
 
 
 _PRODUCT = re.compile(r"\b(?:dot|convolution)\(|__cublas|__cudnn")
-_CALLED = re.compile(r"\b(?:calls|body|condition|to_apply|branch_computations)=\{?([^,}\s]+"
-                     r"(?:,\s*%[^,}\s]+)*)")  # fmt: skip
+_ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.MULTILINE)
 _COPY = re.compile(r"=\s*\((.*?)\) copy-start\(")
 
 
@@ -268,36 +267,19 @@ def host_copies(hlo_text: str) -> tuple[int, int, float]:
     to the device, how many of them start before the program's last matrix product
     (overlapping the backward pass; a loop or call that runs one counts as one), and how
     far through the schedule the first starts (0 to 1)."""
-    bodies: dict[str, str] = {}
-    entry: list[str] = []
-    name, lines = None, []
-    for line in hlo_text.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            name, lines = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%"), []
-            if line.startswith("ENTRY"):
-                lines = entry
-        elif line.startswith("}"):
-            if name is not None and lines is not entry:
-                bodies[name] = "\n".join(lines)
-            name = None
-        elif name is not None:
-            lines.append(line)
-    known: dict[str, bool] = {}
+    from shardplug.core.hlo import computations, reached
 
-    def has_product(text: str, seen: frozenset[str] = frozenset()) -> bool:
-        if _PRODUCT.search(text):
-            return True
-        for group in _CALLED.findall(text):
-            for callee in (c.strip().lstrip("%") for c in group.split(",")):
-                if callee in bodies and callee not in seen:
-                    if callee not in known:
-                        known[callee] = has_product(bodies[callee], seen | {callee})
-                    if known[callee]:
-                        return True
-        return False
+    program = computations(hlo_text)
+    found = _ENTRY.search(hlo_text)
+    entry = program.get(found.group(1), []) if found else []
 
-    last = max((k for k, line in enumerate(entry) if has_product(line)), default=-1)
-    starts = [k for k, line in enumerate(entry) if _to_device(line)]
+    @functools.cache
+    def runs_product(callee: str) -> bool:  # the computation, or one it calls
+        return any(_PRODUCT.search(i.text) for i in reached(program, callee))
+
+    last = max((k for k, i in enumerate(entry) if _PRODUCT.search(i.text)
+                or any(runs_product(c) for _, c in i.calls)), default=-1)  # fmt: skip
+    starts = [k for k, i in enumerate(entry) if i.opcode == "copy-start" and _to_device(i.text)]
     first = starts[0] / max(len(entry), 1) if starts else 1.0
     return len(starts), sum(k < last for k in starts), first
 
