@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core.beside import Site, mark
 from shardplug.core.layer_stack import LAYERS
-from shardplug.core.mesh import is_explicit
 from shardplug.core.sharding import leaf_paths
 from shardplug.errors import ConfigError
 from shardplug.models.adapter import Adapter
@@ -131,6 +131,9 @@ class LoraAdapter(Adapter):
                 f"({100 * self.size / self.base_size:.3g}%){stored}")  # fmt: skip
 
     reduce_per_shard = True  # each shard's merged-weight gradient contracted to the factors'
+    #: a training step runs the model's products by a target beside its frozen weight
+    #: (:mod:`shardplug.core.beside`): its gradient is never computed
+    beside = True
 
     def trainable(self, params: Any) -> Any:
         """The factors train; the base is frozen."""
@@ -192,23 +195,22 @@ class LoraAdapter(Adapter):
                 continue
             f = params["lora"][_key(path)]
             parts = (w, f["l"], f["r"])
-            whole = self._made(parts, cut[0])
+            whole = self._made(parts, cut[0], path)
             follow(given, whole)
             if path in self.by_layer:  # a layer stack makes one layer's at a time instead
-                made_by_layer(whole, parts, lambda layer, lead=cut[0] - 1: self._made(layer, lead))
+                made_by_layer(whole, parts,
+                              lambda layer, lead=cut[0] - 1, p=path: self._made(layer, lead, p))
             out.append(whole)
         return jax.tree.unflatten(tree, out)
 
-    def _made(self, parts: tuple[Any, Any, Any], lead: int) -> Any:
+    def _made(self, parts: tuple[Any, Any, Any], lead: int, path: str) -> Any:
         """``W + scale L @ R`` of a weight's parts (``W`` dequantized where it is stored
-        quantized); ``lead``: its stacked dimensions."""
+        quantized); ``lead``: its stacked dimensions. Made through a mark
+        (:func:`shardplug.core.beside.mark`): a training step multiplies beside it."""
         w, left, right = parts
         if is_quantized(w):
             w = w.dequantized()
-        delta = (self.scale * low_rank_delta(left, right, lead, w.shape)).astype(w.dtype)
-        if is_explicit(jax.sharding.get_abstract_mesh()):  # laid out as the weight it joins
-            delta = jax.sharding.reshard(delta, jax.typeof(w).sharding.spec)
-        return w + delta
+        return mark(Site(path, self.scale, lead))(w, left, right)
 
     def _stored(self, params: Any) -> Any:
         """The base's parameters as stored: each target quantized where asked (QLoRA)."""

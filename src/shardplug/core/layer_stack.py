@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core import ops
-from shardplug.core.layer_gather import layer_gather, layer_specs, made_of, regathered
+from shardplug.core.beside import rewritten
+from shardplug.core.layer_gather import follow, layer_gather, layer_specs, made_of, regathered
 from shardplug.core.mesh import is_explicit
 from shardplug.core.remat import remat
 from shardplug.errors import ConfigError, warn_once
@@ -132,7 +133,7 @@ def _made_in_the_loop(params: Any, fn: Callable[..., Any]) -> tuple[Any, Callabl
         weights = [p if r is None else r[1](p) for p, r in zip(layer, recipes, strict=True)]
         return fn(jax.tree.unflatten(treedef, weights), *rest)
 
-    return parts, made
+    return parts, rewritten(made, follow)  # products by a made weight run beside it
 
 
 def off_the_layers(params: Any) -> tuple[Any, dict[int, P]]:

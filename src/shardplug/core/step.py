@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from shardplug.core import means, memory
+from shardplug.core import beside, means, memory
 from shardplug.core.context import batch_axis_name, computing_in, manual_axes
 from shardplug.core.layer_gather import layer_specs
 from shardplug.core.mesh import is_explicit
@@ -229,7 +229,8 @@ def make_step(
         if compute is not None:
             batch = _cast_floats(batch, compute)
         with computing_in(compute), layer_specs(per_layer):
-            return _forward(adapter, loss_fn, extras, params, model_state, rng, batch, True)
+            return beside.forward(adapter, _forward, adapter, loss_fn, extras, params,
+                                  model_state, rng, batch, True)  # fmt: skip
 
     def loss_of(params, model_state, batch, rng):
         return forward(prepare(params), model_state, batch, rng)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from shardplug.core import beside
 from shardplug.core.mesh import is_explicit
 from shardplug.core.sharding import lay_out
 from shardplug.errors import ConfigError
@@ -172,3 +173,20 @@ def over_batch(batch: tuple[str, ...]) -> Callable:
         )(*operands)
 
     return routed
+
+
+def _beside(eqn, ins, at):
+    """A grouped product by a made weight (LoRA's, :mod:`shardplug.core.beside`): ``x W``
+    plus ``(x L) R``, each a grouped product over the same groups; None (merged) where the
+    weight is not the stored ``(experts, in, out)``."""
+    x, w, groups = ins
+    if at != 1 or not w.plain():
+        return None
+    dtype = w.base.dtype
+    product = beside.bind(eqn, [x, w.base, groups])[0]
+    low = beside.bind(eqn, [x, w.left.astype(dtype), groups])[0]
+    return w.joined(product, beside.bind(eqn, [low.astype(dtype), w.right.astype(dtype),
+                                               groups])[0])  # fmt: skip
+
+
+beside.PRODUCTS["ragged_dot_general"] = _beside

@@ -1,0 +1,403 @@
+"""A weight made of a frozen part and a low-rank one, multiplied beside it: ``x W + s (x L) R``.
+
+An adapter that makes a weight as ``W + s L @ R`` (LoRA's, :mod:`shardplug.lora`) lets the
+model multiply by the sum: the model's code is the user's, and it reads one weight. But the
+backward pass of ``x (W + s L R)`` computes the sum's gradient, ``x^T dy``, as large as the
+weight and as costly as the product itself, and only then projects it onto ``L`` and ``R``.
+Written beside the weight, ``x W + s (x L) R``, the frozen ``W`` (held by ``stop_gradient``)
+has no gradient to compute: ``L``'s and ``R``'s come from ``x L`` and ``dy R^T``, products
+of rank ``r``.
+
+So the step rewrites what the model does, not its code. The adapter makes each weight
+through a *mark* (:func:`mark`, a ``jax.jit`` named for it), and :func:`rewritten` traces a
+function to its jaxpr and runs it again equation by equation: a mark's output stays its
+parts (:class:`Made`); a cast, transpose or layout of it applies to the frozen part (the
+low-rank one follows by its dimensions' letters); a ``dot_general`` with it is ``x W`` plus
+one ``einsum`` of ``x``, ``L`` and ``R`` contracting ``x`` with the factor that shares its
+dimensions first. A call (``jax.jit``, ``jnp.einsum``'s) is followed inside; a
+rematerialised block (``jax.checkpoint``) is rebuilt with the parts as its inputs and its
+policy kept. Anything else that reads the weight (a reshape of it, a scan over it, a
+grouped product) gets the weight merged, as before, and a warning says once which weight,
+where, and that its frozen part's gradient is computed there.
+
+Where a model's layers run in a layer stack (:mod:`shardplug.core.layer_stack`), each layer's
+weight is made inside the stack's loop and the rewrite runs on the loop's body: a parallelism
+that supplies the stack's operation (a pipeline's schedules) never sees a trace of its own
+call made twice. The whole forward pass is rewritten (:func:`rewritten`) only where no
+operation supplies the stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+from jax.sharding import PartitionSpec as P
+
+from shardplug.core import ops
+from shardplug.core.layer_gather import follow
+from shardplug.core.mesh import is_explicit
+from shardplug.errors import warn_once
+
+#: the name of a mark's ``jax.jit``, followed by its number among :data:`_MARKS`
+MARK = "shardplug_made_weight_"
+#: calls whose body is followed inside
+CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+#: rematerialised blocks, rebuilt with a made weight's parts as their inputs
+REMATS = frozenset({"remat2", "checkpoint", "remat"})
+#: a made weight through these is still the weight, laid out (the low-rank part follows)
+LAYOUTS = frozenset({"sharding_constraint", "copy", "copy_p", "reshard", "mesh_cast"})
+#: a per-device program's marks of a value varying over its axes: each part gets them
+VARYING = frozenset({"pvary", "pcast"})
+#: a product's primitive name -> ``rule(eqn, ins, at)``: the product with its input ``at`` a
+#: :class:`Made`, run beside it (None: it cannot, and the weight is merged). ``dot_general``
+#: is core's; a parallelism's own product registers its rule in its module.
+PRODUCTS: dict[str, Callable[[Any, list[Any], int], Any | None]] = {}
+_RANK = "r"
+_LETTERS = "abcdefghijklmnopqstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # r is the rank's
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """What a mark makes: ``W + scale L @ R`` for the weight at ``path``, ``lead`` stacked
+    dimensions (each layer's, each expert's factors its own)."""
+
+    path: str
+    scale: float
+    lead: int
+
+
+_MARKS: list[Site] = []
+_MADE_BY: dict[Site, Callable[..., Any]] = {}
+
+
+def mark(site: Site) -> Callable[[Any, Any, Any], Any]:
+    """``(W, L, R) -> W + scale L @ R`` as one ``jax.jit`` call named for ``site``: what
+    :func:`rewritten` finds in a jaxpr. Outside it, the merged weight, as it always was."""
+    if site not in _MADE_BY:
+        number = len(_MARKS)
+        _MARKS.append(site)
+
+        def made(w, left, right):
+            return merged(w, left, right, site.scale, site.lead)
+
+        made.__name__ = made.__qualname__ = f"{MARK}{number}"
+        _MADE_BY[site] = jax.jit(made)
+    return _MADE_BY[site]
+
+
+def merged(w: Any, left: Any, right: Any, scale: float, lead: int) -> Any:
+    """``w + scale left @ right``, the product laid out as ``w`` on explicit axes."""
+    dims = _LETTERS[: w.ndim]
+    cut = left.ndim - 1
+    delta = jnp.einsum(f"{dims[:cut]}{_RANK},{dims[:lead]}{_RANK}{dims[cut:]}->{dims}",
+                       left, right)  # fmt: skip
+    return w + _as(delta * scale, w)
+
+
+def _as(delta: Any, like: Any) -> Any:
+    """``delta`` in ``like``'s dtype, and its layout on explicit axes."""
+    delta = delta.astype(like.dtype)
+    if is_explicit(jax.sharding.get_abstract_mesh()):
+        delta = jax.sharding.reshard(delta, jax.typeof(like).sharding.spec)
+    return delta
+
+
+@dataclasses.dataclass(frozen=True)
+class Made:
+    """A made weight, kept as its parts: ``base + scale einsum(left, right)``, ``base``'s
+    dimensions lettered ``dims`` and the factors' ``left_dims`` and ``right_dims``."""
+
+    base: Any
+    left: Any
+    right: Any
+    dims: str
+    left_dims: str
+    right_dims: str
+    site: Site
+
+    @classmethod
+    def of(cls, site: Site, w: Any, left: Any, right: Any) -> Made:
+        dims = _LETTERS[: w.ndim]
+        cut = left.ndim - 1
+        return cls(w, left, right, dims, dims[:cut] + _RANK,
+                   dims[: site.lead] + _RANK + dims[cut:], site)  # fmt: skip
+
+    def whole(self, where: str) -> Any:
+        """The weight merged, said once: its frozen part's gradient is computed here."""
+        warn_once(
+            f"lora: the model's {where} reads {self.site.path}'s weight, so its adapter is "
+            f"merged into it there (W + s L R): the backward pass computes that weight's "
+            f"gradient, as large as the weight (adapters run beside a weight that the model "
+            f"casts, transposes or multiplies)"
+        )
+        delta = jnp.einsum(f"{self.left_dims},{self.right_dims}->{self.dims}",
+                           self.left, self.right)  # fmt: skip
+        return self.base + _as(delta * self.site.scale, self.base)
+
+    def plain(self) -> bool:
+        """Whether the weight is as stored, one input and one output dimension after its
+        stacked ones (each group's ``L`` is then ``(*lead, in, r)``, ``R`` ``(*lead, r,
+        out)``: a grouped product takes them as it takes the weight)."""
+        lead = self.site.lead
+        return (self.dims == _LETTERS[: self.base.ndim] and self.base.ndim == lead + 2
+                and len(self.left_dims) == lead + 2)  # fmt: skip
+
+    def joined(self, product: Any, low_rank: Any) -> Any:
+        """``product`` (by the frozen part) plus ``scale`` times ``low_rank`` (by the
+        factors), laid out as ``product``."""
+        return product + _as(low_rank * jnp.asarray(self.site.scale, low_rank.dtype), product)
+
+    def parts(self) -> list[Any]:
+        return [self.base, self.left, self.right]
+
+    def again(self, parts: list[Any]) -> Made:
+        return dataclasses.replace(self, base=parts[0], left=parts[1], right=parts[2])
+
+
+_MERGED: contextvars.ContextVar[bool] = contextvars.ContextVar("shardplug_merged", default=False)
+
+
+@contextlib.contextmanager
+def merged_products() -> Iterator[None]:
+    """Inside, steps traced multiply by made weights merged (``x (W + s L R)``), as before
+    the rewrite: the reference a rewritten step is compared with."""
+    token = _MERGED.set(True)
+    try:
+        yield
+    finally:
+        _MERGED.reset(token)
+
+
+def rewritten(fn: Callable[..., Any], follow: Callable[[Any, Any], None] | None = None
+              ) -> Callable[..., Any]:  # fmt: skip
+    """``fn`` with every product by a made weight run beside it (see the module). ``follow``
+    is told each argument's array and the traced one standing for it (for registries kept
+    by an array's identity)."""
+
+    def run(*args: Any) -> Any:
+        if _MERGED.get():
+            return fn(*args)
+        leaves, tree = jax.tree.flatten(args)
+        arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
+        out_tree: list[Any] = []
+
+        def traced(*inner: Any) -> list[Any]:
+            given = list(leaves)
+            for i, x in zip(arrays, inner, strict=True):
+                if follow is not None:
+                    follow(leaves[i], x)
+                given[i] = x
+            out_tree.clear()
+            out = fn(*jax.tree.unflatten(tree, given))
+            flat, treedef = jax.tree.flatten(out)
+            out_tree.append(treedef)
+            return flat
+
+        closed = jax.make_jaxpr(traced)(*[leaves[i] for i in arrays])
+        if not _marked(closed.jaxpr):
+            outs = jcore.eval_jaxpr(closed.jaxpr, closed.consts, *[leaves[i] for i in arrays])
+        else:
+            outs = evaluate(closed.jaxpr, closed.consts, [leaves[i] for i in arrays])
+            outs = [o.whole("output") if isinstance(o, Made) else o for o in outs]
+        return jax.tree.unflatten(out_tree[0], outs)
+
+    return run
+
+
+def forward(adapter: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, a training step's forward pass: rewritten (:func:`rewritten`) where
+    ``adapter`` makes weights by marks (its ``beside``) and no operation supplies the layer
+    stack (whose blocks are rewritten on their own)."""
+    if getattr(adapter, "beside", False) and ops.supplied("layer_stack") is None:
+        return rewritten(fn, follow)(*args)
+    return fn(*args)
+
+
+def _site(eqn: Any) -> Site | None:
+    name = eqn.params.get("name", "") if eqn.primitive.name in CALLS else ""
+    if isinstance(name, str) and name.startswith(MARK):
+        return _MARKS[int(name[len(MARK):])]
+    return None
+
+
+def _marked(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` makes a weight by a mark, in it or in a call it makes."""
+    for eqn in jaxpr.eqns:
+        if _site(eqn) is not None:
+            return True
+        if eqn.primitive.name in CALLS | REMATS:
+            inner = eqn.params["jaxpr"]
+            if _marked(getattr(inner, "jaxpr", inner)):
+                return True
+    return False
+
+
+def evaluate(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
+    """Run ``jaxpr`` on ``args`` (arrays or :class:`Made`), made weights kept as parts."""
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs = _equation(eqn, ins)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def bind(eqn: Any, ins: list[Any], **changed: Any) -> list[Any]:
+    """``eqn``'s primitive bound again on ``ins`` (its parameters, ``changed`` changed)."""
+    params = eqn.primitive.get_bind_params({**eqn.params, **changed})
+    subfuns, params = params if isinstance(params, tuple) else ((), params)
+    ctx = getattr(eqn.ctx, "manager", None) or contextlib.nullcontext()
+    with ctx:
+        out = eqn.primitive.bind(*subfuns, *ins, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _equation(eqn: Any, ins: list[Any]) -> list[Any]:
+    name = eqn.primitive.name
+    site = _site(eqn)
+    if site is not None and not any(isinstance(x, Made) for x in ins):
+        return [Made.of(site, *ins)]
+    made = [isinstance(x, Made) for x in ins]
+    if name in CALLS and (any(made) or _marked(eqn.params["jaxpr"].jaxpr)):
+        inner = eqn.params["jaxpr"]
+        return evaluate(inner.jaxpr, inner.consts, ins)
+    if not any(made):
+        return bind(eqn, ins)
+    rule = PRODUCTS.get(name)
+    if rule is not None and made.count(True) == 1:
+        out = rule(eqn, ins, made.index(True))
+        if out is not None:
+            return [out]
+    if name in REMATS:
+        return _remat(eqn, ins)
+    if name == "shard_map" and all(x.plain() for x in ins if isinstance(x, Made)):
+        return _per_device(eqn, ins)
+    if len(ins) == 1 and name in VARYING:  # each part varies over the axes the weight does
+        return [ins[0].again([bind(eqn, [p])[0] for p in ins[0].parts()])]
+    if len(ins) == 1 and name in LAYOUTS | {"convert_element_type"}:
+        w = ins[0]
+        return [w.again([bind(eqn, [w.base])[0], w.left, w.right])]
+    if name == "transpose":
+        w = ins[0]
+        dims = "".join(w.dims[p] for p in eqn.params["permutation"])
+        return [dataclasses.replace(w, base=bind(eqn, [w.base])[0], dims=dims)]
+    return bind(eqn, [x.whole(f"{name}") if isinstance(x, Made) else x for x in ins])
+
+
+def _product(eqn: Any, ins: list[Any], at: int) -> Any | None:
+    """``dot_general(x, W + s L R)`` as ``dot_general(x, W) + s einsum(x, L, R)``."""
+    w: Made = ins[at]
+    x = ins[1 - at]
+    base = bind(eqn, [w.base if i == at else v for i, v in enumerate(ins)])[0]
+    (contract, batch) = eqn.params["dimension_numbers"]
+    x_c, w_c = (contract[1], contract[0]) if at == 0 else contract
+    x_b, w_b = (batch[1], batch[0]) if at == 0 else batch
+    used = set(w.dims) | {_RANK}
+    fresh = (c for c in _LETTERS if c not in used)
+    x_dims = [""] * x.ndim
+    for a, b in itertools.chain(zip(x_c, w_c, strict=True), zip(x_b, w_b, strict=True)):
+        x_dims[a] = w.dims[b]
+    x_dims = [d or next(fresh) for d in x_dims]
+    x_free = "".join(x_dims[d] for d in range(x.ndim) if d not in x_c and d not in x_b)
+    w_free = "".join(w.dims[d] for d in range(w.base.ndim) if d not in w_c and d not in w_b)
+    out = "".join(w.dims[b] for b in w_b) + (w_free + x_free if at == 0 else x_free + w_free)
+    contracted = {w.dims[b] for b in w_c}
+    first = 2 if not contracted <= set(w.left_dims) and contracted <= set(w.right_dims) else 1
+    try:
+        delta = jnp.einsum(
+            f"{''.join(x_dims)},{w.left_dims},{w.right_dims}->{out}",
+            x, w.left.astype(w.base.dtype), w.right.astype(w.base.dtype),
+            optimize=[(0, first), (0, 1)], precision=eqn.params.get("precision"),
+            preferred_element_type=base.dtype,
+        )
+        return w.joined(base, delta)
+    except Exception as exc:  # a layout explicit axes refuse: merged, as before
+        if type(exc).__name__ != "ShardingTypeError":
+            raise
+        return bind(eqn, [w.whole("product (on explicit axes)") if i == at else v
+                           for i, v in enumerate(ins)])[0]  # fmt: skip
+
+
+def _flat(ins: list[Any]) -> list[Any]:
+    return [p for x in ins for p in (x.parts() if isinstance(x, Made) else [x])]
+
+
+def _rebuilt(ins: list[Any], inner: Any, consts: list[Any], where: str,
+             made_out: list[Made | None] | None = None) -> Callable[..., Any]:  # fmt: skip
+    """A function of :func:`_flat`'s ``ins`` running ``inner`` on them, made weights kept
+    as parts. A weight made at its output is merged (``where`` said), or, given
+    ``made_out``, returned as its parts, each output's :class:`Made` (or None) noted there
+    (:func:`_regrouped` makes them again)."""
+
+    def run(*flat_in: Any) -> tuple[Any, ...]:
+        it = iter(flat_in)
+        given = [x.again([next(it), next(it), next(it)]) if isinstance(x, Made) else next(it)
+                 for x in ins]  # fmt: skip
+        outs = evaluate(inner, consts, given)
+        if made_out is None:
+            return tuple(o.whole(where) if isinstance(o, Made) else o for o in outs)
+        made_out[:] = [o if isinstance(o, Made) else None for o in outs]
+        return tuple(_flat(outs))
+
+    return run
+
+
+def _regrouped(flat: list[Any], made_out: list[Made | None]) -> list[Any]:
+    it = iter(flat)
+    return [next(it) if m is None else m.again([next(it), next(it), next(it)])
+            for m in made_out]  # fmt: skip
+
+
+def _per_device(eqn: Any, ins: list[Any]) -> list[Any]:
+    """A per-device program (``shard_map``) reading made weights, rebuilt with their parts
+    as inputs, each factor split as its weight's dimensions are."""
+    specs = []
+    for x, spec in zip(ins, eqn.params["in_specs"], strict=True):
+        if not isinstance(x, Made):
+            specs.append(spec)
+            continue
+        names = tuple(spec) + (None,) * (x.base.ndim - len(spec))
+        lead, cut = x.site.lead, len(x.left_dims) - 1
+        specs += [spec, P(*names[:cut], None), P(*names[:lead], None, *names[cut:])]
+    program = _rebuilt(ins, eqn.params["jaxpr"], [], "per-device program's output")
+    return list(jax.shard_map(
+        program, mesh=eqn.params["mesh"], in_specs=tuple(specs),
+        out_specs=tuple(eqn.params["out_specs"]), axis_names=set(eqn.params["newly_manual_axes"]),
+        check_vma=eqn.params.get("check_vma", True),
+    )(*_flat(ins)))  # fmt: skip
+
+
+PRODUCTS["dot_general"] = _product
+
+
+def _remat(eqn: Any, ins: list[Any]) -> list[Any]:
+    """A rematerialised block reading made weights, rebuilt with their parts as inputs."""
+    inner = eqn.params["jaxpr"]
+    made_out: list[Made | None] = []  # a block may return its weights (NNX's remat does)
+    block = _rebuilt(ins, getattr(inner, "jaxpr", inner), list(getattr(inner, "consts", [])),
+                     "rematerialised block's output", made_out)  # fmt: skip
+    flat = jax.checkpoint(block, prevent_cse=eqn.params.get("prevent_cse", True),
+                          policy=eqn.params.get("policy"))(*_flat(ins))  # fmt: skip
+    return _regrouped(list(flat), made_out)
+
+
+__all__ = ["MARK", "PRODUCTS", "Made", "Site", "bind", "evaluate", "forward", "mark", "merged",
+           "merged_products", "rewritten"]

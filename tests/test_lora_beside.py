@@ -1,0 +1,149 @@
+"""LoRA's adapters run beside the frozen weight (``shardplug.core.beside``): a step computes
+``x W + s (x L) R``, never the frozen weight's gradient, and trains as the merged weight
+``x (W + s L R)`` did, in every framework."""
+
+import dataclasses
+import functools
+import itertools
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import shardplug
+from shardplug.core.beside import merged_products
+from shardplug.core.sharding import leaf_paths
+from shardplug.errors import ShardplugWarning
+from shardplug.flops import _products, step_flops
+from shardplug.loop import program
+from shardplug.lora import with_lora
+
+RANK = 4
+STEPS = 3
+
+
+@functools.cache
+def base(framework):
+    return shardplug.get_model("transformer").task(framework, layers=2)
+
+
+@functools.cache
+def batches(framework):
+    return tuple(itertools.islice(base(framework).batches(), STEPS))
+
+
+def trained(task, framework, strategy="dp", devices=1):
+    run = task.trainer(strategy=strategy, devices=devices, precision="float32")
+    rows = run.fit(iter(batches(framework)), STEPS)
+    return [r["loss"] for r in rows], jax.tree.map(np.asarray, run.state.params), run.jaxpr
+
+
+def products(jaxpr):
+    """Each matrix product's output shape and FLOPs."""
+    return [(tuple(e.outvars[0].aval.shape), f) for e, f in _products(jaxpr)]
+
+
+def frozen_shapes(params):
+    """The shapes of the frozen targets' weights, whole and one layer's."""
+    shapes = set()
+    for w in jax.tree.leaves(params):
+        shapes |= {tuple(w.shape), tuple(w.shape[1:])}
+    return shapes
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen", "equinox"])
+def test_a_step_never_computes_a_frozen_weights_gradient_and_trains_as_the_merged_weight(
+    framework,
+):
+    # plain SGD: the factors after the steps are linear in their gradients (Adam's first
+    # steps turn a gradient's last bits into a whole step's sign)
+    task = with_lora(dataclasses.replace(base(framework), optimizer=optax.sgd(0.5)), RANK)
+    got, after, jaxpr = trained(task, framework)
+    with merged_products():
+        want, merged_after, merged_jaxpr = trained(task, framework)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(after["lora"]), jax.tree.leaves(merged_after["lora"]),
+                    strict=True):  # fmt: skip
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    stored = dict(zip(leaf_paths(after["base"]), jax.tree.leaves(after["base"]), strict=True))
+    weights = frozen_shapes([w for p, w in stored.items() if p.replace("/", ".") in after["lora"]])
+    made = [shape for shape, _ in products(jaxpr) if shape in weights]
+    assert made == [], f"products shaped as a frozen weight: {made}"
+    # the merged weight's step computed them: the test sees what it looks for
+    assert [shape for shape, _ in products(merged_jaxpr) if shape in weights]
+    if framework == "nnx":  # the FLOPs: the frozen weights' gradients gone, the adapters' added
+        full = step_flops(trained(base(framework), framework)[2])
+        tokens = math.prod(batches(framework)[0]["tokens"].shape)
+        gathers = ("embed", "position")
+        matrices = [w for p, w in stored.items()
+                    if w.ndim >= 2 and p not in gathers and "norm" not in p]  # fmt: skip
+        gradients = sum(2 * tokens * w.size for w in matrices)
+        adapters = sum(3 * 2 * tokens * (f["l"].size + f["r"].size)  # x L, then by R
+                       for f in after["lora"].values())  # fmt: skip
+        assert step_flops(jaxpr) == full - gradients + adapters
+
+
+def _gpt_step_flops(size, adapters, remat="none"):
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import gpu_mfu
+
+    task = gpu_mfu.task(size, remat=remat)
+    if adapters is not None:
+        task = with_lora(task, 16, **adapters)
+    trainer = shardplug.Trainer(task.adapter, loss_fn=task.loss_fn, optimizer=task.optimizer,
+                                strategy="dp", devices=1, allocate=False, precision="bf16")
+    sizes = gpu_mfu.SIZES[size]
+    batch = gpu_mfu.batches(sizes, sizes.batch, 1)[0]
+    return trainer._build(batch, how=program.lower)[2]
+
+
+def test_the_1b_gpt_lora_step_runs_at_most_0_70_of_a_full_step_s_products():
+    full = step_flops(_gpt_step_flops("1b", None))
+    for adapters in ({}, {"quantize": "nf4"}):
+        ratio = step_flops(_gpt_step_flops("1b", adapters)) / full
+        assert ratio <= 0.70, (adapters, ratio)  # 0.6928: 2/3 and the rank-16 adapters
+
+
+def test_a_rematerialised_block_of_a_users_loop_keeps_its_adapters_beside():
+    """The GPT of benchmarks/gpu_mfu.py: NNX's stock layers, a Python loop of nnx.remat
+    blocks; its merged weights enter each checkpoint, which is rebuilt on their parts."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShardplugWarning)
+        jaxpr = _gpt_step_flops("smoke", {}, remat="full")
+    with merged_products():
+        merged = _gpt_step_flops("smoke", {}, remat="full")
+    width = 64
+    weights = {(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)}
+    assert not [s for s, _ in products(jaxpr) if s in weights]
+    assert [s for s, _ in products(merged) if s in weights]
+
+
+def test_a_weight_the_model_reshapes_is_merged_there_and_said_once():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Folded(nnx.Module):  # reads its kernel cut into heads: a reshape, then a product
+        def __init__(self, rngs):
+            self.w = nnx.Param(nnx.initializers.normal(0.1)(rngs.params(), (8, 16)))
+
+        def __call__(self, x):
+            return jnp.einsum("bi,ihd->bhd", x, self.w.reshape(8, 4, 4)).reshape(-1, 16)
+
+    def loss_fn(model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+    rows = {"x": np.ones((4, 8), np.float32), "y": np.zeros((4, 16), np.float32)}
+    task = shardplug.Task(shardplug.from_nnx(Folded), loss_fn, optax.sgd(0.1), data=[rows],
+                          name="folded")  # fmt: skip
+    tuned = with_lora(task, 2, targets="w")
+    with pytest.warns(ShardplugWarning, match=r"lora: the model's reshape reads w's weight, so "
+                                              r"its adapter is merged into it there"):  # fmt: skip
+        got = [r["loss"] for r in tuned.trainer(devices=1).fit(itertools.repeat(rows), 2)]
+    with merged_products():
+        want = [r["loss"] for r in tuned.trainer(devices=1).fit(itertools.repeat(rows), 2)]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
