@@ -170,6 +170,10 @@ def _first_loss(out):
     ("argv", "message"),
     [
         (["--lora-alpha", "2"], "--lora-alpha shapes the adapters: give --lora RANK too"),
+        (["--lora-dropout", "0.1"], "--lora-dropout shapes the adapters: give --lora RANK too"),
+        (["--lora", "2", "--lora-dropout", "1"],
+         "argument --lora-dropout: must be a probability in [0, 1), got 1 (see shardplug "
+         "train --help)"),
         (["--lora", "2", "--lora-targets", "nothing_like_this"],
          "lora: targets 'nothing_like_this' match no weight of this model; its parameters are "
          "blocks/norm1/bias, blocks/norm1/scale, blocks/norm2/bias, blocks/norm2/scale, "
@@ -269,7 +273,14 @@ def test_adapters_go_out_in_peft_format_and_come_back(tmp_path, capsys):
     ckpt, out = tmp_path / "c", tmp_path / "adapters"
     assert main(["train", "--init-from", "tests/fixtures/hf/llama", "--lora-from", PEFT,
                  "--devices", "2", "--steps", "2", "--lr", "0.01", "--checkpoint-dir",
-                 str(ckpt), "--checkpoint-every", "2", "--quiet"]) == 0  # fmt: skip
+                 str(ckpt), "--checkpoint-every", "2", "--quiet", "--lora-dropout", "0.05"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", "--checkpoint-dir", str(ckpt), "--steps", "3",
+                 "--lora-dropout", "0.1"]) == 2  # fmt: skip
+    assert said(capsys.readouterr().err) == [
+        f"shardplug: error: --lora-dropout 0.1: the run in {ckpt} was trained with lora "
+        "dropout 0.05, and a resumed run continues its adapters: drop --lora-dropout, or train "
+        "anew in another --checkpoint-dir"]  # fmt: skip
     assert main(["export", "--checkpoint-dir", str(ckpt), "--out", str(out), "--format",
                  "peft"]) == 0  # fmt: skip
     mine, theirs = Tensors(out), Tensors(PEFT)
@@ -279,6 +290,7 @@ def test_adapters_go_out_in_peft_format_and_come_back(tmp_path, capsys):
     keys = ("peft_type", "r", "lora_alpha", "task_type", "bias", "fan_in_fan_out", "use_rslora")
     assert {k: config[k] for k in keys} == {k: reference[k] for k in keys}
     assert sorted(config["target_modules"]) == sorted(reference["target_modules"])
+    assert config["lora_dropout"] == 0.05  # the run's, as PEFT trains with it
     # trained: moved from PEFT's values; read back, they make the trained run's model
     name = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
     assert not np.array_equal(mine.read(name), theirs.read(name))

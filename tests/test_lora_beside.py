@@ -147,3 +147,18 @@ def test_a_weight_the_model_reshapes_is_merged_there_and_said_once():
     with merged_products():
         want = [r["loss"] for r in tuned.trainer(devices=1).fit(itertools.repeat(rows), 2)]
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_lora_dropout_drops_the_adapters_input_alike_under_every_layout():
+    """PEFT's ``lora_dropout``: ``x W + s (drop(x) L) R``, each mask drawn over the global
+    batch, so a layout changes no mask."""
+    task = with_lora(base("nnx"), RANK, dropout=0.25)
+    one, _, jaxpr = trained(task, "nnx")
+    split, _, _ = trained(task, "nnx", strategy="fsdp+tp", devices=4)
+    np.testing.assert_allclose(split, one, rtol=1e-5)
+    plain, _, _ = trained(with_lora(base("nnx"), RANK), "nnx")
+    assert one[0] == pytest.approx(plain[0], rel=1e-6)  # R starts at zero: no adapter yet
+    assert abs(one[-1] - plain[-1]) > 1e-5  # then the dropped inputs train the factors
+    assert [name for name in ("random_bits", "threefry2x32") if name in str(jaxpr)]
+    with pytest.raises(shardplug.errors.ConfigError, match=r"dropout is a probability in"):
+        with_lora(base("nnx"), RANK, dropout=1.0)

@@ -72,12 +72,15 @@ class LoraAdapter(Adapter):
         PEFT's: :mod:`shardplug.pretrained.peft`), by their weight's path: ``(L, R)``.
     :param quantize: QLoRA: store the targets' frozen weights quantized, ``int8``, ``int4``
         or ``nf4`` (see the module).
+    :param dropout: PEFT's ``lora_dropout``: in training, each adapter's input is dropped
+        with this probability (and the rest scaled by ``1 / (1 - dropout)``), ``x W + s
+        (drop(x) L) R``; the frozen product sees the whole input.
     """
 
     def __init__(self, base: Adapter, rank: int, *, alpha: float | None = None,
                  targets: str | None = None, seed: int = 0,
                  initial: dict[str, tuple[Any, Any]] | None = None,
-                 quantize: str | None = None):  # fmt: skip
+                 quantize: str | None = None, dropout: float = 0.0):  # fmt: skip
         if not isinstance(base, Adapter):
             raise ConfigError(f"lora: base must be a shardplug adapter, got {type(base).__name__}")
         if isinstance(base, LoraAdapter):
@@ -97,6 +100,11 @@ class LoraAdapter(Adapter):
             ) from None
         self.base, self.rank, self.seed, self.initial = base, rank, seed, initial or {}
         self.quantize = quantize
+        if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not (
+            0.0 <= dropout < 1.0
+        ):
+            raise ConfigError(f"lora: dropout is a probability in [0, 1), got {dropout!r}")
+        self.dropout = float(dropout)
         self.alpha = float(alpha if alpha is not None else rank)
         self.framework = base.framework
         abstract_params, _ = base.abstract(jax.random.key(0))
@@ -130,7 +138,7 @@ class LoraAdapter(Adapter):
                 f"{count(self.size)} trainable parameters beside {count(self.base_size)} frozen "
                 f"({100 * self.size / self.base_size:.3g}%){stored}")  # fmt: skip
 
-    reduce_per_shard = True  # each shard's merged-weight gradient contracted to the factors'
+    reduce_per_shard = False  # beside the weight, a step's gradients are the factors' alone
     #: a training step runs the model's products by a target beside its frozen weight
     #: (:mod:`shardplug.core.beside`): its gradient is never computed
     beside = True
@@ -172,15 +180,17 @@ class LoraAdapter(Adapter):
         return {"base": base, "lora": factors}
 
     def bind(self, params: Any, state: Any, *, rng: jax.Array, train: bool) -> Any:
-        return self.base.bind(self.merged(params), state, rng=rng, train=train)
+        key = jax.random.fold_in(rng, 0x10CA) if train and self.dropout else None
+        return self.base.bind(self.merged(params, key), state, rng=rng, train=train)
 
     def state_of(self, model: Any, state: Any) -> Any:
         return self.base.state_of(model, state)
 
-    def merged(self, params: Any) -> Any:
+    def merged(self, params: Any, key: jax.Array | None = None) -> Any:
         """The base's parameters with each target's adapter merged in, ``W + scale L @ R``,
         the base held fixed (``stop_gradient``): the model's own parameters, for its forward
-        pass or to export."""
+        pass or to export. ``key``: the dropout's, in training (each target's its own, each
+        layer's of a stack its own)."""
         from shardplug.core.layer_gather import follow, made_by_layer
 
         leaves, tree = jax.tree.flatten(params["base"], is_leaf=is_quantized)
@@ -195,6 +205,9 @@ class LoraAdapter(Adapter):
                 continue
             f = params["lora"][_key(path)]
             parts = (w, f["l"], f["r"])
+            if key is not None:  # a key for each layer a stack makes its weight in
+                own = jax.random.fold_in(key, self.paths.index(path))
+                parts += (jax.random.split(own, w.shape[0]) if path in self.by_layer else own,)
             whole = self._made(parts, cut[0], path)
             follow(given, whole)
             if path in self.by_layer:  # a layer stack makes one layer's at a time instead
@@ -203,14 +216,14 @@ class LoraAdapter(Adapter):
             out.append(whole)
         return jax.tree.unflatten(tree, out)
 
-    def _made(self, parts: tuple[Any, Any, Any], lead: int, path: str) -> Any:
+    def _made(self, parts: tuple[Any, ...], lead: int, path: str) -> Any:
         """``W + scale L @ R`` of a weight's parts (``W`` dequantized where it is stored
         quantized); ``lead``: its stacked dimensions. Made through a mark
         (:func:`shardplug.core.beside.mark`): a training step multiplies beside it."""
-        w, left, right = parts
+        w, *rest = parts
         if is_quantized(w):
             w = w.dequantized()
-        return mark(Site(path, self.scale, lead))(w, left, right)
+        return mark(Site(path, self.scale, lead, self.dropout))(w, *rest)
 
     def _stored(self, params: Any) -> Any:
         """The base's parameters as stored: each target quantized where asked (QLoRA)."""
@@ -366,7 +379,7 @@ def _key(path: str) -> str:
 
 def with_lora(task: Any, rank: int, *, alpha: float | None = None, targets: str | None = None,
               seed: int = 0, initial: dict[str, tuple[Any, Any]] | None = None,
-              quantize: str | None = None) -> Any:  # fmt: skip
+              quantize: str | None = None, dropout: float = 0.0) -> Any:  # fmt: skip
     """``task`` fine-tuned through low-rank adapters (see the module and
     :class:`LoraAdapter`): the same loss and data, the model frozen, its optimizer on the
     adapters alone."""
@@ -375,7 +388,7 @@ def with_lora(task: Any, rank: int, *, alpha: float | None = None, targets: str 
     import optax
 
     adapter = LoraAdapter(task.adapter, rank, alpha=alpha, targets=targets, seed=seed,
-                          initial=initial, quantize=quantize)  # fmt: skip
+                          initial=initial, quantize=quantize, dropout=dropout)  # fmt: skip
 
     masked = optax.masked(task.optimizer, adapter.trainable)
     return dataclasses.replace(task, adapter=adapter, optimizer=masked,

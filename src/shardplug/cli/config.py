@@ -22,7 +22,7 @@ from shardplug.errors import CheckpointError, ConfigError, MeshError, StrategyOp
 KNOBS = ("optimizer", "weight_decay", "momentum", "schedule", "warmup", "decay_steps", "end_lr",
          "clip_norm")  # fmt: skip
 #: the adapters' flags: any run may take them, a resumed run keeps them
-LORA = ("lora", "lora_alpha", "lora_targets", "lora_from", "lora_quantize")
+LORA = ("lora", "lora_alpha", "lora_targets", "lora_from", "lora_quantize", "lora_dropout")
 #: what only a reference model takes: a task brings its own
 MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", *KNOBS, "experts", "top_k",
               "capacity_factor", "capacity_groups", "bias_rate")  # fmt: skip
@@ -78,6 +78,7 @@ class RunConfig:
     lora_targets: str | None = None
     lora_from: str | None = None
     lora_quantize: str | None = None
+    lora_dropout: float | None = None
     seed: int | None = None
     # how: the strategy and the devices
     strategy: str = "dp"
@@ -151,8 +152,7 @@ class RunConfig:
             name=self.optimizer or ("adamw" if pretrained else "adam"),
             lr=self.lr or lr or 1e-4, weight_decay=self.weight_decay, momentum=self.momentum,
             schedule=schedule, warmup=self.warmup or 0, decay_steps=ends,
-            end_lr=self.end_lr or 0.0, clip_norm=self.clip_norm,
-        )  # fmt: skip
+            end_lr=self.end_lr or 0.0, clip_norm=self.clip_norm)  # fmt: skip
 
     def recorded(self) -> dict[str, Any]:
         """What a checkpoint keeps of this run, for ``--resume`` and ``export`` to read."""
@@ -213,7 +213,7 @@ def check_what(config: RunConfig) -> None:
             if getattr(config, name) is not None:
                 raise ConfigError(f"{_flag(name)}: --lora-from's adapters bring their own")
     elif config.lora is None:
-        for name in ("lora_alpha", "lora_targets"):
+        for name in ("lora_alpha", "lora_targets", "lora_dropout"):
             if getattr(config, name) is not None:
                 raise ConfigError(f"{_flag(name)} shapes the adapters: give --lora RANK too")
         if config.lora_quantize is not None:

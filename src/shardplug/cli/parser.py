@@ -21,6 +21,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"shardplug: error: {message} (see {self.prog} --help)\n")
 
 
+def _probability(text: str) -> float:
+    """A probability in [0, 1): a dropout's."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1), got {text}")
+    return value
+
+
 def _positive(kind: type) -> Any:
     def parse(text: str) -> Any:
         try:
@@ -203,6 +214,9 @@ def _lora(parser: Any) -> None:
         "itself")  # fmt: skip
     add("--lora-alpha", type=_positive(float), default=None, metavar="A",
         help="the adapters' scale is A / RANK (default A = RANK)")  # fmt: skip
+    add("--lora-dropout", type=_probability, default=None, metavar="P",
+        help="in training, drop each adapter's input with probability P (PEFT's "
+        "lora_dropout; default 0, or --lora-from's)")  # fmt: skip
     add("--lora-from", default=None, metavar="DIR",
         help="with --init-from: start from PEFT's adapters in DIR (adapter_config.json, "
         "adapter_model.safetensors), their rank, alpha and targets")  # fmt: skip

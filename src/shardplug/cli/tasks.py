@@ -37,7 +37,7 @@ def task_of(config: RunConfig, sequence: int | None = None,
     from shardplug.lora import with_lora
 
     made = with_lora(what.task, config.lora, alpha=config.lora_alpha, targets=config.lora_targets,
-                     quantize=config.lora_quantize)  # fmt: skip
+                     quantize=config.lora_quantize, dropout=config.lora_dropout or 0.0)  # fmt: skip
     return what._replace(task=made)
 
 
@@ -58,7 +58,9 @@ def _lora_from(config: RunConfig, what: What) -> Any:
         p: factors[decoder_name(p)] for p in leaf_paths(params) if decoder_name(p) in factors
     }
     return with_lora(what.task, rank, alpha=alpha, targets=peft.targets_pattern(list(initial)),
-                     initial=initial, quantize=config.lora_quantize)  # fmt: skip
+                     initial=initial, quantize=config.lora_quantize,
+                     dropout=peft.dropout(config.lora_from) if config.lora_dropout is None
+                     else config.lora_dropout)  # fmt: skip
 
 
 def _what(config: RunConfig, sizes: dict[str, Any]) -> What:

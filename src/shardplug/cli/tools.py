@@ -199,7 +199,7 @@ def _export_peft(args: argparse.Namespace) -> int:
             part == "r"] = arrays[name]  # fmt: skip
     rank, alpha = adapters
     peft.write(args.out, read_config(init_from), {k: tuple(v) for k, v in factors.items()},
-               rank, alpha, str(init_from))  # fmt: skip
+               rank, alpha, str(init_from), run.get("lora_dropout") or 0.0)  # fmt: skip
     print(f"shardplug: exported step {step}'s adapters of {args.checkpoint_dir} (rank {rank}, "
           f"{len(factors)} weights) as PEFT's to {args.out}")  # fmt: skip
     return 0

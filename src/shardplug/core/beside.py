@@ -68,11 +68,13 @@ _LETTERS = "abcdefghijklmnopqstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # r is the ran
 @dataclasses.dataclass(frozen=True)
 class Site:
     """What a mark makes: ``W + scale L @ R`` for the weight at ``path``, ``lead`` stacked
-    dimensions (each layer's, each expert's factors its own)."""
+    dimensions (each layer's, each expert's factors its own); ``dropout``: in training, the
+    low-rank product's input is dropped with this probability (a key given to the mark)."""
 
     path: str
     scale: float
     lead: int
+    dropout: float = 0.0
 
 
 _MARKS: list[Site] = []
@@ -86,7 +88,7 @@ def mark(site: Site) -> Callable[[Any, Any, Any], Any]:
         number = len(_MARKS)
         _MARKS.append(site)
 
-        def made(w, left, right):
+        def made(w, left, right, *key):  # the key: the dropout's, read where multiplied
             return merged(w, left, right, site.scale, site.lead)
 
         made.__name__ = made.__qualname__ = f"{MARK}{number}"
@@ -123,21 +125,33 @@ class Made:
     left_dims: str
     right_dims: str
     site: Site
+    key: Any = None  # the dropout's, in training
 
     @classmethod
-    def of(cls, site: Site, w: Any, left: Any, right: Any) -> Made:
+    def of(cls, site: Site, w: Any, left: Any, right: Any, key: Any = None) -> Made:
         dims = _LETTERS[: w.ndim]
         cut = left.ndim - 1
         return cls(w, left, right, dims, dims[:cut] + _RANK,
-                   dims[: site.lead] + _RANK + dims[cut:], site)  # fmt: skip
+                   dims[: site.lead] + _RANK + dims[cut:], site, key)  # fmt: skip
+
+    def dropped(self, x: Any) -> Any:
+        """``x`` as the low-rank product reads it: dropped where the site asks (PEFT's
+        ``lora_dropout``)."""
+        if self.key is None or not self.site.dropout:
+            return x
+        keep = 1.0 - self.site.dropout
+        kept = jax.random.bernoulli(self.key, keep, x.shape)
+        return jnp.where(kept, x / jnp.asarray(keep, x.dtype), jnp.zeros((), x.dtype))
 
     def whole(self, where: str) -> Any:
         """The weight merged, said once: its frozen part's gradient is computed here."""
+        dropped = (" and its dropout is not applied" if self.key is not None
+                   and self.site.dropout else "")  # fmt: skip
         warn_once(
             f"lora: the model's {where} reads {self.site.path}'s weight, so its adapter is "
             f"merged into it there (W + s L R): the backward pass computes that weight's "
-            f"gradient, as large as the weight (adapters run beside a weight that the model "
-            f"casts, transposes or multiplies)"
+            f"gradient, as large as the weight{dropped} (adapters run beside a weight that "
+            f"the model casts, transposes or multiplies)"
         )
         delta = jnp.einsum(f"{self.left_dims},{self.right_dims}->{self.dims}",
                            self.left, self.right)  # fmt: skip
@@ -157,10 +171,15 @@ class Made:
         return product + _as(low_rank * jnp.asarray(self.site.scale, low_rank.dtype), product)
 
     def parts(self) -> list[Any]:
-        return [self.base, self.left, self.right]
+        return [self.base, self.left, self.right, *([] if self.key is None else [self.key])]
 
     def again(self, parts: list[Any]) -> Made:
-        return dataclasses.replace(self, base=parts[0], left=parts[1], right=parts[2])
+        return dataclasses.replace(self, base=parts[0], left=parts[1], right=parts[2],
+                                   key=parts[3] if len(parts) > 3 else self.key)  # fmt: skip
+
+    def taken(self, it: Iterator[Any]) -> Made:
+        """Made again of the next parts of ``it`` (as many as :meth:`parts` gives)."""
+        return self.again([next(it) for _ in self.parts()])
 
 
 _MERGED: contextvars.ContextVar[bool] = contextvars.ContextVar("shardplug_merged", default=False)
@@ -324,7 +343,7 @@ def _product(eqn: Any, ins: list[Any], at: int) -> Any | None:
     try:
         delta = jnp.einsum(
             f"{''.join(x_dims)},{w.left_dims},{w.right_dims}->{out}",
-            x, w.left.astype(w.base.dtype), w.right.astype(w.base.dtype),
+            w.dropped(x), w.left.astype(w.base.dtype), w.right.astype(w.base.dtype),
             optimize=[(0, first), (0, 1)], precision=eqn.params.get("precision"),
             preferred_element_type=base.dtype,
         )
@@ -349,8 +368,7 @@ def _rebuilt(ins: list[Any], inner: Any, consts: list[Any], where: str,
 
     def run(*flat_in: Any) -> tuple[Any, ...]:
         it = iter(flat_in)
-        given = [x.again([next(it), next(it), next(it)]) if isinstance(x, Made) else next(it)
-                 for x in ins]  # fmt: skip
+        given = [x.taken(it) if isinstance(x, Made) else next(it) for x in ins]
         outs = evaluate(inner, consts, given)
         if made_out is None:
             return tuple(o.whole(where) if isinstance(o, Made) else o for o in outs)
@@ -362,8 +380,7 @@ def _rebuilt(ins: list[Any], inner: Any, consts: list[Any], where: str,
 
 def _regrouped(flat: list[Any], made_out: list[Made | None]) -> list[Any]:
     it = iter(flat)
-    return [next(it) if m is None else m.again([next(it), next(it), next(it)])
-            for m in made_out]  # fmt: skip
+    return [next(it) if m is None else m.taken(it) for m in made_out]
 
 
 def _per_device(eqn: Any, ins: list[Any]) -> list[Any]:
@@ -377,6 +394,7 @@ def _per_device(eqn: Any, ins: list[Any]) -> list[Any]:
         names = tuple(spec) + (None,) * (x.base.ndim - len(spec))
         lead, cut = x.site.lead, len(x.left_dims) - 1
         specs += [spec, P(*names[:cut], None), P(*names[:lead], None, *names[cut:])]
+        specs += [P()] if x.key is not None else []  # one key: each device's rows its mask
     program = _rebuilt(ins, eqn.params["jaxpr"], [], "per-device program's output")
     return list(jax.shard_map(
         program, mesh=eqn.params["mesh"], in_specs=tuple(specs),

@@ -184,7 +184,7 @@ def _beside(eqn, ins, at):
         return None
     dtype = w.base.dtype
     product = beside.bind(eqn, [x, w.base, groups])[0]
-    low = beside.bind(eqn, [x, w.left.astype(dtype), groups])[0]
+    low = beside.bind(eqn, [w.dropped(x), w.left.astype(dtype), groups])[0]
     return w.joined(product, beside.bind(eqn, [low.astype(dtype), w.right.astype(dtype),
                                                groups])[0])  # fmt: skip
 

@@ -91,7 +91,7 @@ def read(directory: str | pathlib.Path, c: DecoderConfig) -> tuple[int, float, d
 
 
 def write(directory: str | pathlib.Path, c: DecoderConfig, factors: dict[str, Any],
-          rank: int, alpha: float, base: str) -> None:  # fmt: skip
+          rank: int, alpha: float, base: str, dropout: float = 0.0) -> None:  # fmt: skip
     """Write ``factors`` (decoder parameter -> ``(L, R)``) as PEFT's adapters for the model at
     ``base``; refuses a directory that exists."""
     from shardplug.pretrained.safetensors import write as write_tensors
@@ -116,7 +116,7 @@ def write(directory: str | pathlib.Path, c: DecoderConfig, factors: dict[str, An
     targets = sorted({table[name].rsplit(".", 1)[1] for name in factors})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-        "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": targets, "lora_dropout": dropout, "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
         "base_model_name_or_path": base, "rank_pattern": {}, "alpha_pattern": {},
@@ -152,6 +152,16 @@ def settings(directory: str | pathlib.Path) -> tuple[int, float]:
         raise PretrainedError(f"--lora-from {directory}: {CONFIG}'s lora_alpha is {alpha!r}; "
                               "it takes a number")  # fmt: skip
     return rank, float(alpha)
+
+
+def dropout(directory: str | pathlib.Path) -> float:
+    """PEFT's ``lora_dropout`` of the adapters in ``directory`` (0 where their config has
+    none); one line where it is no probability."""
+    value = _config(directory).get("lora_dropout", 0.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        raise PretrainedError(f"--lora-from {directory}: {CONFIG}'s lora_dropout is {value!r}; "
+                              "it takes a probability in [0, 1)")  # fmt: skip
+    return float(value)
 
 
 def of_run(run: dict[str, Any]) -> tuple[int, float] | None:
