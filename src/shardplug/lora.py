@@ -3,7 +3,9 @@
 :func:`with_lora` wraps a :class:`shardplug.Task` (or :class:`LoraAdapter` an
 :class:`~shardplug.Adapter`): the parameters become ``{"base": the model's, "lora": the
 factors}``; each target weight ``W`` gets two factors ``L`` and ``R`` of rank ``r``, and the
-model runs on ``W + (alpha / r) L @ R``, merged in the forward pass. The base is frozen: it
+model runs on ``W + (alpha / r) L @ R``: a training step multiplies beside the frozen weight,
+``x W + s (x L) R`` (:mod:`shardplug.core.beside`), so the frozen weight's gradient is never
+computed; elsewhere (evaluation, export) the weight is merged. The base is frozen: it
 reaches the model through ``jax.lax.stop_gradient``, so no gradient of it is computed, and the
 task's optimizer runs through ``optax.masked`` on the factors alone, so no optimizer state
 exists for it. ``R`` starts at zero: the first step's loss is the base model's, exactly.
