@@ -284,6 +284,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--addon", action="append", default=[], help="an add-on (offload)")
     parser.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                         help="an add-on's option, e.g. offload.params=true")  # fmt: skip
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK",
+                        help="fine-tune low-rank adapters of this rank (the ratio: against "
+                        "the hand-written full step)")  # fmt: skip
+    parser.add_argument("--lora-quantize", default=None, choices=("int8", "int4", "nf4"),
+                        help="with --lora: the frozen base quantized (QLoRA)")
     parser.add_argument("--plan", action="store_true", help="the largest size that fits")
     parser.add_argument("--target", default=None, metavar="GPU",
                         help="--plan for this GPU, compiled on this machine (h100, h200, a100; "
@@ -298,6 +303,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for given in args.option:
         if "=" not in given:
             parser.error(f"-o {given}: give KEY=VALUE, e.g. offload.params=true")
+    if args.lora_quantize and args.lora is None:
+        parser.error("--lora-quantize stores the base adapters train on: give --lora RANK too")
     if args.target and not args.plan:
         parser.error("--target plans for a GPU that is not here: give --plan too")
     if args.target:
@@ -318,6 +325,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     size = SIZES[args.size]
     batch = args.batch or size.batch
     t = task(args.size, batch, args.remat)
+    if args.lora is not None:
+        t = shardplug.with_lora(t, args.lora, quantize=args.lora_quantize)
     trainer = shardplug.Trainer(
         t.adapter, loss_fn=t.loss_fn, optimizer=t.optimizer, strategy=_strategy(args),
         devices=1, precision=args.precision, log_every=args.steps,
@@ -380,6 +389,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "remat": args.remat,
         "addons": args.addon,
         "options": args.option,
+        "lora": args.lora,
+        "lora_quantize": args.lora_quantize,
         "model_flops_per_token": per_token,
         "shardplug": figures(mine, trainer.jaxpr),
         "hand_written": figures(hand, traced.jaxpr),

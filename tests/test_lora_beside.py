@@ -162,3 +162,31 @@ def test_lora_dropout_drops_the_adapters_input_alike_under_every_layout():
     assert [name for name in ("random_bits", "threefry2x32") if name in str(jaxpr)]
     with pytest.raises(shardplug.errors.ConfigError, match=r"dropout is a probability in"):
         with_lora(base("nnx"), RANK, dropout=1.0)
+
+
+def test_on_explicit_axes_each_contraction_says_its_layout_and_stays_beside():
+    """A model written for explicit axes (tests/explicit_models.py) under fsdp+tp: tp's row
+    split makes the adapter's first contraction a sum over a split dimension, which explicit
+    axes take only with its output's layout named."""
+    import explicit_models as em
+
+    def run():
+        adapter = shardplug.LoraAdapter(shardplug.from_nnx(em.Transformer), RANK)
+        trainer = shardplug.Trainer(
+            adapter, loss_fn=em.lm_loss, optimizer=optax.masked(optax.sgd(0.5),
+            adapter.trainable), strategy="fsdp+tp", devices=4, precision="float32",
+        )  # fmt: skip
+        rows = trainer.fit(itertools.islice(em.lm_batches(), STEPS), STEPS)
+        assert trainer.axis_types == "explicit"
+        params = trainer.state.params
+        targets = [w for p, w in zip(leaf_paths(params["base"]),
+                                     jax.tree.leaves(params["base"]), strict=True)
+                   if p.replace("/", ".") in params["lora"]]  # fmt: skip
+        made = [s for s, _ in products(trainer.jaxpr) if s in frozen_shapes(targets)]
+        return [r["loss"] for r in rows], made
+
+    got, made = run()  # a weight merged would warn, and warnings fail the suite
+    with merged_products():
+        want, made_merged = run()
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert made == [] and made_merged

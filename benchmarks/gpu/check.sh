@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What the offload issue asks of one H100, in one run (about 6 minutes): the 1B GPT of
 # benchmarks/gpu_mfu.py (batch 16 x 1024, bf16 compute, AdamW) plain and under each offload
-# mode, and with --remat full plain and offloaded; each against the hand-written plain step
+# mode, with --remat full plain and offloaded, and LoRA and QLoRA at rank 16; each against
+# the hand-written plain (full fine-tune) step
 # in the same process (its "ratio"), each with its predicted and measured device peak.
 # Each writes benchmarks/gpu/h100_<case>.json (or under $OUT when it is set), which
 # benchmarks/target_memory.py reads to put the CPU-compiled prediction beside the measure.
@@ -42,4 +43,7 @@ run "$size-offload-params" --addon offload -o offload.params=true
 run "$size-offload-update-host" --addon offload -o offload.update=host -o offload.params=true
 run "$size-remat-full" --remat full
 run "$size-remat-full-offload" --remat full --addon offload
+# LoRA beside the frozen weight: its step against the hand-written full step ("ratio")
+run "$size-lora16" --lora 16
+run "$size-qlora16-nf4" --lora 16 --lora-quantize nf4
 exit $failed

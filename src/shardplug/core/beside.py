@@ -340,19 +340,26 @@ def _product(eqn: Any, ins: list[Any], at: int) -> Any | None:
     out = "".join(w.dims[b] for b in w_b) + (w_free + x_free if at == 0 else x_free + w_free)
     contracted = {w.dims[b] for b in w_c}
     first = 2 if not contracted <= set(w.left_dims) and contracted <= set(w.right_dims) else 1
-    try:
-        delta = jnp.einsum(
-            f"{''.join(x_dims)},{w.left_dims},{w.right_dims}->{out}",
-            w.dropped(x), w.left.astype(w.base.dtype), w.right.astype(w.base.dtype),
-            optimize=[(0, first), (0, 1)], precision=eqn.params.get("precision"),
-            preferred_element_type=base.dtype,
-        )
+    factors = [w.left.astype(w.base.dtype), w.right.astype(w.base.dtype)]
+    dims = [w.left_dims, w.right_dims]
+    given = dict(precision=eqn.params.get("precision"), preferred_element_type=base.dtype)
+    x = w.dropped(x)
+    if not is_explicit(jax.sharding.get_abstract_mesh()):
+        delta = jnp.einsum(f"{''.join(x_dims)},{dims[0]},{dims[1]}->{out}", x, *factors,
+                           optimize=[(0, first), (0, 1)], **given)  # fmt: skip
         return w.joined(base, delta)
-    except Exception as exc:  # a layout explicit axes refuse: merged, as before
-        if type(exc).__name__ != "ShardingTypeError":
-            raise
-        return bind(eqn, [w.whole("product (on explicit axes)") if i == at else v
-                           for i, v in enumerate(ins)])[0]  # fmt: skip
+    # explicit axes: each contraction told its output's layout (x's rows kept, then the
+    # product's), as a sum over a split dimension must be
+    then = dims[2 - first]
+    kept = "".join(dict.fromkeys(c for c in "".join(x_dims) + dims[first - 1]
+                                 if c in out or c in then))  # fmt: skip
+    spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+    low = jnp.einsum(f"{''.join(x_dims)},{dims[first - 1]}->{kept}", x, factors[first - 1],
+                     out_sharding=P(*(spec[x_dims.index(c)] if c in x_dims else None
+                                      for c in kept)), **given)  # fmt: skip
+    delta = jnp.einsum(f"{kept},{then}->{out}", low.astype(w.base.dtype), factors[2 - first],
+                       out_sharding=jax.typeof(base).sharding.spec, **given)  # fmt: skip
+    return w.joined(base, delta)
 
 
 def _flat(ins: list[Any]) -> list[Any]:
