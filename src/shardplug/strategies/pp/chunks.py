@@ -21,11 +21,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from shardplug.plugin import (
     ConfigError,
     Unscheduled,
     in_microbatches,
+    lay_out,
     override_operation,
     split_aux,
 )
@@ -272,3 +275,48 @@ def merged(stacked: list[bool], stack: list[Any], other: list[Any]) -> list[Any]
     """The leaves of the stack and of the rest back in one list, as ``stacked`` flags them."""
     it_s, it_o = iter(stack), iter(other)
     return [next(it_s) if s else next(it_o) for s in stacked]
+
+
+def chunked(x: jax.Array, placement: tuple[int, ...], n_stages: int, axis: str) -> jax.Array:
+    """A stacked leaf reordered so that stage ``s``'s contiguous share holds its V chunks (of
+    L/(V*S) layers each), one of each round of S: looped, chunks ``s, s + S, ...``; in a
+    V, round ``r``'s reversed where ``r`` is odd (a send of one chunk's share more)."""
+    n_local = len(placement) // n_stages
+    per_chunk = x.shape[0] // len(placement)
+    x = x.reshape(n_local, n_stages, per_chunk, *x.shape[1:]).swapaxes(0, 1)
+    x = lay_out(x, P(axis, *([P.UNCONSTRAINED] * (x.ndim - 1))))
+    x = _by_round(x, [_round_positions(placement, n_stages, r) for r in range(n_local)])
+    return x.reshape(n_stages * n_local * per_chunk, *x.shape[3:])
+
+
+def unchunked(g: jax.Array, placement: tuple[int, ...], n_stages: int) -> jax.Array:
+    """A stacked gradient in :func:`chunked`'s order back in the model's."""
+    n_local = len(placement) // n_stages
+    per_chunk = g.shape[0] // len(placement)
+    g = g.reshape(n_stages, n_local, per_chunk, *g.shape[1:])
+    back = [np.argsort(_round_positions(placement, n_stages, r)) for r in range(n_local)]
+    return _by_round(g, back).swapaxes(0, 1).reshape(n_stages * n_local * per_chunk, *g.shape[3:])
+
+
+def _round_positions(placement: tuple[int, ...], n_stages: int, r: int) -> list[int]:
+    """For each stage, the position in round ``r`` of the chunk it holds (the rounds of a
+    placement each put one chunk on every stage: :func:`shardplug.plugin.tabulate`)."""
+    mine = placement[r * n_stages : (r + 1) * n_stages]
+    return [mine.index(d) for d in range(n_stages)]
+
+
+def _by_round(x: jax.Array, positions: list[Any]) -> jax.Array:
+    """``x`` (stages, rounds, ...) with each round's stages taken from ``positions``: as they
+    are, reversed (one send), or in another order."""
+    n_stages = x.shape[0]
+    if all(list(p) == list(range(n_stages)) for p in positions):
+        return x
+    rounds = []
+    for r, p in enumerate(positions):
+        if list(p) == list(range(n_stages)):
+            rounds.append(x[:, r])
+        elif list(p) == list(range(n_stages))[::-1]:
+            rounds.append(jnp.flip(x[:, r], 0))
+        else:
+            rounds.append(x[np.asarray(p), r])
+    return jnp.stack(rounds, axis=1)
