@@ -185,7 +185,7 @@ def test_embeddings_follow_their_parameters_into_bfloat16():
 def test_precision_defaults_to_bfloat16_where_the_devices_have_the_units_for_it(capsys):
     from types import SimpleNamespace
 
-    from shardplug.core.step import auto_precision
+    from shardplug.core.precision import auto_precision
 
     def device(platform, capability=None, kind="NVIDIA H100 80GB HBM3"):
         return SimpleNamespace(platform=platform, compute_capability=capability, device_kind=kind)

@@ -152,7 +152,7 @@ def float32_note(dtypes: ProductDtypes, threshold: float = 0.01) -> str | None:
 def warn_if_float32(jaxpr: Any, precision: str) -> None:
     """Warn (:class:`shardplug.ShardplugWarning`) when a step asked to compute in bfloat16
     runs a share of its matrix products in float32, naming where."""
-    from shardplug.core.step import PRECISIONS
+    from shardplug.core.precision import PRECISIONS
 
     if PRECISIONS.get(precision) is not None and (note := float32_note(product_dtypes(jaxpr))):
         import warnings

@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from shardplug.core.step import Precision, _compute_dtype
+from shardplug.core.precision import Precision, compute_dtype
 from shardplug.errors import ConfigError
 
 OnNonFinite = Literal["stop", "skip"]
@@ -95,7 +95,7 @@ class Settings:
             raise ConfigError("checkpoint_every needs a checkpoint_dir to save into")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
-        _compute_dtype(self.precision)
+        compute_dtype(self.precision)
         if self.axis_types not in (None, "auto", "explicit"):
             raise ConfigError(
                 f"axis_types must be 'auto', 'explicit' or None (chosen for the model), "

@@ -13,9 +13,10 @@ from typing import Any, Literal
 import jax
 import optax
 
+from shardplug.core.precision import Precision, auto_precision
 from shardplug.core.registry import Strategy, resolve_strategy
 from shardplug.core.state import create_state
-from shardplug.core.step import LossFn, Precision, TrainState, auto_precision, step_key
+from shardplug.core.step import LossFn, TrainState, step_key
 from shardplug.errors import ConfigError
 from shardplug.flops import warn_if_float32
 from shardplug.layout import Layout
@@ -81,8 +82,7 @@ class Trainer:
             checkpoint_every=checkpoint_every, keep=keep, config=config or {},
             on_nonfinite=on_nonfinite, grad_accum=grad_accum, precision=precision,
             profile_dir=profile_dir, profile_steps=profile_steps, axis_types=axis_types,
-            data_timeout=data_timeout, flops_per_sample=flops_per_sample, peak_tflops=peak_tflops,
-        )  # fmt: skip
+            data_timeout=data_timeout, flops_per_sample=flops_per_sample, peak_tflops=peak_tflops)
         self._saver = RunCheckpoints.at(self.settings, lambda run: run_meta(
             self.strategy, self.mesh, self.config, self._train, self._data, run),
             adapter)  # fmt: skip
@@ -162,8 +162,8 @@ class Trainer:
     def model(self) -> Any:
         """The model with the current parameters, in its framework's own form, in
         evaluation mode (dropout off, batch statistics read from the running averages)."""
-        state = self.state
-        return self.adapter.bind(state.params, state.model_state, rng=step_key(state), train=False)
+        s = self.state
+        return self.adapter.bind(s.params, s.model_state, rng=step_key(s), train=False)
 
     def compile(self, batch: Any) -> None:
         """Choose the batch shardings and compile the step for batches shaped like ``batch``.

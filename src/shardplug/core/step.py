@@ -7,10 +7,9 @@ meet; the model is reached through its adapter's ``bind`` and ``state_of``.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +20,17 @@ from shardplug.core import beside, means, memory
 from shardplug.core.context import batch_axis_name, computing_in, manual_axes
 from shardplug.core.layer_gather import layer_specs
 from shardplug.core.mesh import is_explicit
+from shardplug.core.precision import PRECISIONS as PRECISIONS  # where explain reads it
+from shardplug.core.precision import Precision
+from shardplug.core.precision import cast_floats as _cast_floats
+from shardplug.core.precision import compute_dtype as _compute_dtype
 from shardplug.core.registry import Strategy
 from shardplug.core.shard_grads import per_shard_grads, rows_only
 from shardplug.core.sharding import lay_out
+from shardplug.core.update import updated
 from shardplug.errors import ConfigError
 
 LossFn = Callable[..., Any]
-Precision = Literal["float32", "fp32", "bfloat16", "bf16"]
 
 
 class ModelAdapter(Protocol):
@@ -128,32 +131,6 @@ def _forward(adapter, loss_fn, extras, params, model_state, rng, batch, train):
 NONFINITE = "_nonfinite"
 
 
-PRECISIONS = {"float32": None, "fp32": None, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
-
-
-def auto_precision(device: Any, asked: str = "auto") -> tuple[str, str]:
-    """``(precision, why)``: ``asked``, or for ``"auto"`` what ``device`` computes best in:
-    ``"bf16"`` (bfloat16 compute, float32 parameters and optimizer state) where it has
-    bfloat16 matrix units (a TPU; an NVIDIA GPU of compute capability 8.0 or more: A100,
-    H100 and later), else ``"float32"``."""
-    if asked != "auto":
-        return asked, "as asked"
-    platform = getattr(device, "platform", "cpu")
-    if platform == "tpu":
-        return "bf16", "a TPU's bfloat16 matrix units"
-    if platform == "gpu":
-        capability = str(getattr(device, "compute_capability", "") or "")
-        try:
-            major = int(capability.split(".")[0])
-        except ValueError:
-            major = 0
-        kind = getattr(device, "device_kind", "GPU")
-        if major >= 8:
-            return "bf16", f"the {kind}'s bfloat16 tensor cores"
-        return "float32", f"the {kind} has no bfloat16 tensor cores"
-    return "float32", f"a {platform.upper()} has no bfloat16 matrix units"
-
-
 def make_step(
     adapter: ModelAdapter,
     loss_fn: LossFn,
@@ -203,9 +180,8 @@ def make_step(
     ``update_on_host`` the update runs in host memory instead, next to the optimizer state
     (:func:`shardplug.core.memory.update_on_host`).
     """
-    extras = loss_extras(loss_fn)
     encodes = strategy.encodes_grads
-    # LoRA's merged weights: each shard's gradient contracted to the factors before the sum
+    # an adapter's merged weights: each shard's gradient contracted to its factors first
     # (not on explicit axes, where a vmap over the shards refuses weights split along them)
     per_shard = encodes or (
         getattr(adapter, "reduce_per_shard", False) and batch_shardings is not None
@@ -213,6 +189,51 @@ def make_step(
     )  # fmt: skip
     compute = _compute_dtype(precision)
 
+    prepare, forward, value_and_grad = _differentiated(adapter, loss_fn, strategy, mesh,
+                                                       compute)  # fmt: skip
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        with means.normalised(loss_normalised):
+            return traced(state, batch)
+
+    def traced(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        rng = step_key(state)
+        axis = batch_axis_name()  # set inside a per-device program
+        given, state = state, memory.brought(state, placed, axis, "params", "model_state")
+        plain = axis is None and not per_shard  # under jit, the compiler places the reduction
+        grad_fn = _accumulate(value_and_grad, grad_accum, batch_shardings if plain else None)
+        owned = strategy.compute_grads(
+            loss_and_grad=value_and_grad, params=state.params, model_state=state.model_state,
+            batch=batch, rng=rng, mesh=mesh, microbatches=grad_accum,
+            prepare=prepare, forward=forward, param_shardings=param_shardings,
+        )  # fmt: skip
+        loss, metrics, model_state, grads = _gradients(
+            owned, grad_fn, value_and_grad, strategy, mesh, state, batch, rng, axis=axis,
+            per_shard=per_shard, encodes=encodes, grad_accum=grad_accum,
+            param_shardings=param_shardings, batch_shardings=batch_shardings,
+        )  # fmt: skip
+        out = {"loss": loss, **means.reported(metrics)}
+        finite = _judged(loss, grads, out) if skip_nonfinite else None  # before the update
+        params, opt_state, model_state = updated(
+            optimizer, grads, state, given, model_state, finite, placed=placed, axis=axis,
+            update_on_host=update_on_host,
+        )  # fmt: skip
+        frozen = adapter.trainable(given.params)
+        if frozen is not None:  # a frozen parameter stays as it was, whatever the optimizer
+            params = jax.tree.map(lambda new, old, t: new if t else old, params, given.params,
+                                  frozen)  # fmt: skip
+        new = TrainState(state.step + 1, params, opt_state, model_state, state.rng)
+        return new, out
+
+    return step
+
+
+def _differentiated(adapter: ModelAdapter, loss_fn: LossFn, strategy: Strategy, mesh: Any,
+                    compute: Any) -> tuple[Callable, Callable, Callable]:  # fmt: skip
+    """The step's ``prepare`` (the parameters cast to the compute dtype and gathered as the
+    strategy says), ``forward`` (the loss of the prepared parameters, its products by an
+    adapter's made weights beside them) and ``value_and_grad`` of both."""
+    extras = loss_extras(loss_fn)
     # The model state is an argument, not a closure: frameworks that update it in place
     # (NNX's BatchStat) must see it at the level of the gradient's trace.
     per_layer: dict[int, Any] = {}  # of the prepared stacks gathered a layer at a time
@@ -241,109 +262,57 @@ def make_step(
         out, grads = differentiated(params, *rest)  # zero, of its own dtype, not float0
         return out, jax.tree.map(_zero_if_integer, grads, params)
 
-    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        with means.normalised(loss_normalised):
-            return traced(state, batch)
+    return prepare, forward, value_and_grad
 
-    def pieces(grads: Any, opt_state: Any, params: Any) -> list[int] | None:
-        """Where the optimizer state kept off the devices is brought to them for the update
-        one parameter's at a time (:func:`shardplug.core.memory.update_in_pieces`): each
-        state leaf's parameter; None to bring it whole."""
-        if placed is None or update_on_host or not memory.any_off(placed.opt_state):
-            return None
-        if batch_axis_name() is not None:
-            return None  # a per-device program: refused where the state is brought
-        return memory.leafwise(optimizer, grads, opt_state, params)
 
-    def traced(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        rng = step_key(state)
-        axis = batch_axis_name()  # set inside a per-device program
-        given, state = state, memory.brought(state, placed, axis, "params", "model_state")
-        plain = axis is None and not per_shard  # under jit, the compiler places the reduction
-        grad_fn = _accumulate(value_and_grad, grad_accum, batch_shardings if plain else None)
-        owned = strategy.compute_grads(
-            loss_and_grad=value_and_grad, params=state.params, model_state=state.model_state,
-            batch=batch, rng=rng, mesh=mesh, microbatches=grad_accum,
-            prepare=prepare, forward=forward, param_shardings=param_shardings,
-        )  # fmt: skip
-        if owned is not None:  # a parallelism schedules the microbatches itself
-            (loss, (metrics, model_state)), grads = owned
+def _judged(loss: Any, grads: Any, out: dict[str, Any]) -> Any:
+    """Whether the loss and the gradient's norm are finite (every device of every manual
+    axis deciding alike), said in ``out``'s :data:`NONFINITE`."""
+    finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+    if manual_axes():  # per device: every device of every manual axis decides alike
+        finite = jax.lax.pmin(finite.astype(jnp.int32), manual_axes()).astype(bool)
+    out[NONFINITE] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
+    return finite
+
+
+def _gradients(owned: Any, grad_fn: Callable, value_and_grad: Callable, strategy: Strategy,
+               mesh: Any, state: TrainState, batch: Any, rng: Any, *, axis: str | None,
+               per_shard: bool, encodes: bool, grad_accum: int, param_shardings: Any,
+               batch_shardings: Any) -> tuple[Any, Any, Any, Any]:  # fmt: skip
+    """The step's ``(loss, metrics, model state, gradient)``, reduced: a parallelism's own
+    (``owned``, it scheduled the microbatches), each shard's explicitly (``per_shard``
+    under jit), or autodiff's over the whole batch (or each device's rows)."""
+    if owned is not None:  # a parallelism schedules the microbatches itself
+        (loss, (metrics, model_state)), grads = owned
+        if encodes:
+            grads = strategy.encode_grads(grads, mesh)
+    elif per_shard and axis is None:  # under jit: each shard's gradient, explicitly
+        try:
+            loss, metrics, model_state, grads = per_shard_grads(
+                grad_fn, strategy, mesh, state, batch, rng, param_shardings,
+                batch_shardings, encodes,
+            )  # fmt: skip
+        except NotImplementedError:  # an op JAX has no batching rule for
             if encodes:
-                grads = strategy.encode_grads(grads, mesh)
-        elif per_shard and axis is None:  # under jit: each shard's gradient, explicitly
-            try:
-                loss, metrics, model_state, grads = per_shard_grads(
-                    grad_fn, strategy, mesh, state, batch, rng, param_shardings,
-                    batch_shardings, encodes,
-                )  # fmt: skip
-            except NotImplementedError:  # an op JAX has no batching rule for
-                if encodes:
-                    raise
-                grad_fn = _accumulate(value_and_grad, grad_accum, batch_shardings)
-                (loss, (metrics, model_state)), grads = grad_fn(
-                    state.params, state.model_state, batch, rng
-                )
-        else:
+                raise
+            grad_fn = _accumulate(value_and_grad, grad_accum, batch_shardings)
             (loss, (metrics, model_state)), grads = grad_fn(
                 state.params, state.model_state, batch, rng
             )
-            if axis is not None and means.weighted(metrics):  # the devices' parts averaged
-                loss, metrics, grads = means.reweigh(loss, metrics, grads, axis)
-            elif axis is not None:
-                means.part_means("each device's rows, a per-device program")
-            if encodes:
-                grads = strategy.encode_grads(grads, mesh)
-        grads = strategy.reduce_grads(grads, mesh)
+    else:
+        (loss, (metrics, model_state)), grads = grad_fn(
+            state.params, state.model_state, batch, rng
+        )
+        if axis is not None and means.weighted(metrics):  # the devices' parts averaged
+            loss, metrics, grads = means.reweigh(loss, metrics, grads, axis)
+        elif axis is not None:
+            means.part_means("each device's rows, a per-device program")
         if encodes:
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-        out = {"loss": loss, **means.reported(metrics)}
-        finite = None
-        if skip_nonfinite:  # the update must be judged before it is applied
-            finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
-            if manual_axes():  # per device: every device of every manual axis decides alike
-                finite = jax.lax.pmin(finite.astype(jnp.int32), manual_axes()).astype(bool)
-            out[NONFINITE] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
-
-        def keeping(verdict: Any) -> Any:  # a judged step's: new where finite, else old
-            return functools.partial(jax.tree.map, functools.partial(_keep_if_not, verdict))
-
-        labels = None if update_on_host else pieces(grads, given.opt_state, state.params)
-        if update_on_host or labels is not None:  # the optimizer state kept on the host
-            if update_on_host:  # updated there: it never reaches the devices
-                memory.on_devices_only(axis)
-                keep = None if finite is None else keeping(
-                    jax.device_put(finite, jax.memory.Space.Host))  # fmt: skip
-                params, opt_state = memory.update_on_host(optimizer, grads, state, given,
-                                                          placed, keep)  # fmt: skip
-            else:  # brought to the devices a parameter's at a time
-                params_off = jax.tree.map(memory.off_devices, placed.params)
-                params = jax.tree.map(lambda now, held, off: held if off else now, state.params,
-                                      given.params, params_off)  # fmt: skip
-                state_off = [memory.off_devices(s) for s in jax.tree.leaves(placed.opt_state)]
-                params, opt_state = memory.update_in_pieces(
-                    optimizer, grads, params, given.opt_state, labels,
-                    None if finite is None else keeping(finite), params_off, state_off,
-                )  # fmt: skip
-            if finite is not None:
-                model_state = keeping(finite)(model_state, state.model_state)
-        else:
-            state = memory.brought(state, placed, axis, "opt_state")  # for the update alone
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            params = memory.applied(state.params, updates)
-            if finite is not None:
-                params, opt_state, model_state = jax.tree.map(
-                    functools.partial(_keep_if_not, finite),
-                    (params, opt_state, model_state),
-                    (state.params, state.opt_state, state.model_state),
-                )
-        frozen = adapter.trainable(given.params)
-        if frozen is not None:  # a frozen parameter stays as it was, whatever the optimizer
-            params = jax.tree.map(lambda new, old, t: new if t else old, params, given.params,
-                                  frozen)  # fmt: skip
-        new = TrainState(state.step + 1, params, opt_state, model_state, state.rng)
-        return new, out
-
-    return step
+            grads = strategy.encode_grads(grads, mesh)
+    grads = strategy.reduce_grads(grads, mesh)
+    if encodes:
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    return loss, metrics, model_state, grads
 
 
 def _zero_if_integer(grad: Any, param: Any) -> Any:
@@ -352,23 +321,6 @@ def _zero_if_integer(grad: Any, param: Any) -> Any:
     if grad.dtype == jax.dtypes.float0:
         return jnp.zeros(param.shape, param.dtype, out_sharding=jax.typeof(param).sharding)
     return grad
-
-
-def _compute_dtype(precision: str) -> Any:
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    return PRECISIONS[precision]
-
-
-def _cast_floats(tree: Any, dtype: Any) -> Any:
-    """Every float32 array of ``tree`` as ``dtype``; other arrays (integers, keys) as they are."""
-
-    def cast(x):
-        if hasattr(x, "dtype") and x.dtype == jnp.float32:
-            return x.astype(dtype)
-        return x
-
-    return jax.tree.map(cast, tree)
 
 
 def _accumulate(value_and_grad: Callable, k: int, batch_shardings: Any) -> Callable:
@@ -416,12 +368,6 @@ def _accumulate(value_and_grad: Callable, k: int, batch_shardings: Any) -> Calla
         return (jnp.mean(losses), (jax.tree.map(jnp.mean, metrics), model_state)), grads
 
     return accumulated
-
-
-def _keep_if_not(finite: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
-    if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
-        return new
-    return jnp.where(finite, new, old)
 
 
 def trace_loss(adapter: Any, loss_fn: LossFn, batch: Any, mesh: Any = None) -> Any:
