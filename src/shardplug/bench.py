@@ -320,7 +320,27 @@ def bench(
         task = get_model(model_name).task(
             adapter, batch_size=batch_size, seed=seed, **(model_options or {})
         )
-    model = task
+    _check_benchable(strategies)
+    batches = _first_batches(task)
+    batch_size = int(np.shape(jax.tree.leaves(batches[0])[0])[0])
+    say = progress or (lambda _: None)
+    contenders = _compile_contenders(task, strategies, batches, devices, steps, seed, say)
+    _run_rounds(contenders, batches, steps, rounds, say)
+    return {
+        "model": task.name,
+        "adapter": task.adapter.framework,
+        "devices": int(contenders[0].result.devices),
+        "platform": jax.devices()[0].platform,
+        "batch_size": batch_size,
+        "steps_per_round": steps,
+        "rounds": rounds,
+        "results": [c.result.to_dict() for c in contenders],
+        **_compare(strategies, contenders),
+    }
+
+
+def _check_benchable(strategies: Sequence[str]) -> None:
+    """Refuse an empty list, or a strategy with no hand-written twin to compare it with."""
     if not strategies:
         raise ConfigError("name at least one strategy to bench")
     unknown = [s for s in strategies if hand_written_form(get_strategy(s)) is None]
@@ -330,14 +350,30 @@ def bench(
             f"twin (a whole strategy names one in its plugin's `baseline` attribute): bench "
             f"parallelisms, their compositions, or a strategy that names one"
         )
+
+
+def _first_batches(task: Any) -> list[Any]:
+    """The task's first eight host batches, which every contender cycles through."""
     batches = list(itertools.islice(task.batches(), 8))
     if not batches:
         raise ConfigError(f"task {task.name}: its data gave no batch")
+    return batches
+
+
+def _compile_contenders(
+    task: Any,
+    strategies: Sequence[str],
+    batches: Sequence[Any],
+    devices: int | None,
+    steps: int,
+    seed: int,
+    say: Callable[[str], None],
+) -> list[_Contender]:
+    """Every contender, compiled: each strategy beside its hand-written twin, then Flax's
+    nnx.jit loop (for dp, on an NNX module) and one device."""
     first = batches[0]
-    batch_size = int(np.shape(jax.tree.leaves(first)[0])[0])
     samples = int(np.shape(jax.tree.leaves(first)[0])[0])
     tokens = int(np.size(first["tokens"])) if "tokens" in first else None
-    say = progress or (lambda _: None)
 
     def trainer(strategy: str, count: int | None) -> Trainer:
         return task.trainer(
@@ -356,16 +392,28 @@ def bench(
         t = trainers[strategy] = trainer(strategy, devices)
         contenders.append(_Shardplug(strategy, t, first, samples, tokens))
         name = f"{strategy} by hand"
-        contenders.append(_HandWritten(name, "hand-written", t, model, first, samples, tokens,
+        contenders.append(_HandWritten(name, "hand-written", t, task, first, samples, tokens,
                                        strategy))  # fmt: skip
     # Flax's own loop trains an NNX module whole: not a model wrapped in adapters (LoRA)
     if task.adapter.framework == "nnx" and hasattr(task.adapter, "graphdef") and "dp" in strategies:
         say("compiling the nnx.jit loop")
-        contenders.append(_NnxJit("dp as nnx.jit", trainers["dp"], model, first, samples, tokens))
+        contenders.append(_NnxJit("dp as nnx.jit", trainers["dp"], task, first, samples, tokens))
     say("compiling one device")
     contenders.append(
-        _HandWritten("one device", "one device", trainer("dp", 1), model, first, samples, tokens)
+        _HandWritten("one device", "one device", trainer("dp", 1), task, first, samples, tokens)
     )
+    return contenders
+
+
+def _run_rounds(
+    contenders: Sequence[_Contender],
+    batches: Sequence[Any],
+    steps: int,
+    rounds: int,
+    say: Callable[[str], None],
+) -> None:
+    """A warm-up, then ``rounds`` interleaved rounds of ``steps`` steps: each contender's
+    step times in its result."""
     for contender in contenders:  # warm up: first runs pay for allocations and caches
         contender.run(batches, 2)
         contender.result.losses.clear()
@@ -376,31 +424,28 @@ def bench(
         for contender in contenders if round_ % 2 == 0 else contenders[::-1]:
             contender.result.step_seconds.append(contender.run(batches, steps))
 
+
+def _paired(a: Result, b: Result) -> float:
+    """The median of the rounds' ratios of ``a``'s step time to ``b``'s."""
+    return statistics.median(x / y for x, y in zip(a.step_seconds, b.step_seconds, strict=True))
+
+
+def _compare(strategies: Sequence[str], contenders: Sequence[_Contender]) -> dict[str, Any]:
+    """The report's comparisons: ``ratios``, ``nnx_jit_ratio``, ``speedup`` and
+    ``max_loss_diff`` (see :func:`bench`)."""
     by = {(c.result.kind, c.result.strategy): c.result for c in contenders}
     one = next(c.result for c in contenders if c.result.kind == "one device")
     ratios, speedup, diffs = {}, {}, {}
-
-    def paired(a: Result, b: Result) -> float:  # the median of the rounds' ratios
-        return statistics.median(x / y for x, y in zip(a.step_seconds, b.step_seconds, strict=True))
-
     for strategy in strategies:
         mine, hand = by["shardplug", strategy], by["hand-written", strategy]
-        ratios[strategy] = paired(mine, hand)
+        ratios[strategy] = _paired(mine, hand)
         speedup[strategy] = one.median_step / mine.median_step
         a, b = np.asarray(mine.losses), np.asarray(hand.losses)
         diffs[strategy] = float(np.max(np.abs(a - b) / np.abs(b)))
     nnx_ratio = None
     if ("nnx.jit", "dp") in by:
-        nnx_ratio = paired(by["shardplug", "dp"], by["nnx.jit", "dp"])
+        nnx_ratio = _paired(by["shardplug", "dp"], by["nnx.jit", "dp"])
     return {
-        "model": task.name,
-        "adapter": task.adapter.framework,
-        "devices": int(contenders[0].result.devices),
-        "platform": jax.devices()[0].platform,
-        "batch_size": batch_size,
-        "steps_per_round": steps,
-        "rounds": rounds,
-        "results": [c.result.to_dict() for c in contenders],
         "ratios": ratios,
         "nnx_jit_ratio": nnx_ratio,
         "speedup": speedup,

@@ -142,8 +142,46 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
     followed: set[int] = set()  # the workers that said they stop because another failed
 
     blocks = gpu_blocks(nprocs, nvidia_gpus())
-    port = free_port()
     lock = threading.Lock()
+    workers, threads = _start_workers(
+        train_args, nprocs, devices_per_proc, blocks, lock, held, said, explained, followed
+    )
+    exits = _watch_exits(workers)
+    signalled: list[tuple[int, float]] = []  # (signal, when)
+
+    def forward(signum, frame):
+        again = bool(signalled)  # a second Ctrl-C stops every worker at once, as torchrun does
+        signalled.append((signum, time.monotonic()))
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill() if again else proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        failed = _supervise(workers, exits, signalled, followed, lock)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _kill(workers)
+        for t in threads:
+            t.join(timeout=5)
+    return _exit_code(failed, exits, signalled, held, said)
+
+
+def _start_workers(
+    train_args: Sequence[str],
+    nprocs: int,
+    devices_per_proc: int,
+    blocks: list[str] | None,
+    lock: threading.Lock,
+    held: list[list[str]],
+    said: list[list[bool]],
+    explained: set[str],
+    followed: set[int],
+) -> tuple[list[subprocess.Popen], list[threading.Thread]]:
+    """Start the workers, with a coordinator on a free port, each with a thread that relays
+    its output (:func:`_stream`)."""
+    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     workers: list[subprocess.Popen] = []
     threads = []
@@ -167,60 +205,69 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
         )
         t.start()
         threads.append(t)
-    # Exits in the order they happen: when one worker dies the others abort moments later,
-    # and the first is the cause to name.
+    return workers, threads
+
+
+def _watch_exits(workers: list[subprocess.Popen]) -> list[tuple[int, int]]:
+    """The workers' ``(rank, exit code)``, appended as they exit, in the order they do: when
+    one worker dies the others abort moments later, and the first is the cause to name."""
     exits: list[tuple[int, int]] = []
     for rank, proc in enumerate(workers):
         threading.Thread(
             target=lambda r=rank, p=proc: exits.append((r, p.wait())), daemon=True
         ).start()
+    return exits
 
-    signalled: list[tuple[int, float]] = []  # (signal, when)
 
-    def forward(signum, frame):
-        again = bool(signalled)  # a second Ctrl-C stops every worker at once, as torchrun does
-        signalled.append((signum, time.monotonic()))
-        for proc in workers:
-            if proc.poll() is None:
-                proc.kill() if again else proc.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+def _supervise(
+    workers: list[subprocess.Popen],
+    exits: list[tuple[int, int]],
+    signalled: list[tuple[int, float]],
+    followed: set[int],
+    lock: threading.Lock,
+) -> tuple[int, int] | None:
+    """Wait for every worker to exit, stopping the others when one fails or ends early and
+    killing them all once a signal's grace is over; returns the worker named as the cause."""
     failed: tuple[int, int] | None = None  # the first worker to fail, once the others stop
     ended_well: float | None = None  # when the first worker exited with 0
     first_bad: float | None = None  # when the first worker exited with an error
-    try:
-        while True:
-            # A failure is named before the loop may end: the others can exit within one tick
-            # of the first, and the message must not depend on that race.
-            done = len(exits) == len(workers)
-            bad = [(r, c) for r, c in list(exits) if c != 0]
-            if bad and first_bad is None:
-                first_bad = time.monotonic()
-            settled = done or (first_bad is not None and time.monotonic() > first_bad + SETTLE_S)
-            if bad and failed is None and not signalled and settled:
-                # of the exits so far, the first that did not stop because another failed
-                causes = [(r, c) for r, c in bad if r not in followed]
-                failed = (causes or bad)[0]
-                _stop(workers, lock, f"process {failed[0]} {_how(failed[1])}: stopping the others")
-            well = [(r, c) for r, c in list(exits) if c == 0]
-            if well and ended_well is None:
-                ended_well = time.monotonic()
-            if (not done and failed is None and not signalled and ended_well is not None
-                    and time.monotonic() > ended_well + EARLY_EXIT_S):  # fmt: skip
-                failed = well[0]
-                _stop(workers, lock, f"process {failed[0]} {_how(0)} while the others were "
-                      "still running: stopping them")  # fmt: skip
-            if done:
-                break
-            if signalled and time.monotonic() > signalled[0][1] + GRACE_S:
-                _kill(workers)  # they had their chance to save
-            time.sleep(0.05)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        _kill(workers)
-        for t in threads:
-            t.join(timeout=5)
+    while True:
+        # A failure is named before the loop may end: the others can exit within one tick
+        # of the first, and the message must not depend on that race.
+        done = len(exits) == len(workers)
+        bad = [(r, c) for r, c in list(exits) if c != 0]
+        if bad and first_bad is None:
+            first_bad = time.monotonic()
+        settled = done or (first_bad is not None and time.monotonic() > first_bad + SETTLE_S)
+        if bad and failed is None and not signalled and settled:
+            # of the exits so far, the first that did not stop because another failed
+            causes = [(r, c) for r, c in bad if r not in followed]
+            failed = (causes or bad)[0]
+            _stop(workers, lock, f"process {failed[0]} {_how(failed[1])}: stopping the others")
+        well = [(r, c) for r, c in list(exits) if c == 0]
+        if well and ended_well is None:
+            ended_well = time.monotonic()
+        if (not done and failed is None and not signalled and ended_well is not None
+                and time.monotonic() > ended_well + EARLY_EXIT_S):  # fmt: skip
+            failed = well[0]
+            _stop(workers, lock, f"process {failed[0]} {_how(0)} while the others were "
+                  "still running: stopping them")  # fmt: skip
+        if done:
+            return failed
+        if signalled and time.monotonic() > signalled[0][1] + GRACE_S:
+            _kill(workers)  # they had their chance to save
+        time.sleep(0.05)
+
+
+def _exit_code(
+    failed: tuple[int, int] | None,
+    exits: list[tuple[int, int]],
+    signalled: list[tuple[int, float]],
+    held: list[list[str]],
+    said: list[list[bool]],
+) -> int:
+    """The launch's exit code, the failed worker named (with its runtime's last lines if it
+    said nothing itself)."""
     if signalled and failed is None:
         return 128 + signalled[0][0]
     bad = [(r, c) for r, c in exits if c != 0]

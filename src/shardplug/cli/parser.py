@@ -312,21 +312,23 @@ class _Versions(argparse.Action):
         parser.exit(0)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="shardplug", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action=_Versions,
-                        help="print the versions of shardplug, Python, JAX and the libraries "
-                        "it is built on, and exit (shardplug env adds the devices)")  # fmt: skip
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+def _env_command(sub: Any) -> None:
+    """``env``: what a bug report names."""
     env = sub.add_parser("env", help="the versions and devices a bug report names")
     env.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+
+def _strategies_command(sub: Any) -> None:
+    """``strategies``: what is installed, and with ``--all`` what failed to load."""
     strategies = sub.add_parser("strategies", help="list the installed strategies")
     strategies.add_argument("--json", action="store_true", help="print JSON instead of a table")
     strategies.add_argument("--all", action="store_true",
                             help="also add-ons, schedules and plugins that failed to load, "
                             "with hooks and errors")  # fmt: skip
 
+
+def _train_command(sub: Any) -> None:
+    """``train``: what, how, and the loop's flags; ``speed`` made first leads the groups."""
     train = sub.add_parser(
         "train", help="train a reference model with a strategy",
         description="Train a reference model on simulated or real devices. With no options: "
@@ -340,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     _how(train, speed)
     _train(train, speed)
 
+
+def _launch_command(sub: Any) -> None:
+    """``launch``: the processes and their devices; the train command follows ``--``."""
     launch = sub.add_parser(
         "launch", help="run a command as N processes of one job on this machine",
         description="Start N processes with a coordinator on a free loopback port, each "
@@ -352,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "NVIDIA GPUs each process gets an equal block of them instead")  # fmt: skip
     launch.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- train ...")
 
+
+def _explain_command(sub: Any) -> None:
+    """``explain``: a run's flags, without the loop's, and which parameters to show."""
     explain = sub.add_parser(
         "explain",
         help="what a strategy costs: memory per device, collectives, layout (nothing runs)",
@@ -369,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: one per layout and reason, layers as *)")  # fmt: skip
     _target(explain)
 
+
+def _recommend_command(sub: Any) -> None:
+    """``recommend``: a run's flags but ``--strategy``, which it chooses, and what to compare."""
     recommend = sub.add_parser(
         "recommend",
         help="which installed strategies fit in the device's memory, and which to use",
@@ -391,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "per data-parallel device (the task at other lengths: --sequence, "
                            "or its function's sequence=)")  # fmt: skip
 
+
+def _bench_command(sub: Any) -> None:
+    """``bench``: what to train, the strategies to time and how long."""
     bench = sub.add_parser(
         "bench",
         help="time strategies side by side against the same step written by hand in JAX",
@@ -408,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=_positive(int), default=20, help="steps per round")
     bench.add_argument("--rounds", type=_positive(int), default=7, help="interleaved rounds")
 
+
+def _export_command(sub: Any) -> None:
+    """``export``: which checkpoint, where to, and in which format."""
     export = sub.add_parser(
         "export", help="write a checkpoint's weights to an .npz for inference",
         description="Write the full parameters and model state of a checkpoint to a NumPy "
@@ -433,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the task the checkpoint trained: load the exported weights back "
                         "into its model")  # fmt: skip
 
+
+def _plot_command(sub: Any) -> None:
+    """``plot``: a metrics file in, a PNG out."""
     plot = sub.add_parser(
         "plot",
         help="draw a run's loss (and held-out loss) against step, from train --metrics-out",
@@ -442,6 +462,23 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("metrics", type=Path, help="the JSON lines file (train --metrics-out)")
     plot.add_argument("--out", type=Path, default=None,
                       help="the PNG to write (default: beside the metrics, .png)")  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="shardplug", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action=_Versions,
+                        help="print the versions of shardplug, Python, JAX and the libraries "
+                        "it is built on, and exit (shardplug env adds the devices)")  # fmt: skip
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _env_command(sub)  # in the order shardplug --help lists them
+    _strategies_command(sub)
+    _train_command(sub)
+    _launch_command(sub)
+    _explain_command(sub)
+    _recommend_command(sub)
+    _bench_command(sub)
+    _export_command(sub)
+    _plot_command(sub)
     return parser
 
 
