@@ -22,6 +22,7 @@ documents' segment ids are handled as the ring does.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,38 +90,9 @@ def ulysses_attention(axis: str, on_all_to_all=None, hybrid: bool = False,
             return gathered(query, key, value, causal=causal, bias=bias, mask=mask,
                             scale=scale, segment_ids=segment_ids)  # fmt: skip
         size = mesh.shape[axis]
-        heads, kv_heads = query.shape[2], key.shape[2]
-        # the rows' axes manual too: left to the partitioner, it gathers the rows whole
-        # before an all-to-all along other dimensions
-        rows = tuple(a for a in batch_axes() if a != axis and a in mesh.axis_names)
-        if query.shape[0] % math.prod(mesh.shape[a] for a in rows):
-            rows = ()  # rows the axes do not divide (a model built on one sample row)
-        # and tensor parallelism's, where it splits the heads: each device's own heads are
-        # split over the context axis (left to the partitioner, they are gathered whole and
-        # every tp device computes all of them)
-        tp = _heads_axes(mesh, (axis, *rows), heads, kv_heads)
-        apart = math.prod(mesh.shape[a] for a in tp)  # the devices tp splits the heads over
-        mine, kv_mine = heads // apart, kv_heads // apart
-        if not hybrid and mine % size and heads % size == 0:
-            warn_once(
-                f"cp scheme ulysses under tensor parallelism: the {mine} heads each device of "
-                f"{tp} holds do not divide the {size} devices of {axis!r}, so they are "
-                f"gathered whole for the all-to-all and each of those devices computes every "
-                f"head of its share; -o cp.scheme=hybrid keeps them split"
-            )
-            tp, apart, mine, kv_mine = (), 1, heads, kv_heads
-        if hybrid:
-            groups = group_size(mine, kv_mine, size)
-        elif mine % size:
-            raise ConfigError(
-                f"cp scheme ulysses splits the heads over {axis!r}: {heads} query heads do "
-                f"not divide its {size} devices; use -o cp.scheme=hybrid (all-to-alls within "
-                f"groups the heads divide, a ring across them) or -o cp.scheme=ring"
-            )
-        else:
-            groups = size
+        rows, tp, apart, groups = _split(mesh, axis, query, key, hybrid)
         rings = size // groups  # the places on each ring (1: Ulysses alone)
-        repeats = kv_repeats(mine, kv_mine, groups)
+        repeats = kv_repeats(query.shape[2] // apart, key.shape[2] // apart, groups)
         length = query.shape[1]
         dealt = rings > 1 and causal and balance  # each ring place's block in two halves
         whole = math.lcm(size, 2 * rings) if dealt else size
@@ -144,45 +116,91 @@ def ulysses_attention(axis: str, on_all_to_all=None, hybrid: bool = False,
                 on_all_to_all(sum(sizes) + sizes[0], groups)  # and the output, as the query
         if rings > 1 and on_ring is not None:
             on_ring()
-        # the all-to-alls within each group of consecutive devices (None: the whole axis)
-        within = None if rings == 1 else [list(range(g * groups, (g + 1) * groups))
-                                          for g in range(rings)]  # fmt: skip
-
-        def swap(x, split, concat):  # within the groups (one device each: nothing to swap)
-            if groups == 1:
-                return x
-            return jax.lax.all_to_all(x, axis, split, concat, tiled=True,
-                                      axis_index_groups=within)  # fmt: skip
-
-        def local(q, k, v, ids=None):
-            # (rows, C-th of the sequence, heads, dim) -> (rows, the group's C/A-th of the
-            # sequence, A-th of the heads): the whole sequence for Ulysses alone (A = C)
-            if repeats > 1:  # each of my key/value heads repeated in place: my query head h
-                # still reads h // group, and the context groups split both alike
-                k, v = (jnp.repeat(x, repeats, axis=2) for x in (k, v))
-            q, k, v = (swap(x, 2, 1) for x in (q, k, v))
-            if rings > 1:  # the group's block meets the other groups' round the ring
-                span = padded // rings
-                if ids is not None:
-                    place = jax.lax.axis_index(axis) // groups
-                    ids = jax.lax.dynamic_slice_in_dim(ids, place * span, span, 1)
-                out = ring_block(q, k, v, ids, axis=axis, size=rings, causal=causal,
-                                 scale=scale, balance=balance, groups=groups,
-                                 valid=None if causal or padded == length else length)  # fmt: skip
-            else:
-                lengths = None
-                if padded != length and not causal:  # causal: no real query sees the padding
-                    lengths = jnp.full((q.shape[0],), length, jnp.int32)
-                # the ids as they are: a GPU's fused kernel takes them (a mask elsewhere)
-                out = attention_kernel(q, k, v, causal=causal, scale=scale, lengths=lengths,
-                                       segment_ids=ids)  # fmt: skip
-            return swap(out, 1, 2)
-
+        local = _per_device(axis, groups, rings, repeats, padded, length, causal=causal,
+                            scale=scale, balance=balance)  # fmt: skip
         out = jax.shard_map(local, in_specs=tuple(specs), out_specs=P(lead, axis, by_tp),
                             axis_names={axis, *rows, *tp})(*blocks)  # fmt: skip
         return unpadded(out, length)
 
     return attend
+
+
+def _split(mesh: Any, axis: str, query: Any, key: Any, hybrid: bool
+           ) -> tuple[tuple[str, ...], tuple[str, ...], int, int]:  # fmt: skip
+    """``(rows, tp, apart, groups)``: the batch axes manual beside ``axis``, tensor
+    parallelism's axes over the heads (``apart`` devices), and the all-to-all's group."""
+    size = mesh.shape[axis]
+    heads, kv_heads = query.shape[2], key.shape[2]
+    # the rows' axes manual too: left to the partitioner, it gathers the rows whole
+    # before an all-to-all along other dimensions
+    rows = tuple(a for a in batch_axes() if a != axis and a in mesh.axis_names)
+    if query.shape[0] % math.prod(mesh.shape[a] for a in rows):
+        rows = ()  # rows the axes do not divide (a model built on one sample row)
+    # and tensor parallelism's, where it splits the heads: each device's own heads are
+    # split over the context axis (left to the partitioner, they are gathered whole and
+    # every tp device computes all of them)
+    tp = _heads_axes(mesh, (axis, *rows), heads, kv_heads)
+    apart = math.prod(mesh.shape[a] for a in tp)  # the devices tp splits the heads over
+    mine, kv_mine = heads // apart, kv_heads // apart
+    if not hybrid and mine % size and heads % size == 0:
+        warn_once(
+            f"cp scheme ulysses under tensor parallelism: the {mine} heads each device of "
+            f"{tp} holds do not divide the {size} devices of {axis!r}, so they are "
+            f"gathered whole for the all-to-all and each of those devices computes every "
+            f"head of its share; -o cp.scheme=hybrid keeps them split"
+        )
+        tp, apart, mine, kv_mine = (), 1, heads, kv_heads
+    if hybrid:
+        return rows, tp, apart, group_size(mine, kv_mine, size)
+    if mine % size:
+        raise ConfigError(
+            f"cp scheme ulysses splits the heads over {axis!r}: {heads} query heads do "
+            f"not divide its {size} devices; use -o cp.scheme=hybrid (all-to-alls within "
+            f"groups the heads divide, a ring across them) or -o cp.scheme=ring"
+        )
+    return rows, tp, apart, size
+
+
+def _per_device(axis: str, groups: int, rings: int, repeats: int, padded: int, length: int,
+                *, causal: bool, scale: Any, balance: bool) -> Any:  # fmt: skip
+    """Each device's program: all-to-alls within its group (heads for positions), its
+    attention (round the ring across the groups, where there are several), and back."""
+    # the all-to-alls within each group of consecutive devices (None: the whole axis)
+    within = None if rings == 1 else [list(range(g * groups, (g + 1) * groups))
+                                      for g in range(rings)]  # fmt: skip
+
+    def swap(x, split, concat):  # within the groups (one device each: nothing to swap)
+        if groups == 1:
+            return x
+        return jax.lax.all_to_all(x, axis, split, concat, tiled=True,
+                                  axis_index_groups=within)  # fmt: skip
+
+    def local(q, k, v, ids=None):
+        # (rows, C-th of the sequence, heads, dim) -> (rows, the group's C/A-th of the
+        # sequence, A-th of the heads): the whole sequence for Ulysses alone (A = C)
+        if repeats > 1:  # each of my key/value heads repeated in place: my query head h
+            # still reads h // group, and the context groups split both alike
+            k, v = (jnp.repeat(x, repeats, axis=2) for x in (k, v))
+        q, k, v = (swap(x, 2, 1) for x in (q, k, v))
+        if rings > 1:  # the group's block meets the other groups' round the ring
+            span = padded // rings
+            if ids is not None:
+                place = jax.lax.axis_index(axis) // groups
+                ids = jax.lax.dynamic_slice_in_dim(ids, place * span, span, 1)
+            out = ring_block(q, k, v, ids, axis=axis, size=rings, causal=causal,
+                             scale=scale, balance=balance, groups=groups,
+                             valid=None if causal or padded == length else length)  # fmt: skip
+        else:
+            lengths = None
+            if padded != length and not causal:  # causal: no real query sees the padding
+                lengths = jnp.full((q.shape[0],), length, jnp.int32)
+            # the ids as they are: a GPU's fused kernel takes them (a mask elsewhere)
+            out = attention_kernel(q, k, v, causal=causal, scale=scale, lengths=lengths,
+                                   segment_ids=ids)  # fmt: skip
+        return swap(out, 1, 2)
+
+
+    return local
 
 
 def _heads_axes(mesh, taken: tuple[str, ...], heads: int, kv_heads: int) -> tuple[str, ...]:
