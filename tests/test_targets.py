@@ -274,3 +274,45 @@ def test_remat_offload_whose_moves_a_gpu_not_here_drops_is_refused_in_one_line()
     with pytest.raises(ConfigError, match="JAX drops --remat offload's moves") as caught:
         explain(trainer, next(model.batches(8, 0)))
     assert "\n" not in str(caught.value)
+
+
+@needs_plugin
+def test_float8_products_are_float8_gemms_in_the_h100_program():
+    """A float8 product and its two gradients compile to GEMMs of float8 operands; the
+    pattern that casts float8 back to bfloat16 before the product (dequantize, then
+    multiply) becomes a bfloat16 GEMM: the trap shardplug.float8 never writes."""
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from shardplug.core.cache import uncached
+    from shardplug.core.targets import as_present
+    from shardplug.float8 import float8_dot_general, gemms
+
+    device = target_devices("h100", 1)[0]
+    place = SingleDeviceSharding(device)
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=place)
+    w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16, sharding=place)
+    numbers = (((1,), (0,)), ((), ()))
+
+    def compiled(product):
+        def loss(x, w):
+            y = product(jnp.tanh(x), w).astype(jnp.float32)
+            return jnp.square(y - 1).sum()
+
+        with as_present(device), uncached():  # JAX cannot load a deviceless program back
+            return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+
+    for scaling in ("tensor", "row"):
+        found = gemms(compiled(lambda a, b, s=scaling: float8_dot_general(
+            a, b, numbers, scaling=s, preferred_element_type=jnp.bfloat16)))  # fmt: skip
+        # the forward e4m3 by e4m3, each gradient's e5m2 by e4m3 (in either order)
+        assert {tuple(sorted(d)) for d in found} == {("f8e4m3fn", "f8e4m3fn"),
+                                                     ("f8e4m3fn", "f8e5m2")}, (scaling, found)
+        assert len(found) == 3
+
+    def dequantized(a, b):  # float8 values multiplied as bfloat16: no float8 GEMM is left
+        a8, b8 = (v.astype(jnp.float8_e4m3fn).astype(jnp.bfloat16) for v in (a, b))
+        return jax.lax.dot_general(a8, b8, numbers)
+
+    widened = gemms(compiled(dequantized))
+    assert len(widened) == 3 and all(d == ("bf16", "bf16") for d in widened), widened
