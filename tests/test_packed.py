@@ -282,7 +282,7 @@ def _documents(batch, length, seed=0):
     return jax.numpy.asarray(ids)
 
 
-@pytest.mark.parametrize("split", ["rows", "rows and heads"])
+@pytest.mark.parametrize("split", ["rows", "rows and heads", "per device"])
 def test_the_fused_kernel_keeps_documents_apart_as_xlas_masked_attention_does(split):
     """A GPU's packed attention (Pallas' flash kernel, in its interpreter here) against XLA's
     masked attention: the output and all three gradients, with grouped key heads, its rows
@@ -309,6 +309,16 @@ def test_the_fused_kernel_keeps_documents_apart_as_xlas_masked_attention_does(sp
 
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     spec = P(("data", "model")) if split == "rows" else P("data", None, "model")
+    if split == "per device":  # inside an unchecked per-device program, as cp's Ulysses runs
+        rows = P(("data", "model"))
+        spec = rows
+
+        def fused(q, k, v):
+            return jax.shard_map(
+                lambda q, k, v, ids: flash.packed_attention(q, k, v, ids, causal=True,
+                                                            scale=scale, interpret=True),
+                in_specs=(rows,) * 4, out_specs=rows, check_vma=False)(q, k, v, ids)  # fmt: skip
+
     laid = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
 
     def loss(f):

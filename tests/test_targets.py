@@ -261,6 +261,12 @@ def test_packed_documents_take_the_fused_kernel_in_the_h100_program(tmp_path):
                            allocate=False, precision="bf16")  # fmt: skip
     explain(trainer, packing.packed_rows(docs, 4096, 2))
     assert "__gpu$xla.gpu.triton" in trainer.compiled.as_text()
+    # the sequence split over two (cp's Ulysses): each runs the kernel on its heads' share
+    trainer = task.trainer(strategy=shardplug.get_strategy("fsdp+cp", **{"cp.scheme": "ulysses"}),
+                           devices=target_devices("h100", 4), allocate=False, precision="bf16",
+                           mesh="fsdp=2,context=2")  # fmt: skip
+    explain(trainer, packing.packed_rows(docs, 4096, 2))
+    assert "__gpu$xla.gpu.triton" in trainer.compiled.as_text()
 
 
 @needs_plugin

@@ -55,12 +55,13 @@ def available() -> bool:
 def fits(query: Any, key: Any, value: Any) -> str | None:
     """Why these inputs cannot take the kernel (None when they can): it takes one sequence
     for queries and keys, a multiple of :data:`BLOCK` long, one head dimension for all three,
-    and as many key heads as query heads divide, outside a shard_map's manual region (its
-    outputs do not say how they vary by device there)."""
+    and as many key heads as query heads divide; inside a per-device program, one that does
+    not check how values vary (its outputs do not say)."""
     if not available():
         return "this JAX has no Pallas flash-attention kernel for GPUs"
-    if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):  # inside a shard_map
-        return "it is split by a rule of its own, not inside a shard_map (a strategy's region)"
+    if _manual() and getattr(jax.typeof(query), "vma", None):  # a checked shard_map
+        return ("inside a per-device program that checks how values vary (check_vma), which "
+                "its outputs do not say")
     length, heads, dim = query.shape[1], query.shape[2], query.shape[3]
     if key.shape[1] != length:
         return f"it takes no queries of {length} and keys of {key.shape[1]} positions"
@@ -85,21 +86,27 @@ def packed_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     if repeat > 1:
         key, value = (jnp.repeat(x, repeat, axis=2) for x in (key, value))
     return _flash(query, key, value, segment_ids.astype(jnp.int32), causal, float(scale),
-                  interpret)  # fmt: skip
+                  interpret, _manual())  # fmt: skip
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _flash(q, k, v, seg, causal, scale, interpret):
-    return _forward(causal, scale, interpret)(q, k, v, seg)[0]
+def _manual() -> bool:
+    """Whether the trace is inside a per-device program (a shard_map's manual axes): the
+    kernel runs on each device's blocks as they are, with no partitioning rule."""
+    return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
 
 
-def _flash_fwd(q, k, v, seg, causal, scale, interpret):
-    out, lse = _forward(causal, scale, interpret)(q, k, v, seg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _flash(q, k, v, seg, causal, scale, interpret, local):
+    return _forward(causal, scale, interpret, local)(q, k, v, seg)[0]
+
+
+def _flash_fwd(q, k, v, seg, causal, scale, interpret, local):
+    out, lse = _forward(causal, scale, interpret, local)(q, k, v, seg)
     return out, (q, k, v, seg, out, lse)
 
 
-def _flash_bwd(causal, scale, interpret, residuals, d_out):
-    dq, dk, dv = _backward(causal, scale, interpret)(*residuals, d_out)
+def _flash_bwd(causal, scale, interpret, local, residuals, d_out):
+    dq, dk, dv = _backward(causal, scale, interpret, local)(*residuals, d_out)
     return dq, dk, dv, None
 
 
@@ -128,7 +135,7 @@ def _layouts(mesh: Any, batch: Any, heads: Any) -> dict[str, NamedSharding]:
 
 
 @functools.cache
-def _forward(causal: bool, scale: float, interpret: bool) -> Any:
+def _forward(causal: bool, scale: float, interpret: bool, local: bool = False) -> Any:
     from jax.experimental.custom_partitioning import custom_partitioning
 
     kernel = _kernel()
@@ -137,6 +144,9 @@ def _forward(causal: bool, scale: float, interpret: bool) -> Any:
         out, lse = kernel.mha(q, k, v, seg, sm_scale=scale, causal=causal,
                               interpret=interpret, return_residuals=True)  # fmt: skip
         return out, lse
+
+    if local:  # each device's blocks, in a per-device program
+        return run
 
     fn = custom_partitioning(run)
 
@@ -156,7 +166,7 @@ def _forward(causal: bool, scale: float, interpret: bool) -> Any:
 
 
 @functools.cache
-def _backward(causal: bool, scale: float, interpret: bool) -> Any:
+def _backward(causal: bool, scale: float, interpret: bool, local: bool = False) -> Any:
     from jax.experimental.custom_partitioning import custom_partitioning
 
     kernel = _kernel()
@@ -167,6 +177,9 @@ def _backward(causal: bool, scale: float, interpret: bool) -> Any:
             interpret, False, False, (q, k, v, seg, out, lse), d_out,
         )  # fmt: skip
         return dq, dk.astype(k.dtype), dv.astype(v.dtype)
+
+    if local:
+        return run
 
     fn = custom_partitioning(run)
 
