@@ -20,23 +20,22 @@ from jax.sharding import NamedSharding
 from shardplug.core.compose import order
 from shardplug.core.devices import is_compile_only
 from shardplug.core.facts import Explained, StepFacts
-from shardplug.core.hlo import collectives, gradient_parts, textbook_collectives
-from shardplug.core.memory import (  # fmt: skip
-    activations_on_host,
-    any_off,
-    entry_bytes,
-    leafwise,
-    off_devices,
-    peak_bytes,
-)
+from shardplug.core.hlo import collectives
+from shardplug.core.memory import peak_bytes
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.core.step import PRECISIONS
 from shardplug.core.targets import compile_noting, memory_of
 from shardplug.errors import ConfigError, PluginError
+from shardplug.explain_collectives import tensor_parallel_notes, textbook_and_parts
+from shardplug.explain_memory import (  # fmt: skip
+    brought_for_update,
+    host_memory_notes,
+    per_device_bytes,
+    shard_bytes,
+)
 from shardplug.flops import float32_note, product_dtypes
 from shardplug.loop.feed import global_struct
 from shardplug.native import sorted_stderr
-from shardplug.units import size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,61 +120,11 @@ class Report:
         return sum(g["extra_wire_bytes"] for g in self.gradient_parts)
 
 
-def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):  # uint32 words per key
-        impl = getattr(dtype, "_impl", None)
-        return math.prod(shape) * 4 * math.prod(getattr(impl, "key_shape", (2,)))
-    return math.prod(shape) * np.dtype(dtype).itemsize
-
-
-def _shard_bytes(x: Any, sharding: NamedSharding) -> int:
-    return _bytes(sharding.shard_shape(tuple(x.shape)), x.dtype)
-
-
-def _tree_bytes(tree: Any, shardings: Any) -> int:
-    leaves = jax.tree.leaves(tree)
-    return sum(_shard_bytes(x, s) for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True))
-
-
 def _batch_axes(batch_shardings: Any) -> tuple[str, ...]:
     for sharding in jax.tree.leaves(batch_shardings):
         if leading_axes(sharding.spec):
             return leading_axes(sharding.spec)
     return ()
-
-
-
-def _on_device(analysis: Any, name: str, host: int) -> int | None:
-    """A compiled program's ``name`` (argument, output) bytes in the device's own memory:
-    less those laid out in host memory where the backend counts them among the device's
-    (XLA:CPU; a backend that reports host arguments apart has left them out)."""
-    size = getattr(analysis, f"{name}_size_in_bytes", None)
-    if size is None or getattr(analysis, f"host_{name}_size_in_bytes", 0):
-        return size
-    return size - host
-
-def _brought_for_update(trainer: Any, shardings: Any, state: Any, mesh: Any) -> int:
-    """The most bytes per device of the optimizer state that the step holds on the devices
-    at once for the update, copied from host memory: one parameter's where it brings the
-    state a parameter at a time (:func:`shardplug.core.memory.leafwise`), else all of it;
-    0 where it stays on the devices, or the update runs on the host."""
-    if not any_off(shardings.opt_state):
-        return 0
-    if trainer.strategy.update_memory(shardings, mesh) == "host":
-        return 0
-    leaves = jax.tree.leaves(state.opt_state)
-    sizes = [
-        _tree_bytes(x, s) if off_devices(s) else 0  # the devices' own are counted
-        for x, s in zip(leaves, jax.tree.leaves(shardings.opt_state), strict=True)
-    ]
-    labels = leafwise(trainer.optimizer, state.params, state.opt_state, state.params)
-    if labels is None:
-        return sum(sizes)
-    pieces: dict[int, int] = {}
-    for label, n in zip(labels, sizes, strict=True):
-        pieces[label] = pieces.get(label, 0) + n
-    shared = pieces.pop(-1, 0)
-    return shared + max(pieces.values(), default=0)
 
 
 def _why(strategy: Any, shape: tuple[int, ...], logical: Any, mesh: Any, seen: dict) -> str:
@@ -230,6 +179,69 @@ def explain(
     with sorted_stderr(trainer.strategy.name):  # XLA's own lines, said in one of ours
         target_notes = compile_noting(trainer, batch)  # for a GPU not here: what it is
     flat_params = jax.tree.leaves(state.params)
+    params = _param_reports(trainer, paths)
+
+    analysis = trainer.compiled.memory_analysis()
+    hlo_text = trainer.compiled.as_text()
+    trains = trainer.adapter.trainable(state.params)  # None: every parameter
+    trains = [True] * len(flat_params) if trains is None else jax.tree.leaves(trains)
+    device = mesh.devices.flat[0]
+    from_backend = device_memory is None
+    if from_backend:
+        device_memory = backend_memory(device) or memory_of(device)
+    per_device = per_device_bytes(trainer, batch, trains, analysis, hlo_text, device_memory)
+    found = [dataclasses.asdict(c) for c in collectives(hlo_text)]
+    batch_axes = _batch_axes(trainer.batch_shardings)
+    batch_info = _batch_rows(trainer, batch)
+    pictures = _pictures(trainer, batch_info, params, param)
+    composition = trainer.strategy.composition
+    stored = [x.spec for x in jax.tree.leaves(shardings.params)]
+    used = (composition and composition.used_specs(state.params, mesh)) or stored
+    notes: list[str] = [*target_notes, *tensor_parallel_notes(used, mesh, batch_axes)]
+    brought = brought_for_update(trainer, shardings, state, mesh)
+    per_device["update_bytes"] = brought
+    notes += host_memory_notes(trainer, device.platform, brought)
+    peak = per_device["peak_bytes"]
+    if from_backend and device_memory and peak and peak > device_memory:
+        notes.append(memory_limit_note(device))
+    precision, note = _precision(trainer)
+    if note:
+        notes.append(note)
+    textbook, parts, sent = textbook_and_parts(
+        hlo_text, found, flat_params, paths, trains,
+        shards=[p.bytes_per_device for p in params], stored=stored, used=used, mesh=mesh,
+        batch_axes=batch_axes,
+    )  # fmt: skip
+    notes += sent
+    told, reports = _parallelisms_told(trainer, batch, found, paths, stored, used, batch_axes)
+    notes += told
+    return Report(
+        strategy=trainer.strategy.name,
+        devices=int(mesh.size),
+        mesh={str(k): int(v) for k, v in mesh.shape.items()},
+        platform=device.platform,
+        params=params,
+        per_device=per_device,
+        collectives=found,
+        textbook=textbook,
+        batch=batch_info,
+        compile_seconds=trainer.compile_seconds,
+        pictures=pictures,
+        notes=notes,
+        pipeline=reports.get("pipeline"),
+        sequence=reports.get("sequence"),
+        parallelisms=reports,
+        order=order(composition.parts) if composition is not None else {},
+        gradient_parts=parts,
+        axis_types={"types": trainer.axis_types, "why": trainer.axis_types_reason},
+        precision=precision,
+    )
+
+
+def _param_reports(trainer: Any, paths: list[str]) -> list[ParamReport]:
+    """Each parameter's layout and bytes per device, and why one stayed whole where it did."""
+    state, shardings, mesh = trainer.state, trainer.state_shardings, trainer.mesh
+    flat_params = jax.tree.leaves(state.params)
     flat_shardings = jax.tree.leaves(shardings.params)
     pairs = zip(flat_params, flat_shardings, strict=True)
     whole = [s.shard_shape(p.shape) == p.shape for p, s in pairs]
@@ -256,44 +268,16 @@ def explain(
             why = _why(trainer.strategy, tuple(p.shape), names, mesh, seen)
         params.append(
             ParamReport(
-                path, tuple(p.shape), str(p.dtype), str(s.spec), _shard_bytes(p, s), replicated,
+                path, tuple(p.shape), str(p.dtype), str(s.spec), shard_bytes(p, s), replicated,
                 why, _placed_by(trainer.strategy, names, s.spec, mesh),
             )
         )  # fmt: skip
+    return params
 
-    analysis = trainer.compiled.memory_analysis()
-    hlo_text = trainer.compiled.as_text()
-    params_bytes = _tree_bytes(state.params, shardings.params)
-    trains = trainer.adapter.trainable(state.params)  # None: every parameter
-    trains = [True] * len(flat_params) if trains is None else jax.tree.leaves(trains)
-    trained = [p for p, t in zip(flat_params, trains, strict=True) if t]
-    trained_shardings = [s for s, t in zip(flat_shardings, trains, strict=True) if t]
-    device = mesh.devices.flat[0]
-    from_backend = device_memory is None
-    if from_backend:
-        device_memory = backend_memory(device) or memory_of(device)
-    entry = entry_bytes(hlo_text)
-    per_device = {
-        "params_bytes": params_bytes,
-        "opt_state_bytes": _tree_bytes(state.opt_state, shardings.opt_state),
-        # the reduced gradient, as the strategy leaves it: laid out like the parameters (the
-        # trained ones: a frozen parameter has none)
-        "grads_bytes": _tree_bytes(trained, trained_shardings),
-        "model_state_bytes": _tree_bytes(state.model_state, shardings.model_state),
-        "batch_bytes": _tree_bytes(jax.tree.map(global_struct, batch), trainer.batch_shardings),
-        "temp_bytes": getattr(analysis, "temp_size_in_bytes", None),
-        # in the device's own memory: what offload keeps on the host is counted apart
-        "argument_bytes": _on_device(analysis, "argument", entry["arguments"]["host"]),
-        "output_bytes": _on_device(analysis, "output", entry["outputs"]["host"]),
-        "alias_bytes": getattr(analysis, "alias_size_in_bytes", 0) or 0,
-        # in host memory, each device's share (offload): not in the device's peak
-        "host_bytes": entry["arguments"]["host"],
-        "peak_bytes": peak_bytes(analysis, hlo_text),
-        "device_memory_bytes": device_memory,
-    }
-    found = [dataclasses.asdict(c) for c in collectives(hlo_text)]
-    batch_axes = _batch_axes(trainer.batch_shardings)
-    batch_info = [
+
+def _batch_rows(trainer: Any, batch: Any) -> list[dict[str, Any]]:
+    """Each batch leaf's path, global shape, spec and rows per device (None for a scalar)."""
+    return [
         {
             "path": path or "batch",
             "shape": list(global_struct(x).shape),
@@ -307,139 +291,72 @@ def explain(
             strict=True,
         )
     ]
+
+
+def _pictures(
+    trainer: Any, batch_info: list[dict[str, Any]], params: list[ParamReport], param: str | None
+) -> list[dict[str, Any]]:
+    """The pictures of how the first batch leaf and parameter ``param`` (default: the
+    largest) are split."""
     if param is None:
         param = max(params, key=lambda p: math.prod(p.shape)).path
-    chosen = paths.index(param)
-    pictures = [
+    chosen = [p.path for p in params].index(param)
+    spec = jax.tree.leaves(trainer.state_shardings.params)[chosen].spec
+    return [
         _picture(batch_info[0]["path"], tuple(batch_info[0]["shape"]),
                  jax.tree.leaves(trainer.batch_shardings)[0]),
-        _picture(param, params[chosen].shape, NamedSharding(mesh, flat_shardings[chosen].spec)),
+        _picture(param, params[chosen].shape, NamedSharding(trainer.mesh, spec)),
     ]  # fmt: skip
-    notes: list[str] = list(target_notes)
-    reports: dict[str, Any] = {}
-    composition = trainer.strategy.composition
-    stored = [x.spec for x in flat_shardings]
-    used = (composition and composition.used_specs(state.params, mesh)) or stored
-    # axes parameters are used split over (an axis lent to store them only is gathered)
-    tensor_parallel = {a for spec in used for a in mesh_axes(spec) if a not in batch_axes}
-    if tensor_parallel:
-        notes.append(
-            f"parameters split over {sorted(tensor_parallel)}, which the batch is not split "
-            "over (tensor parallelism), need activation collectives forward and backward "
-            "that the model's code decides; the textbook figure leaves them out"
-        )
-    brought = _brought_for_update(trainer, shardings, state, mesh)
-    per_device["update_bytes"] = brought
-    if brought and device.platform == "cpu":
-        notes.append(
-            f"the optimizer state kept in host memory is copied to the devices for the update, "
-            f"at most {size(brought)} per device at once: XLA:CPU keeps one memory and counts "
-            f"no copy, so the peak above leaves it out; on a GPU the update holds it beside "
-            f"the parameters and gradients (offload's update=host leaves it on the host)"
-        )
-    if device.platform == "cpu" and activations_on_host(trainer.jaxpr):
-        notes.append(
-            "the step moves activations it saves for the backward pass to host memory "
-            "(--remat offload): XLA:CPU keeps one memory, so the temporaries above count "
-            "them; on a GPU the devices keep none of them between the passes"
-        )
-    peak = per_device["peak_bytes"]
-    if from_backend and device_memory and peak and peak > device_memory:
-        notes.append(memory_limit_note(device))
+
+
+def _precision(trainer: Any) -> tuple[dict[str, Any], str | None]:
+    """The report's ``precision``: the dtypes the step's matrix products compute in; and, in
+    a bf16 run, the note on the products that compute in float32."""
     dtypes = product_dtypes(trainer.jaxpr)
     bf16 = PRECISIONS.get(trainer.precision) is not None
-    if bf16 and (note := float32_note(dtypes)):
-        notes.append(note)
-    shards = [p.bytes_per_device for p in params]
-    parts = _gradient_parts(hlo_text, flat_params, used, mesh, batch_axes)
-    counts = [1 if t else 0 for t in trains]  # a frozen parameter's gradient: none
-    for group in parts:  # of parameters alike, which one is shared cannot be seen: the first
-        counts[group["params"][0]] += group["parts"] - len(group["params"])
-        group["params"] = [paths[i] for i in group["params"]]
-        notes.append(_parts_note(group))
-    textbook = textbook_collectives(shards, stored, used, mesh, batch_axes, counts)
-    kinds = {c["kind"] for c in found}
-    if "reduce-scatter" in {t["kind"] for t in textbook} - kinds:
-        notes.append(
-            "the compiler reduces the gradients of split parameters with an all-reduce "
-            "(each device then keeps its shard), and may gather a parameter outside a layer "
-            "stack once for forward and backward: 1 all-gather + 1 all-reduce sends what 2 "
-            "all-gathers + 1 reduce-scatter send"
-        )
-    if composition is not None:
-        facts = StepFacts(
-            mesh=mesh, jaxpr=trainer.jaxpr, collectives=found, param_paths=paths,
-            params=[jax.ShapeDtypeStruct(p.shape, p.dtype) for p in flat_params],
-            stored=stored, used=used, batch=[global_struct(x) for x in jax.tree.leaves(batch)],
-            batch_shardings=jax.tree.leaves(trainer.batch_shardings), batch_axes=batch_axes,
-        )  # fmt: skip
-        for part in composition.parts:
-            told = part.call("explain_step", axis=part.axis.name, mesh=mesh, step=facts)
-            if told is None:
-                continue
-            if not isinstance(told, Explained):
-                raise PluginError(
-                    f"parallelism {part.name!r}: explain_step returned {told!r}, not an "
-                    f"Explained (or None)"
-                )
-            notes += list(told.notes)
-            if told.name is not None:
-                reports[told.name] = told.report
-    return Report(
-        strategy=trainer.strategy.name,
-        devices=int(mesh.size),
-        mesh={str(k): int(v) for k, v in mesh.shape.items()},
-        platform=device.platform,
-        params=params,
-        per_device=per_device,
-        collectives=found,
-        textbook=textbook,
-        batch=batch_info,
-        compile_seconds=trainer.compile_seconds,
-        pictures=pictures,
-        notes=notes,
-        pipeline=reports.get("pipeline"),
-        sequence=reports.get("sequence"),
-        parallelisms=reports,
-        order=order(composition.parts) if composition is not None else {},
-        gradient_parts=parts,
-        axis_types={"types": trainer.axis_types, "why": trainer.axis_types_reason},
-        precision={
-            "compute": "bfloat16" if bf16 else "float32",
-            "matmul_flops_by_dtype": dtypes.flops,
-            "float32_sites": [{"where": w, "flops": f} for w, f in dtypes.float32_sites[:5]],
-        },
-    )
+    precision = {
+        "compute": "bfloat16" if bf16 else "float32",
+        "matmul_flops_by_dtype": dtypes.flops,
+        "float32_sites": [{"where": w, "flops": f} for w, f in dtypes.float32_sites[:5]],
+    }
+    return precision, float32_note(dtypes) if bf16 else None
 
 
-def _gradient_parts(hlo_text: str, params: list[Any], used: list[Any], mesh: Any,
-                    batch_axes: tuple[str, ...]) -> list[dict[str, Any]]:  # fmt: skip
-    """:func:`shardplug.core.hlo.gradient_parts` of the step: each parameter's dimensions
-    where it is used, and the batch devices its gradient is reduced over (those of the batch
-    axes it is whole on there)."""
-    dims, groups = [], []
-    for p, spec in zip(params, used, strict=True):
-        dims.append(tuple(NamedSharding(mesh, spec).shard_shape(tuple(p.shape))))
-        local = set(mesh_axes(spec))
-        groups.append(math.prod(mesh.shape[a] for a in batch_axes if a not in local))
-    return gradient_parts(hlo_text, dims, groups)
+def _parallelisms_told(trainer: Any, batch: Any, found: list[dict[str, Any]], paths: list[str],
+                       stored: list[Any], used: list[Any], batch_axes: tuple[str, ...],
+                       ) -> tuple[list[str], dict[str, Any]]:  # fmt: skip
+    """What each parallelism of a composition says of its share of the step (its
+    ``explain_step``): its notes, and its reports by the names it gave them.
 
-
-def _parts_note(group: dict[str, Any]) -> str:
-    params, dims = group["params"], "x".join(map(str, group["dims"]))
-    which = (
-        f"the gradient of {params[0]} ({dims}) is"
-        if len(params) == 1
-        else f"the gradients of the {len(params)} parameters of {dims} ({', '.join(params[:2])}"
-        f"{f' and {len(params) - 2} more' if len(params) > 2 else ''}) are"
-    )
-    return (
-        f"{which} all-reduced in {group['parts']} parts of that size "
-        f"(+{size(group['extra_wire_bytes'])} sent): a parameter the step uses more than once "
-        "(an embedding tied to the output) has a gradient part per use, which XLA's CPU "
-        "compiler reduces one by one (its GPU compiler adds them first and reduces once); "
-        "the textbook figure counts the parts"
-    )
+    :param found: the compiled step's collectives; ``stored`` and ``used``: each
+        parameter's spec as stored and where it is used.
+    :raises PluginError: when a parallelism returns something other than an Explained.
+    """
+    notes: list[str] = []
+    reports: dict[str, Any] = {}
+    composition, mesh = trainer.strategy.composition, trainer.mesh
+    if composition is None:
+        return notes, reports
+    flat_params = jax.tree.leaves(trainer.state.params)
+    step = StepFacts(
+        mesh=mesh, jaxpr=trainer.jaxpr, collectives=found, param_paths=paths,
+        params=[jax.ShapeDtypeStruct(p.shape, p.dtype) for p in flat_params],
+        stored=stored, used=used, batch=[global_struct(x) for x in jax.tree.leaves(batch)],
+        batch_shardings=jax.tree.leaves(trainer.batch_shardings), batch_axes=batch_axes,
+    )  # fmt: skip
+    for part in composition.parts:
+        told = part.call("explain_step", axis=part.axis.name, mesh=mesh, step=step)
+        if told is None:
+            continue
+        if not isinstance(told, Explained):
+            raise PluginError(
+                f"parallelism {part.name!r}: explain_step returned {told!r}, not an "
+                f"Explained (or None)"
+            )
+        notes += list(told.notes)
+        if told.name is not None:
+            reports[told.name] = told.report
+    return notes, reports
 
 
 def backend_memory(device: Any) -> int | None:

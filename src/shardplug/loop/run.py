@@ -85,16 +85,139 @@ def run(
     next batch unless making one takes longer than a step. (A background thread did this
     before; handing each batch across threads cost more host time than a small step.)
     """
-    rows: list[dict[str, float]] = []
-    pending: list[dict[str, jax.Array]] = []
-    started = time.perf_counter()
+    loop = _Run(settings, program, state, iterator, steps, mesh, checkpoints, callback, evaluate)
+    with (
+        StopSignals(enabled=checkpoints is not None) as stop,
+        DataWait(settings.data_timeout) as wait,
+    ):
+        stop.wait = wait
+        loop.wait = wait
+        try:
+            loop.take_steps(stop)
+            loop.finish(stop)
+        finally:
+            loop.trace.close(state.leaves)
+            if checkpoints is not None:
+                checkpoints.wait()
+    if stop.requested:
+        raise loop.interrupted(stop.requested)
+    return loop.rows
 
-    def flush(evaluating: bool = False) -> None:
-        nonlocal started
-        new = _rows(settings, mesh, state, program, pending, state.step - len(pending), started)
+
+class _Run:
+    """One call of :func:`run`: the rows it made, the steps dispatched and not yet read, the
+    steps still in flight, and the clock the rows' step time is read from."""
+
+    def __init__(
+        self,
+        settings: Any,
+        program: Program,
+        state: RunState,
+        iterator: Iterator[Any],
+        steps: int,
+        mesh: Any,
+        checkpoints: RunCheckpoints | None,
+        callback: Callable[[list[dict[str, float]]], None] | None,
+        evaluate: tuple[int, Callable[[], dict[str, float]]] | None,
+    ):
+        self.settings, self.program, self.state = settings, program, state
+        self.iterator, self.steps, self.mesh = iterator, steps, mesh
+        self.checkpoints, self.callback, self.evaluate = checkpoints, callback, evaluate
+        self.rows: list[dict[str, float]] = []
+        self.pending: list[dict[str, jax.Array]] = []
+        self.started = time.perf_counter()
+        self.first_step = state.step
+        self.trace = Trace(settings.profile_dir, settings.profile_steps)
+        self.in_flight: collections.deque = collections.deque()
+        self.wait: DataWait | None = None  # the run's, once it has begun
+
+    def take_steps(self, stop: StopSignals) -> None:
+        """Dispatch the steps, each with the batch read while the one before it ran, until
+        ``steps`` are done, a signal stops them or the batches run out."""
+        ahead = self.fetch(0)
+        for i in range(self.steps):
+            if stop.requested or ahead is _STOPPED:
+                break
+            if ahead is None:
+                self.ran_out(i)
+                break
+            if isinstance(ahead, _Failed):
+                raise ahead.error
+            self.dispatch(ahead)
+            ahead = self.fetch(i + 1)
+            self.on_schedule(stop)
+
+    def fetch(self, i: int) -> Any:
+        """Batch ``i`` read, checked and on its way to the devices; None when none is left.
+        Called right after step i-1 is dispatched, so it is made while the devices compute."""
+        if i == self.steps:
+            return None
+        try:
+            self.wait.begin(self.first_step + i)
+            batch = next(self.iterator, _END)
+            return None if batch is _END else place(self.program, batch, self.first_step + i)
+        except Interrupted:  # SIGTERM or Ctrl-C while waiting: stop after the last step
+            return _STOPPED
+        except Exception as exc:  # raised at its own step, after the steps before it
+            return _Failed(exc)
+        finally:
+            self.wait.end()
+
+    def ran_out(self, i: int) -> None:
+        """The batches ran out after ``i`` steps: an error in a job of many processes, else
+        a warning."""
+        if jax.process_count() > 1:  # the others would wait for it forever
+            raise BatchError(
+                f"process {jax.process_index()}'s batches ran out after {i} of "
+                f"{self.steps} steps: every process of a job must read as many"
+            )
+        # stacklevel 4: run's caller, past this method, take_steps and run
+        warnings.warn(f"batches ran out after {i} of {self.steps} steps", ShardplugWarning, 4)
+
+    def dispatch(self, batch: Any) -> None:
+        """Dispatch one step on ``batch`` (in the profiler's trace where it wants the step),
+        first waiting for the oldest step in flight when :data:`MAX_IN_FLIGHT` are."""
+        state = self.state
+        if len(self.in_flight) == MAX_IN_FLIGHT:  # a step long done: no stall
+            oldest = self.in_flight.popleft()
+            if not oldest.is_ready():
+                oldest.block_until_ready()
+        if self.trace.wants(state.step):
+            with self.trace.step(state.step, lambda: state.leaves):
+                state.leaves, metrics = self.program.compiled(state.leaves, batch)
+        else:
+            state.leaves, metrics = self.program.compiled(state.leaves, batch)
+        state.step += 1
+        self.pending.append(metrics)
+        self.in_flight.append(metrics["loss"])
+
+    def on_schedule(self, stop: StopSignals) -> None:
+        """After a step: read the metrics every ``log_every`` steps and before a checkpoint or
+        an evaluation falls due (every process agreeing there on a stop), and save a
+        checkpoint that is due."""
+        settings, state = self.settings, self.state
+        due = settings.checkpoint_every is not None and (
+            state.step % settings.checkpoint_every == 0
+        )
+        evaluating = self.evaluate is not None and state.step % self.evaluate[0] == 0
+        if len(self.pending) == settings.log_every or due or evaluating:
+            self.flush(evaluating)
+            stop.agree()  # at the same step in every process
+        if due:
+            self.checkpoints.save(state)
+            self.started = time.perf_counter()  # saving is not a step
+
+    def flush(self, evaluating: bool = False) -> None:
+        """Read the pending steps' metrics into rows (with the evaluation's on the last, when
+        ``evaluating``), and skip or stop at a non-finite step as ``on_nonfinite`` says."""
+        settings, state, pending = self.settings, self.state, self.pending
+        new = _rows(
+            settings, self.mesh, state, self.program, pending, state.step - len(pending),
+            self.started,
+        )  # fmt: skip
         pending.clear()
         if evaluating:
-            new[-1].update({f"eval_{k}": v for k, v in evaluate[1]().items()})
+            new[-1].update({f"eval_{k}": v for k, v in self.evaluate[1]().items()})
         faults = [
             row.pop(NONFINITE) > 0 if NONFINITE in row else not math.isfinite(row["loss"])
             for row in new
@@ -105,103 +228,38 @@ def run(
             state.skipped += sum(faults)
         elif True in faults:
             new = new[: faults.index(True) + 1]  # nothing after the fault
-        rows.extend(new)
+        self.rows.extend(new)
         state.history.extend(new)
-        if callback is not None:
-            callback(new)
+        if self.callback is not None:
+            self.callback(new)
         if settings.on_nonfinite == "stop" and True in faults:
-            raise NonFiniteError.at(int(new[-1]["step"]), last())
-        started = time.perf_counter()
+            raise NonFiniteError.at(int(new[-1]["step"]), self.last())
+        self.started = time.perf_counter()
 
-    first_step = state.step
-    trace = Trace(settings.profile_dir, settings.profile_steps)
+    def finish(self, stop: StopSignals) -> None:
+        """The ending of a run that was not stopped by an error: read the steps not yet read,
+        agree on a stop, and save the last step where it is not saved yet."""
+        if self.pending:
+            self.flush()
+        stop.agree()
+        if self.checkpoints is not None and self.state.saved_step != self.state.step:
+            self.checkpoints.save(self.state)
 
-    def last() -> str | None:
-        return None if checkpoints is None else checkpoints.last(state)
-
-    in_flight: collections.deque = collections.deque()
-
-    def fetch(i: int) -> Any:
-        """Batch ``i`` read, checked and on its way to the devices; None when none is left.
-        Called right after step i-1 is dispatched, so it is made while the devices compute."""
-        if i == steps:
-            return None
-        try:
-            wait.begin(first_step + i)
-            batch = next(iterator, _END)
-            return None if batch is _END else place(program, batch, first_step + i)
-        except Interrupted:  # SIGTERM or Ctrl-C while waiting: stop after the last step
-            return _STOPPED
-        except Exception as exc:  # raised at its own step, after the steps before it
-            return _Failed(exc)
-        finally:
-            wait.end()
-
-    with (
-        StopSignals(enabled=checkpoints is not None) as stop,
-        DataWait(settings.data_timeout) as wait,
-    ):
-        stop.wait = wait
-        try:
-            ahead = fetch(0)
-            for i in range(steps):
-                if stop.requested or ahead is _STOPPED:
-                    break
-                if ahead is None:
-                    if jax.process_count() > 1:  # the others would wait for it forever
-                        raise BatchError(
-                            f"process {jax.process_index()}'s batches ran out after {i} of "
-                            f"{steps} steps: every process of a job must read as many"
-                        )
-                    warnings.warn(
-                        f"batches ran out after {i} of {steps} steps", ShardplugWarning, 2
-                    )
-                    break
-                if isinstance(ahead, _Failed):
-                    raise ahead.error
-                if len(in_flight) == MAX_IN_FLIGHT:  # a step long done: no stall
-                    oldest = in_flight.popleft()
-                    if not oldest.is_ready():
-                        oldest.block_until_ready()
-                if trace.wants(state.step):
-                    with trace.step(state.step, lambda: state.leaves):
-                        state.leaves, metrics = program.compiled(state.leaves, ahead)
-                else:
-                    state.leaves, metrics = program.compiled(state.leaves, ahead)
-                state.step += 1
-                pending.append(metrics)
-                in_flight.append(metrics["loss"])
-                ahead = fetch(i + 1)
-                due = settings.checkpoint_every is not None and (
-                    state.step % settings.checkpoint_every == 0
-                )
-                evaluating = evaluate is not None and state.step % evaluate[0] == 0
-                if len(pending) == settings.log_every or due or evaluating:
-                    flush(evaluating)
-                    stop.agree()  # at the same step in every process
-                if due:
-                    checkpoints.save(state)
-                    started = time.perf_counter()  # saving is not a step
-            if pending:
-                flush()
-            stop.agree()
-            if checkpoints is not None and state.saved_step != state.step:
-                checkpoints.save(state)
-        finally:
-            trace.close(state.leaves)
-            if checkpoints is not None:
-                checkpoints.wait()
-    if stop.requested:
-        name = signal.Signals(stop.requested).name
-        path = last()
-        raise TrainingInterrupted(
-            f"stopped by {name} after step {state.step}; saved {path}: continue with "
+    def interrupted(self, signum: int) -> TrainingInterrupted:
+        """The error that says a signal stopped the run, and where it was saved."""
+        name = signal.Signals(signum).name
+        path = self.last()
+        return TrainingInterrupted(
+            f"stopped by {name} after step {self.state.step}; saved {path}: continue with "
             f"restore() (--resume)",
-            signal=stop.requested,
-            step=state.step,
+            signal=signum,
+            step=self.state.step,
             checkpoint=path,
         )
-    return rows
+
+    def last(self) -> str | None:
+        """The path of the last checkpoint saved (None without checkpoints)."""
+        return None if self.checkpoints is None else self.checkpoints.last(self.state)
 
 
 def _rows(
