@@ -190,3 +190,37 @@ def test_on_explicit_axes_each_contraction_says_its_layout_and_stays_beside():
         want, made_merged = run()
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert made == [] and made_merged
+
+
+def test_packed_rows_reach_a_lora_stack_s_blocks_and_train_as_the_merged_weight():
+    """A layer stack's blocks take packed documents' ids as keywords (``rows=``): the
+    rewritten block passes them on."""
+    from test_packed import ORDERS, reference_packed
+
+    _, batch = reference_packed(ORDERS)
+    for framework in ("nnx", "equinox"):
+        task = with_lora(dataclasses.replace(base(framework), optimizer=optax.sgd(0.5)), RANK)
+
+        def losses(task=task):
+            run = task.trainer(strategy="fsdp", devices=2, precision="float32")
+            return [r["loss"] for r in run.fit(iter([batch] * STEPS), STEPS)]
+
+        got = losses()
+        with merged_products():
+            want = losses()
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_a_per_device_program_draws_the_global_batch_s_dropout_masks_or_refuses():
+    """pmap (each device its rows) draws the batch's masks and keeps its rows: it trains as
+    dp does. A pipeline's stages run products on microbatches inside a per-device program,
+    where no mask over the batch exists: refused in one line."""
+    task = with_lora(base("nnx"), RANK, dropout=0.25)
+    dp, _, _ = trained(task, "nnx", strategy="dp", devices=2)
+    pmap, _, _ = trained(task, "nnx", strategy="pmap", devices=2)
+    np.testing.assert_allclose(pmap, dp, rtol=1e-5)
+    pp = shardplug.get_strategy("pp", schedule="gpipe")
+    with pytest.raises(shardplug.errors.ConfigError,
+                       match=r"lora dropout on blocks/w\w+: its product runs in a per-device "
+                             r"program .* train without --lora-dropout"):  # fmt: skip
+        trained(task, "nnx", strategy=pp, devices=2)

@@ -19,9 +19,10 @@ the weight's own logical names, so every parallelism lays them out as their weig
 split as the weight's input, ``R`` as its output (tensor parallelism's column and row
 splits, fsdp's, a pipeline's stage split of the layers).
 
-A weight of a layer stack (``layers`` first) is merged one layer at a time, inside the
-stack's loop (:func:`shardplug.core.layer_gather.made_by_layer`): the step never holds the
-whole merged model, nor its gradient.
+A weight of a layer stack (``layers`` first) is made one layer at a time, inside the
+stack's loop (:func:`shardplug.core.layer_gather.made_by_layer`), and the loop's body is
+rewritten there: each layer's products run beside its frozen weight (where a weight is
+merged instead, one layer's at a time).
 
 QLoRA: with ``quantize`` (``int8``, ``int4`` or ``nf4``) the frozen base's targets are
 stored quantized by Qwix (:func:`qwix.quantize`; 8-bit with one scale per output, 4-bit with
@@ -125,6 +126,12 @@ class LoraAdapter(Adapter):
                               state)  # fmt: skip
         if base.weights is not None:
             self.weights = self._read
+
+    @property
+    def outside_stack(self) -> list[str]:
+        """The targets no layer stack makes a layer at a time (rewritten with the whole
+        forward pass, not inside a stack's loop)."""
+        return [p for p in self.targets() if p not in self.by_layer]
 
     @property
     def scale(self) -> float:

@@ -43,14 +43,15 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core import ops
+from shardplug.core.context import batch_axis_name
 from shardplug.core.layer_gather import follow
 from shardplug.core.mesh import is_explicit
-from shardplug.errors import warn_once
+from shardplug.errors import ConfigError, warn_once
 
 #: the name of a mark's ``jax.jit``, followed by its number among :data:`_MARKS`
 MARK = "shardplug_made_weight_"
 #: calls whose body is followed inside
-CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+CALLS = frozenset({"jit", "pjit", "closed_call"})
 #: rematerialised blocks, rebuilt with a made weight's parts as their inputs
 REMATS = frozenset({"remat2", "checkpoint", "remat"})
 #: a made weight through these is still the weight, laid out (the low-rank part follows)
@@ -136,12 +137,31 @@ class Made:
 
     def dropped(self, x: Any) -> Any:
         """``x`` as the low-rank product reads it: dropped where the site asks (PEFT's
-        ``lora_dropout``)."""
+        ``lora_dropout``), each product its own mask, drawn over the global batch (its rows
+        first): a per-device program (``batch_axis_name``) draws the whole and keeps its
+        own rows, as :func:`shardplug.models.layers.dropout` does."""
         if self.key is None or not self.site.dropout:
             return x
         keep = 1.0 - self.site.dropout
-        kept = jax.random.bernoulli(self.key, keep, x.shape)
-        return jnp.where(kept, x / jnp.asarray(keep, x.dtype), jnp.zeros((), x.dtype))
+        key = jax.random.fold_in(self.key, _use())  # a weight used twice: two masks
+        axis = batch_axis_name()
+        mesh = jax.sharding.get_abstract_mesh()
+        if axis is not None:
+            rows = x.shape[0]
+            whole = jax.random.bernoulli(key, keep, (rows * jax.lax.axis_size(axis), *x.shape[1:]))
+            kept = jax.lax.dynamic_slice_in_dim(whole, jax.lax.axis_index(axis) * rows, rows)
+        elif getattr(mesh, "manual_axes", ()):
+            raise ConfigError(
+                f"lora dropout on {self.site.path}: its product runs in a per-device program "
+                f"(a pipeline's stages, an expert-parallel exchange) whose rows are not the "
+                f"batch's, so no mask over the batch can be drawn there: train without "
+                f"--lora-dropout, or with a strategy that does not split this product"
+            )
+        elif is_explicit(mesh):  # each device draws its own share of the mask
+            kept = jax.random.bernoulli(key, keep, x.shape, out_sharding=jax.typeof(x).sharding)
+        else:
+            kept = jax.random.bernoulli(key, keep, x.shape)
+        return jnp.where(kept, x / keep, jnp.zeros((), x.dtype)).astype(x.dtype)
 
     def whole(self, where: str) -> Any:
         """The weight merged, said once: its frozen part's gradient is computed here."""
@@ -183,6 +203,18 @@ class Made:
 
 
 _MERGED: contextvars.ContextVar[bool] = contextvars.ContextVar("shardplug_merged", default=False)
+#: the products by made weights so far in this rewrite (each dropout's mask its own)
+_USES: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("shardplug_uses",
+                                                                        default=None)
+
+
+def _use() -> int:
+    """This product's number in the rewrite under way (0 outside one)."""
+    uses = _USES.get()
+    if uses is None:
+        return 0
+    uses[0] += 1
+    return uses[0]
 
 
 @contextlib.contextmanager
@@ -202,10 +234,10 @@ def rewritten(fn: Callable[..., Any], follow: Callable[[Any, Any], None] | None 
     is told each argument's array and the traced one standing for it (for registries kept
     by an array's identity)."""
 
-    def run(*args: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
         if _MERGED.get():
-            return fn(*args)
-        leaves, tree = jax.tree.flatten(args)
+            return fn(*args, **kwargs)
+        leaves, tree = jax.tree.flatten((args, kwargs))
         arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
         out_tree: list[Any] = []
 
@@ -216,7 +248,8 @@ def rewritten(fn: Callable[..., Any], follow: Callable[[Any, Any], None] | None 
                     follow(leaves[i], x)
                 given[i] = x
             out_tree.clear()
-            out = fn(*jax.tree.unflatten(tree, given))
+            given_args, given_kwargs = jax.tree.unflatten(tree, given)
+            out = fn(*given_args, **given_kwargs)
             flat, treedef = jax.tree.flatten(out)
             out_tree.append(treedef)
             return flat
@@ -225,7 +258,11 @@ def rewritten(fn: Callable[..., Any], follow: Callable[[Any, Any], None] | None 
         if not _marked(closed.jaxpr):
             outs = jcore.eval_jaxpr(closed.jaxpr, closed.consts, *[leaves[i] for i in arrays])
         else:
-            outs = evaluate(closed.jaxpr, closed.consts, [leaves[i] for i in arrays])
+            token = _USES.set([0])
+            try:
+                outs = evaluate(closed.jaxpr, closed.consts, [leaves[i] for i in arrays])
+            finally:
+                _USES.reset(token)
             outs = [o.whole("output") if isinstance(o, Made) else o for o in outs]
         return jax.tree.unflatten(out_tree[0], outs)
 
@@ -238,6 +275,13 @@ def forward(adapter: Any, fn: Callable[..., Any], *args: Any) -> Any:
     stack (whose blocks are rewritten on their own)."""
     if getattr(adapter, "beside", False) and ops.supplied("layer_stack") is None:
         return rewritten(fn, follow)(*args)
+    outside = getattr(adapter, "outside_stack", ())
+    if outside and ops.supplied("layer_stack") is not None:
+        warn_once(
+            f"lora: a parallelism runs the layer stack itself (pp's schedules), so the "
+            f"adapters outside it ({', '.join(outside)}) are merged into their weights: "
+            f"their frozen weights' gradients are computed, and their dropout is not applied"
+        )
     return fn(*args)
 
 
@@ -248,13 +292,19 @@ def _site(eqn: Any) -> Site | None:
     return None
 
 
+def _body(eqn: Any) -> Any:
+    """A call's or a rematerialised block's jaxpr (``jit``'s ``jaxpr``, ``closed_call``'s
+    ``call_jaxpr``)."""
+    return eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
+
+
 def _marked(jaxpr: Any) -> bool:
     """Whether ``jaxpr`` makes a weight by a mark, in it or in a call it makes."""
     for eqn in jaxpr.eqns:
         if _site(eqn) is not None:
             return True
         if eqn.primitive.name in CALLS | REMATS:
-            inner = eqn.params["jaxpr"]
+            inner = _body(eqn)
             if _marked(getattr(inner, "jaxpr", inner)):
                 return True
     return False
@@ -280,13 +330,26 @@ def evaluate(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
 
 
 def bind(eqn: Any, ins: list[Any], **changed: Any) -> list[Any]:
-    """``eqn``'s primitive bound again on ``ins`` (its parameters, ``changed`` changed)."""
+    """``eqn``'s primitive bound again on ``ins`` (its parameters, ``changed`` changed),
+    under its source line and name scope, as ``eval_jaxpr`` binds it."""
     params = eqn.primitive.get_bind_params({**eqn.params, **changed})
     subfuns, params = params if isinstance(params, tuple) else ((), params)
     ctx = getattr(eqn.ctx, "manager", None) or contextlib.nullcontext()
-    with ctx:
+    with _source(eqn), ctx:
         out = eqn.primitive.bind(*subfuns, *ins, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _source(eqn: Any) -> Any:
+    """The equation's source line and name scope, for what is bound in its place (a
+    profile's names, a warning's line); nothing where this JAX keeps them otherwise."""
+    try:
+        from jax._src import source_info_util as info
+
+        names = info.current_name_stack() + eqn.source_info.name_stack
+        return info.user_context(eqn.source_info.traceback, name_stack=names)
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
 
 
 def _equation(eqn: Any, ins: list[Any]) -> list[Any]:
@@ -295,14 +358,15 @@ def _equation(eqn: Any, ins: list[Any]) -> list[Any]:
     if site is not None and not any(isinstance(x, Made) for x in ins):
         return [Made.of(site, *ins)]
     made = [isinstance(x, Made) for x in ins]
-    if name in CALLS and (any(made) or _marked(eqn.params["jaxpr"].jaxpr)):
-        inner = eqn.params["jaxpr"]
+    if name in CALLS and (any(made) or _marked(_body(eqn).jaxpr)):
+        inner = _body(eqn)
         return evaluate(inner.jaxpr, inner.consts, ins)
     if not any(made):
         return bind(eqn, ins)
     rule = PRODUCTS.get(name)
     if rule is not None and made.count(True) == 1:
-        out = rule(eqn, ins, made.index(True))
+        with _source(eqn):
+            out = rule(eqn, ins, made.index(True))
         if out is not None:
             return [out]
     if name in REMATS:
@@ -401,13 +465,16 @@ def _per_device(eqn: Any, ins: list[Any]) -> list[Any]:
         names = tuple(spec) + (None,) * (x.base.ndim - len(spec))
         lead, cut = x.site.lead, len(x.left_dims) - 1
         specs += [spec, P(*names[:cut], None), P(*names[:lead], None, *names[cut:])]
-        specs += [P()] if x.key is not None else []  # one key: each device's rows its mask
+        specs += [P()] if x.key is not None else []  # its dropout refuses the program
     program = _rebuilt(ins, eqn.params["jaxpr"], [], "per-device program's output")
+    flat = _flat(ins)
+    if is_explicit(jax.sharding.get_abstract_mesh()):  # each factor laid out as its spec says
+        flat = [jax.sharding.reshard(x, spec) for x, spec in zip(flat, specs, strict=True)]
     return list(jax.shard_map(
         program, mesh=eqn.params["mesh"], in_specs=tuple(specs),
         out_specs=tuple(eqn.params["out_specs"]), axis_names=set(eqn.params["newly_manual_axes"]),
         check_vma=eqn.params.get("check_vma", True),
-    )(*_flat(ins)))  # fmt: skip
+    )(*flat))  # fmt: skip
 
 
 PRODUCTS["dot_general"] = _product

@@ -129,9 +129,9 @@ def _made_in_the_loop(params: Any, fn: Callable[..., Any]) -> tuple[Any, Callabl
         return params, fn
     parts = [leaf if r is None else r[0] for leaf, r in zip(leaves, recipes, strict=True)]
 
-    def made(layer, *rest):
+    def made(layer, *rest, **rows):
         weights = [p if r is None else r[1](p) for p, r in zip(layer, recipes, strict=True)]
-        return fn(jax.tree.unflatten(treedef, weights), *rest)
+        return fn(jax.tree.unflatten(treedef, weights), *rest, **rows)
 
     return parts, rewritten(made, follow)  # products by a made weight run beside it
 

@@ -180,7 +180,11 @@ def _beside(eqn, ins, at):
     plus ``(x L) R``, each a grouped product over the same groups; None (merged) where the
     weight is not the stored ``(experts, in, out)``."""
     x, w, groups = ins
-    if at != 1 or not w.plain():
+    numbers = eqn.params["ragged_dot_dimension_numbers"]
+    (contract, batch) = numbers.dot_dimension_numbers
+    stored = (tuple(contract[0]), tuple(contract[1])) == ((x.ndim - 1,), (1,)) and not any(
+        batch) and tuple(numbers.rhs_group_dimensions) == (0,)  # fmt: skip
+    if at != 1 or not isinstance(w, beside.Made) or not w.plain() or not stored:
         return None
     dtype = w.base.dtype
     product = beside.bind(eqn, [x, w.base, groups])[0]
