@@ -278,7 +278,7 @@ def forward(adapter: Any, fn: Callable[..., Any], *args: Any) -> Any:
     outside = getattr(adapter, "outside_stack", ())
     if outside and ops.supplied("layer_stack") is not None:
         warn_once(
-            f"lora: a parallelism runs the layer stack itself (pp's schedules), so the "
+            f"lora: a parallelism runs the layer stack itself (a pipeline's schedules), so the "
             f"adapters outside it ({', '.join(outside)}) are merged into their weights: "
             f"their frozen weights' gradients are computed, and their dropout is not applied"
         )
