@@ -147,7 +147,6 @@ class LoraAdapter(Adapter):
                 f"{count(self.size)} trainable parameters beside {count(self.base_size)} frozen "
                 f"({100 * self.size / self.base_size:.3g}%){stored}")  # fmt: skip
 
-    reduce_per_shard = False  # beside the weight, a step's gradients are the factors' alone
     #: a training step runs the model's products by a target beside its frozen weight
     #: (:mod:`shardplug.core.beside`): its gradient is never computed
     beside = True
@@ -357,19 +356,6 @@ class LoraAdapter(Adapter):
         factors = jax.jit(lambda: self._factors(self.abstract_base),
                           out_shardings=shardings["lora"])()  # fmt: skip
         return {"base": jax.tree.unflatten(tree, leaves), "lora": factors}
-
-
-def low_rank_delta(left: Any, right: Any, lead: int, shape: tuple[int, ...],
-                   einsum: Any = jnp.einsum) -> Any:  # fmt: skip
-    """``L @ R`` over the rank, shaped as the weight: one contraction over named dimensions
-    (no reshape, which would merge dimensions the strategy split apart); ``einsum``:
-    ``numpy.einsum`` for host arrays (an export's merge)."""
-    letters = "abcdefghijklmnopqstuvwxyz"  # r is the rank's
-    cut = left.ndim - 1
-    dims = letters[: len(shape)]
-    l_idx = dims[:cut] + "r"
-    r_idx = dims[:lead] + "r" + dims[cut:]
-    return einsum(f"{l_idx},{r_idx}->{dims}", left, right)
 
 
 def _abstract(w: Any) -> Any:

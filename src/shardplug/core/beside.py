@@ -14,17 +14,14 @@ function to its jaxpr and runs it again equation by equation: a mark's output st
 parts (:class:`Made`); a cast, transpose or layout of it applies to the frozen part (the
 low-rank one follows by its dimensions' letters); a ``dot_general`` with it is ``x W`` plus
 one ``einsum`` of ``x``, ``L`` and ``R`` contracting ``x`` with the factor that shares its
-dimensions first. A call (``jax.jit``, ``jnp.einsum``'s) is followed inside; a
-rematerialised block (``jax.checkpoint``) is rebuilt with the parts as its inputs and its
-policy kept. Anything else that reads the weight (a reshape of it, a scan over it, a
-grouped product) gets the weight merged, as before, and a warning says once which weight,
-where, and that its frozen part's gradient is computed there.
+dimensions first; another product registers its rule (:data:`PRODUCTS`). Calls are followed
+inside; ``jax.checkpoint`` blocks and ``shard_map`` programs are rebuilt on the parts. Any
+other reader of the weight (a reshape, the model's own scan) gets it merged, said once.
 
-Where a model's layers run in a layer stack (:mod:`shardplug.core.layer_stack`), each layer's
-weight is made inside the stack's loop and the rewrite runs on the loop's body: a parallelism
-that supplies the stack's operation (a pipeline's schedules) never sees a trace of its own
-call made twice. The whole forward pass is rewritten (:func:`rewritten`) only where no
-operation supplies the stack.
+A layer stack (:mod:`shardplug.core.layer_stack`) makes each layer's weight in its loop and
+the rewrite runs on the loop's body, so a parallelism that supplies the stack (a pipeline's
+schedules) never sees its call traced twice; the whole forward pass is rewritten
+(:func:`forward`) only where none does.
 """
 
 from __future__ import annotations
@@ -99,11 +96,22 @@ def mark(site: Site) -> Callable[[Any, Any, Any], Any]:
 
 def merged(w: Any, left: Any, right: Any, scale: float, lead: int) -> Any:
     """``w + scale left @ right``, the product laid out as ``w`` on explicit axes."""
-    dims = _LETTERS[: w.ndim]
-    cut = left.ndim - 1
-    delta = jnp.einsum(f"{dims[:cut]}{_RANK},{dims[:lead]}{_RANK}{dims[cut:]}->{dims}",
-                       left, right)  # fmt: skip
-    return w + _as(delta * scale, w)
+    return w + _as(low_rank_delta(left, right, lead, w.shape) * scale, w)
+
+
+def _lettered(ndim: int, cut: int, lead: int) -> tuple[str, str, str]:
+    """A weight's letters, ``L``'s (its input's, the rank) and ``R``'s (lead, rank, output)."""
+    dims = _LETTERS[:ndim]
+    return dims, dims[:cut] + _RANK, dims[:lead] + _RANK + dims[cut:]
+
+
+def low_rank_delta(left: Any, right: Any, lead: int, shape: tuple[int, ...],
+                   einsum: Any = jnp.einsum) -> Any:  # fmt: skip
+    """``L @ R`` over the rank, shaped as the weight: one contraction over named dimensions
+    (no reshape, which would merge dimensions the strategy split apart); ``einsum``:
+    ``numpy.einsum`` for host arrays (an export's merge)."""
+    dims, left_dims, right_dims = _lettered(len(shape), left.ndim - 1, lead)
+    return einsum(f"{left_dims},{right_dims}->{dims}", left, right)
 
 
 def _as(delta: Any, like: Any) -> Any:
@@ -130,10 +138,7 @@ class Made:
 
     @classmethod
     def of(cls, site: Site, w: Any, left: Any, right: Any, key: Any = None) -> Made:
-        dims = _LETTERS[: w.ndim]
-        cut = left.ndim - 1
-        return cls(w, left, right, dims, dims[:cut] + _RANK,
-                   dims[: site.lead] + _RANK + dims[cut:], site, key)  # fmt: skip
+        return cls(w, left, right, *_lettered(w.ndim, left.ndim - 1, site.lead), site, key)
 
     def dropped(self, x: Any) -> Any:
         """``x`` as the low-rank product reads it: dropped where the site asks (PEFT's
@@ -273,10 +278,10 @@ def forward(adapter: Any, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, a training step's forward pass: rewritten (:func:`rewritten`) where
     ``adapter`` makes weights by marks (its ``beside``) and no operation supplies the layer
     stack (whose blocks are rewritten on their own)."""
-    if getattr(adapter, "beside", False) and ops.supplied("layer_stack") is None:
+    supplied = ops.supplied("layer_stack") is not None
+    if getattr(adapter, "beside", False) and not supplied:
         return rewritten(fn, follow)(*args)
-    outside = getattr(adapter, "outside_stack", ())
-    if outside and ops.supplied("layer_stack") is not None:
+    if supplied and (outside := getattr(adapter, "outside_stack", ())):
         warn_once(
             f"lora: a parallelism runs the layer stack itself (a pipeline's schedules), so the "
             f"adapters outside it ({', '.join(outside)}) are merged into their weights: "
@@ -491,5 +496,5 @@ def _remat(eqn: Any, ins: list[Any]) -> list[Any]:
     return _regrouped(list(flat), made_out)
 
 
-__all__ = ["MARK", "PRODUCTS", "Made", "Site", "bind", "evaluate", "forward", "mark", "merged",
-           "merged_products", "rewritten"]
+__all__ = ["MARK", "PRODUCTS", "Made", "Site", "bind", "evaluate", "forward", "low_rank_delta",
+           "mark", "merged", "merged_products", "rewritten"]

@@ -119,7 +119,7 @@ class Lazy:
 
 def merge(weight: np.ndarray, left: np.ndarray, right: np.ndarray, scale: float) -> np.ndarray:
     """``weight + scale L @ R`` (:mod:`shardplug.lora`'s factors), in float32, cast back."""
-    from shardplug.lora import low_rank_delta
+    from shardplug.core.beside import low_rank_delta
 
     lead = right.ndim - 1 - (weight.ndim - (left.ndim - 1))
     f32 = np.float32
