@@ -146,11 +146,18 @@ def test_under_pp_each_microbatch_trains_on_its_own_documents(strategy, mesh, fr
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-@pytest.mark.parametrize(("causal", "balance", "length"),
-                         [(True, True, 30), (False, True, 30), (False, False, 31)])  # fmt: skip
-def test_the_rings_ids_go_round_with_their_keys_gradients_too(causal, balance, length):
-    """cp's ring alone (4 devices, a length they do not divide: padded) against XLA's
-    attention masked by the same ids: the output and all three gradients."""
+@pytest.mark.parametrize(("causal", "balance", "length", "fused", "docs"),
+                         [(True, True, 30, False, True), (False, True, 30, False, True),
+                          (False, False, 31, False, True), (True, True, 30, True, True),
+                          (True, False, 31, True, True), (False, False, 31, True, True),
+                          (True, True, 30, True, False),
+                          (False, False, 31, True, False)])  # fmt: skip
+def test_the_rings_ids_go_round_with_their_keys_gradients_too(causal, balance, length, fused,
+                                                              docs):  # fmt: skip
+    """cp's ring alone (4 devices, a length they do not divide: padded; grouped key heads)
+    against XLA's attention masked by the same ids (or none, ``docs`` False): the output and
+    all three gradients; ``fused``: each block pair met by a GPU's fused kernel (in Pallas'
+    interpreter here), folded by its log-sum-exp."""
     import functools
 
     import jax.numpy as jnp
@@ -160,19 +167,22 @@ def test_the_rings_ids_go_round_with_their_keys_gradients_too(causal, balance, l
 
     auto = (jax.sharding.AxisType.Auto,)
     mesh = jax.make_mesh((4,), ("context",), auto, devices=jax.devices()[:4])
-    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, length, 2, 8))
+    k, v = jax.random.normal(jax.random.key(0), (2, 2, length, 2, 8))
+    q = jax.random.normal(jax.random.key(1), (2, length, 4, 8))
     ids = jnp.asarray(np.repeat(np.arange(length) // 7, 1)[None].repeat(2, 0))  # 7-token documents
+    ids = ids if docs else None
 
     def loss(attend, q, k, v):
         out = attend(q, k, v, causal=causal, bias=None, mask=None, scale=None, segment_ids=ids)
         return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
 
     def reference(q, k, v, *, causal, bias, mask, scale, segment_ids):
-        mask = with_segments(None, segment_ids, segment_ids)
+        mask = None if segment_ids is None else with_segments(None, segment_ids, segment_ids)
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, mask=mask)
 
     want = jax.value_and_grad(functools.partial(loss, reference), argnums=(0, 1, 2))(q, k, v)
-    for scheme in (ring_attention("context", balance=balance), gathered_attention("context")):
+    ring = ring_attention("context", balance=balance, fused=fused)
+    for scheme in (ring, gathered_attention("context")) if not fused else (ring,):
         with jax.set_mesh(mesh):  # the schemes pad the sequence and split it themselves
             step = jax.value_and_grad(functools.partial(loss, scheme), argnums=(0, 1, 2))
             got = jax.jit(step)(q, k, v)

@@ -267,6 +267,19 @@ def test_packed_documents_take_the_fused_kernel_in_the_h100_program(tmp_path):
                            mesh="fsdp=2,context=2")  # fmt: skip
     explain(trainer, packing.packed_rows(docs, 4096, 2))
     assert "__gpu$xla.gpu.triton" in trainer.compiled.as_text()
+    # round a ring (cp's default): each block pair meets in the fused pair kernel, linearly
+    ring = {}
+    for length in (4096, 16384):
+        docs = packing.documents(length // 4, 512, length, 1000)
+        trainer = task.trainer(strategy="fsdp+cp", devices=target_devices("h100", 4),
+                               allocate=False, precision="bf16",
+                               mesh="fsdp=2,context=2")  # fmt: skip
+        ring[length] = explain(trainer, packing.packed_rows(docs, length, 2)).per_device
+        text = trainer.compiled.as_text()
+        assert "shardplug_pair_forward" in text and "shardplug_pair_dkv" in text
+    # XLA's block pairs made 2.3 GiB at 4096 and 33.7 GiB at 16384 (their scores whole)
+    assert ring[16384]["temp_bytes"] / ring[4096]["temp_bytes"] < 4.4
+    assert ring[4096]["temp_bytes"] < 400 * 2**20
 
 
 @needs_plugin

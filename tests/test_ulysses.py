@@ -75,6 +75,18 @@ def test_the_hybrids_groups_and_ring_are_xlas_attention(causal, length, heads, k
     _against_xla(hybrid, causal, length, heads, kv_heads, packed, devices, atol=1e-4)
 
 
+@pytest.mark.parametrize(("causal", "length", "packed"), [(True, 31, True), (False, 30, False)])
+def test_the_hybrids_ring_meets_in_a_gpus_fused_kernel_as_xlas(monkeypatch, causal, length,
+                                                              packed):  # fmt: skip
+    """The hybrid's ring with each block pair in the fused kernel a GPU takes (Pallas'
+    interpreter here): the same output and gradients."""
+    import shardplug.strategies.cp.ulysses as ulysses
+
+    monkeypatch.setattr(ulysses, "fused_blocks", lambda *a, **k: True)
+    hybrid = ulysses_attention("context", hybrid=True)
+    _against_xla(hybrid, causal, length, 4, 1, packed, 8, atol=1e-4)
+
+
 def test_the_hybrids_group_is_the_most_devices_the_heads_divide():
     assert [group_size(h, kv, 8) for h, kv in ((4, 4), (6, 3), (6, 6), (5, 5), (32, 8))] == [
         4, 2, 2, 1, 8]  # fmt: skip

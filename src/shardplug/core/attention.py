@@ -218,7 +218,7 @@ def partitioner_failed(exc: BaseException) -> tuple[str, str] | None:
     if "fused_attention_stablehlo" in text:
         return "cudnn", f"JAX's cuDNN partitioner failed on this layout: {last}"
     lowering = "pallas_call_lowering" in text or "triton" in text.lower()
-    if NO_RULE in text or ("shardplug/core/flash.py" in text and lowering):
+    if NO_RULE in text or ("shardplug/core/flash" in text and lowering):  # either kernel
         return "flash", f"Pallas' flash kernel failed to compile: {last}"
     return None
 

@@ -16,7 +16,8 @@ in :mod:`shardplug.core.hookspecs`, grouped by the phase of a run that calls the
 docs/plugins.md walks through a published package, and examples/cp_gather is a context
 parallelism written from this namespace alone.
 
-Building blocks: the online softmax a ring of attention is made of (:mod:`.attention`),
+Building blocks: the online softmax a ring of attention is made of, and its fused meetings on
+a GPU (:mod:`.attention`),
 the grouped product and capacity of a mixture of experts (:mod:`shardplug.moe.kernels`),
 a pipeline schedule's record, passes, table and chunk placements (:mod:`.schedule`: what a
 package that adds a schedule to pp writes), shardplug's attention kernel for a parallelism's own
@@ -85,7 +86,12 @@ from shardplug.moe.kernels import (
     queue_places,
 )
 from shardplug.plugin.attention import (
+    fold,
+    fold_end,
+    fold_start,
+    fused_here,
     pad_sequence,
+    pair_attention,
     softmax_end,
     softmax_join,
     softmax_meet,
@@ -159,6 +165,10 @@ __all__ = [
     "computations",
     "constrain",
     "describe",
+    "fold",
+    "fold_end",
+    "fold_start",
+    "fused_here",
     "grouped_mlp",
     "hookimpl",
     "hookspec",
@@ -177,6 +187,7 @@ __all__ = [
     "means",
     "microbatched",
     "pad_sequence",
+    "pair_attention",
     "override_operation",
     "parse_mesh",
     "per_device_program",

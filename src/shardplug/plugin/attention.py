@@ -13,6 +13,18 @@ Key and value blocks may have fewer heads than the queries (grouped-query attent
 consecutive query heads share one, as ``jax.nn.dot_product_attention`` pairs them.
 :func:`pad_sequence` pads a sequence the devices do not divide; :func:`with_segments` makes
 packed documents' mask from their ids.
+
+On a GPU the meetings run fused (:func:`pair_attention`: Pallas, lowered to Triton; no score
+matrix larger than a tile), each returning its output and log-sum-exp, folded by it::
+
+    if fused_here(q, k, v):
+        acc = fold_start(q, value_dim=v.shape[-1])
+        for k_block, v_block, ids, places in blocks_round_the_ring:
+            acc = fold(acc, pair_attention(q, k_block, v_block, my_ids, ids, my_places,
+                                           places, causal=True, scale=scale))
+        out = fold_end(acc, q.dtype)
+
+:func:`softmax_rows` and :func:`softmax_join` take either running state.
 """
 
 from __future__ import annotations
@@ -23,9 +35,11 @@ import jax
 import jax.numpy as jnp
 
 from shardplug.core.attention import with_segments
+from shardplug.core.flash_pairs import fused_here, pair_attention
 
-__all__ = ["Softmax", "pad_sequence", "softmax_end", "softmax_join", "softmax_meet",
-           "softmax_rows", "softmax_start", "with_segments"]  # fmt: skip
+__all__ = ["Folded", "Softmax", "fold", "fold_end", "fold_start", "fused_here", "pad_sequence",
+           "pair_attention", "softmax_end", "softmax_join", "softmax_meet", "softmax_rows",
+           "softmax_start", "with_segments"]  # fmt: skip
 
 #: a running (maximum, sum, output): (rows, heads, queries), the same, (rows, queries,
 #: heads, value head_dim), all float32
@@ -88,16 +102,48 @@ def softmax_end(acc: Softmax, dtype: Any) -> jax.Array:
     return (out / total.transpose(0, 2, 1)[..., None]).astype(dtype)
 
 
-def softmax_rows(acc: Softmax, rows: slice) -> Softmax:
-    """The running softmax of some of the queries (``rows``: a slice of the sequence)."""
-    top, total, out = acc
-    return top[..., rows], total[..., rows], out[:, rows]
+def softmax_rows(acc: Softmax | Folded, rows: slice) -> Softmax | Folded:
+    """The running softmax (or :data:`Folded` state) of some of the queries (``rows``: a
+    slice of the sequence)."""
+    return tuple(x[:, rows] if x.ndim == 4 else x[..., rows] for x in acc)
 
 
-def softmax_join(first: Softmax, second: Softmax) -> Softmax:
-    """Two running softmaxes of consecutive query slices as one."""
-    return tuple(jnp.concatenate(pair, axis) for pair, axis in
-                 zip(zip(first, second, strict=True), (-1, -1, 1), strict=True))  # fmt: skip
+def softmax_join(first: Softmax | Folded, second: Softmax | Folded) -> Softmax | Folded:
+    """Two running softmaxes (or :data:`Folded` states) of consecutive query slices as one."""
+    return tuple(jnp.concatenate((a, b), 1 if a.ndim == 4 else -1)
+                 for a, b in zip(first, second, strict=True))  # fmt: skip
+
+
+#: fused meetings folded so far: their log-sum-exp (rows, heads, queries) and output (rows,
+#: queries, heads, value head_dim), both float32, the output normalised
+Folded = tuple[jax.Array, jax.Array]
+
+
+def fold_start(query: jax.Array, value_dim: int) -> Folded:
+    """The folded state of ``query``'s rows before any key: log-sum-exp -inf, output 0."""
+    top, _, out = softmax_start(query, value_dim)
+    return top, out
+
+
+def fold(acc: Folded, part: tuple[jax.Array, jax.Array]) -> Folded:
+    """``acc`` and one more meeting's ``(output, log-sum-exp)`` (:func:`pair_attention`'s) as
+    one: each output weighted by its share of the joint sum. A query no key has been seen by
+    keeps lse -inf, output 0; the gradient stays finite there."""
+    (lse, out), (part_out, part_lse) = acc, part
+    top = jnp.maximum(lse, part_lse)
+    safe = jnp.where(jnp.isfinite(top), top, 0.0)
+    mine, theirs = (jnp.where(jnp.isfinite(x), jnp.exp(x - safe), 0.0) for x in (lse, part_lse))
+    total = mine + theirs
+    live = total > 0
+    total = jnp.where(live, total, 1.0)
+    weights = [(w / total).transpose(0, 2, 1)[..., None] for w in (mine, theirs)]
+    joined = out * weights[0] + part_out * weights[1]
+    return jnp.where(live, safe + jnp.log(total), -jnp.inf), joined
+
+
+def fold_end(acc: Folded, dtype: Any) -> jax.Array:
+    """The attention output of a finished fold, ``(rows, queries, heads, dim)``."""
+    return acc[1].astype(dtype)
 
 
 def pad_sequence(

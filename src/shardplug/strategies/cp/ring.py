@@ -32,7 +32,12 @@ import jax.numpy as jnp
 
 from shardplug.plugin import P, is_explicit, lay_out
 from shardplug.plugin.attention import (
+    fold,
+    fold_end,
+    fold_start,
+    fused_here,
     pad_sequence,
+    pair_attention,
     softmax_end,
     softmax_join,
     softmax_meet,
@@ -72,14 +77,16 @@ def gathered_attention(axis: str):
     return attend
 
 
-def ring_attention(axis: str, balance: bool = True, on_ring=None):
+def ring_attention(axis: str, balance: bool = True, on_ring=None, fused: bool | None = None):
     r"""An attention function (cp's ``Operations(attention=...)``): each device keeps its block of
     queries, keys and values, and the key/value blocks go round the ring over ``axis``
     (``C - 1`` ``ppermute``\s), each met with an online softmax (running maximum, sum and
     output in float32), so no device ever holds more than one other block, nor scores of
     more than one block pair. The backward pass is autodiff through the ring (the
     transposed ``ppermute``\s send the key/value gradients back), each step recomputed.
-    ``on_ring()`` is called each time the ring itself is traced (not its gathered fallback)."""
+    ``on_ring()`` is called each time the ring itself is traced (not its gathered fallback).
+    ``fused`` (None: a GPU's choice, :func:`~shardplug.plugin.attention.fused_here`): each
+    block pair meets in the fused kernel (off a GPU, in Pallas' interpreter)."""
     gathered = gathered_attention(axis)
 
     def attend(query, key, value, *, causal, bias, mask, scale, segment_ids=None):
@@ -99,20 +106,31 @@ def ring_attention(axis: str, balance: bool = True, on_ring=None):
         valid = None if causal or query.shape[1] == length else length
         split = P(_U, axis, _U, _U)  # explicit axes: their types must say it
         query, key, value = (lay_out(x, split) for x in (query, key, value))
+        fuse = fused_blocks(query, key, value, size * (2 if dealt else 1), fused)
         block = functools.partial(
             ring_block, axis=axis, size=size, causal=causal, scale=scale, balance=balance,
-            valid=valid,
+            valid=valid, fused=fuse,
         )  # fmt: skip
         split = P(None, axis)
         blocks = (query, key, value)
         if segment_ids is not None:  # each block's ids go round the ring with its keys
             blocks += (lay_out(pad_ids(segment_ids, query.shape[1]), P(_U, axis)),)
-        out = jax.shard_map(
-            block, in_specs=(split,) * len(blocks), out_specs=split, axis_names={axis}
-        )(*blocks)
+        # a Pallas kernel's outputs do not say how they vary: the fused ring is unchecked
+        out = jax.shard_map(block, in_specs=(split,) * len(blocks), out_specs=split,
+                            axis_names={axis}, check_vma=not fuse)(*blocks)  # fmt: skip
         return unpadded(out, length)
 
     return attend
+
+
+def fused_blocks(query, key, value, parts: int, fused: bool | None = None) -> bool:
+    """``fused``, or where it is None whether a GPU meets the blocks of a sequence cut in
+    ``parts`` in its fused kernel (:func:`~shardplug.plugin.attention.fused_here`)."""
+    if fused is not None:
+        return fused
+    part = query.shape[1] // parts
+    return fused_here(*(jax.ShapeDtypeStruct((x.shape[0], part, *x.shape[2:]), x.dtype)
+                        for x in (query, key, value)))  # fmt: skip
 
 
 def gathers_here(bias, mask) -> bool:
@@ -140,7 +158,8 @@ def pad_ids(ids, length):
     return jnp.pad(ids, ((0, 0), (0, length - ids.shape[1])), constant_values=-1)
 
 
-def ring_block(q, k, v, ids=None, *, axis, size, causal, scale, balance, valid=None, groups=1):
+def ring_block(q, k, v, ids=None, *, axis, size, causal, scale, balance, valid=None, groups=1,
+               fused=False):  # fmt: skip
     """One device's share of ring attention: its queries against every block of keys.
 
     Causal and ``balance``, the blocks are first dealt zig-zag (:func:`_deal`): device ``i``
@@ -155,45 +174,40 @@ def ring_block(q, k, v, ids=None, *, axis, size, causal, scale, balance, valid=N
     ``ids``: my block's segment ids; each key block's go round with it, and a query meets
     only its own segment's keys.
 
+    ``fused``: each meeting is :func:`~shardplug.plugin.attention.pair_attention` (a GPU's
+    kernel), folded by its log-sum-exp, and the ids (all 0, padding -1, where there are
+    none) go round the ring; otherwise XLA's online softmax.
+
     ``groups`` (cp's hybrid scheme): the ``axis`` holds ``groups`` rings of ``size`` places
     each, device ``d`` at place ``d // groups`` of ring ``d % groups`` (the all-to-alls run
     within ``groups`` consecutive devices, the rings across them)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     me = jax.lax.axis_index(axis) // groups
     perm = on_devices([(d, (d + 1) % size) for d in range(size)], groups)
+    length = q.shape[1]
+    if fused and ids is None:  # the kernel keeps keys apart by ids: padding's are -1
+        places = me * length + jnp.arange(length)
+        real = places < valid if valid is not None else jnp.ones((length,), bool)
+        ids = jnp.broadcast_to(jnp.where(real, 0, -1), q.shape[:2]).astype(jnp.int32)
     dealt = causal and balance
     if dealt:
         q, k, v = (_deal(x, axis, size, groups=groups) for x in (q, k, v))
         ids = None if ids is None else _deal(ids, axis, size, groups=groups)
-    length = q.shape[1]
     half = length // 2
-
-    def seen(source):  # my block's mask against source's (contiguous blocks), or None
-        places = jnp.arange(length)
-        keys = source * length + places
-        if causal:
-            return (me * length + places)[:, None] >= keys[None, :]
-        return None if valid is None else jnp.broadcast_to(keys < valid, (length, length))
-
-    def joined(mask, mine, theirs):  # and the queries' segments equal to the keys'
-        if ids is None:
-            return mask
-        same = (mine[:, :, None] == theirs[:, None, :])[:, None]  # (rows, 1, queries, keys)
-        return same if mask is None else jnp.logical_and(mask[None, None], same)
+    pair = _Pairs(scale, causal, valid, fused)
 
     def meet(acc, k, v, theirs, step):
         source = (me - step) % size  # whose keys and values these are
         if not dealt:
-            return softmax_meet(q, k, v, acc, scale, joined(seen(source), ids, theirs))
+            return pair.meet(acc, q, k, v, ids, theirs, *pair.places(me, source, length))
 
         def earlier(acc):  # all my queries against its first half
-            mask = joined(None, ids, None if ids is None else theirs[:, :half])
-            return softmax_meet(q, k[:, :half], v[:, :half], acc, scale, mask)
+            return pair.meet(acc, q, k[:, :half], v[:, :half], ids, _cut(theirs, slice(half)))
 
         def later(acc):  # my second half of queries against all of it
-            mask = joined(None, None if ids is None else ids[:, half:], theirs)
-            mine = softmax_meet(q[:, half:], k, v, softmax_rows(acc, slice(half, None)), scale,
-                                mask)  # fmt: skip
+            rows = slice(half, None)
+            mine = pair.meet(softmax_rows(acc, rows), q[:, rows], k, v, _cut(ids, rows),
+                             theirs)  # fmt: skip
             return softmax_join(softmax_rows(acc, slice(None, half)), mine)
 
         return jax.lax.cond(source < me, earlier, later, acc)
@@ -203,22 +217,63 @@ def ring_block(q, k, v, ids=None, *, axis, size, causal, scale, balance, valid=N
         passed = jax.lax.ppermute((k, v, theirs), axis, perm)
         return (meet(acc, k, v, theirs, step), *passed), None
 
-    acc = softmax_start(q, v.shape[-1])
-    mine = seen(me)
+    acc = pair.start(q, v.shape[-1])
+    places = pair.places(me, me, length)
     if dealt:  # my own block: causal at the dealt positions
-        places = jnp.arange(half)
-        where = jnp.concatenate([me * half + places, (2 * size - 1 - me) * half + places])
-        mine = where[:, None] >= where[None, :]
-    mine = joined(mine, ids, ids)
+        steps = jnp.arange(half)
+        where = jnp.concatenate([me * half + steps, (2 * size - 1 - me) * half + steps])
+        places = where, where
     # every meeting recomputed for the backward pass: only the running sums are kept
-    acc = jax.checkpoint(lambda acc, k, v: softmax_meet(q, k, v, acc, scale, mine))(acc, k, v)
+    acc = jax.checkpoint(lambda acc, k, v: pair.meet(acc, q, k, v, ids, ids, *places))(acc, k, v)
     theirs = ids if ids is not None else jnp.zeros((q.shape[0], 0), jnp.int32)
     k, v, theirs = jax.lax.ppermute((k, v, theirs), axis, perm)
     steps = jnp.arange(1, size - 1)
     acc, k, v, theirs = jax.lax.scan(jax.checkpoint(meet_and_pass), (acc, k, v, theirs),
                                      steps)[0]  # fmt: skip
-    out = softmax_end(jax.checkpoint(meet)(acc, k, v, theirs, size - 1), q.dtype)
+    out = pair.end(jax.checkpoint(meet)(acc, k, v, theirs, size - 1), q.dtype)
     return _deal(out, axis, size, back=True, groups=groups) if dealt else out
+
+
+def _cut(ids, rows):
+    return None if ids is None or not ids.shape[1] else ids[:, rows]
+
+
+class _Pairs:
+    """How a ring's block pairs meet: fused (:func:`pair_attention`, folded by log-sum-exp)
+    or XLA's online softmax, each given the queries' and keys' ids and places."""
+
+    def __init__(self, scale, causal, valid, fused):
+        self.scale, self.causal, self.valid, self.fused = scale, causal, valid, fused
+
+    def places(self, mine, theirs, length):
+        """The real positions of my block's queries and of ``theirs``'s keys (contiguous)."""
+        steps = jnp.arange(length)
+        return mine * length + steps, theirs * length + steps
+
+    def start(self, q, dim):
+        return fold_start(q, dim) if self.fused else softmax_start(q, dim)
+
+    def end(self, acc, dtype):
+        return fold_end(acc, dtype) if self.fused else softmax_end(acc, dtype)
+
+    def meet(self, acc, q, k, v, mine, theirs, q_places=None, k_places=None):
+        """``acc`` after ``q`` meets ``k``, ``v``: places given, causal where the ring is (and
+        its padding masked), else every key seen; ids given, each query's own segment's."""
+        causal = self.causal and q_places is not None
+        if self.fused:
+            if q_places is None:
+                q_places, k_places = jnp.zeros(q.shape[1:2], int), jnp.zeros(k.shape[1:2], int)
+            return fold(acc, pair_attention(q, k, v, mine, theirs, q_places, k_places,
+                                            causal=causal, scale=self.scale))  # fmt: skip
+        seen = None
+        if causal:
+            seen = q_places[:, None] >= k_places[None, :]
+        elif self.valid is not None and k_places is not None:
+            seen = jnp.broadcast_to(k_places < self.valid, (q.shape[1], k.shape[1]))
+        if mine is not None and theirs is not None and theirs.shape[1]:
+            same = (mine[:, :, None] == theirs[:, None, :])[:, None]  # (rows, 1, q, k)
+            seen = same if seen is None else jnp.logical_and(seen[None, None], same)
+        return softmax_meet(q, k, v, acc, self.scale, seen)
 
 
 def on_devices(pairs: list[tuple[int, int]], groups: int) -> list[tuple[int, int]]:

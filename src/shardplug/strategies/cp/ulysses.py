@@ -39,6 +39,7 @@ from shardplug.plugin import (
 )
 from shardplug.plugin.attention import pad_sequence
 from shardplug.strategies.cp.ring import (
+    fused_blocks,
     gathered_attention,
     gathers_here,
     pad_ids,
@@ -188,8 +189,9 @@ def _per_device(axis: str, groups: int, rings: int, repeats: int, padded: int, l
             if ids is not None:
                 place = jax.lax.axis_index(axis) // groups
                 ids = jax.lax.dynamic_slice_in_dim(ids, place * span, span, 1)
+            fused = fused_blocks(q, k, v, 2 if causal and balance else 1)
             out = ring_block(q, k, v, ids, axis=axis, size=rings, causal=causal,
-                             scale=scale, balance=balance, groups=groups,
+                             scale=scale, balance=balance, groups=groups, fused=fused,
                              valid=None if causal or padded == length else length)  # fmt: skip
         else:
             lengths = None
