@@ -5,8 +5,10 @@ import subprocess
 import sys
 
 import numpy as np
+import optax
 import pytest
 
+import shardplug
 from shardplug.cli import main
 
 STRATEGIES = ["dp", "fsdp", "2d", "pmap"]
@@ -280,3 +282,52 @@ def test_a_path_that_cannot_be_used_is_one_line(tmp_path, capsys):
     assert line == (f"shardplug: error: {tmp_path / 'afile'}: a file, where a folder is needed; "
                     "check the path and its permissions")  # fmt: skip
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_each_setting_is_declared_once_and_reaches_the_trainer_by_its_name():
+    """A run's flag, help, check and resume rule come from its one declaration: the parser
+    takes every declared flag to its field, the resume rules are read from the tags, and
+    each setting marked for the Trainer is one of its keywords, given by ``trainer_for``
+    (``--flops-per-sample``, added that way)."""
+    import dataclasses
+    import inspect
+
+    from shardplug.cli.config import RunConfig, trainer_for
+    from shardplug.cli.parser import build_parser
+    from shardplug.cli.settings import KNOBS, LORA, RESUMED, SHAPING, TRAINER, declared
+    from shardplug.settings import Settings
+
+    parser = build_parser()
+    for field in declared():  # a flag's text parses to its field, under every command
+        flag, meta = field.metadata["flags"][-1], field.metadata["argparse"]
+        kind = getattr(meta.get("type"), "__name__", "")
+        text = {"step_range": "1:4", "probability": "0.5"}.get(kind, "7")
+        text = meta["choices"][-1] if "choices" in meta else text
+        args = [flag] if meta.get("action") == "store_true" else [flag, text]
+        config = RunConfig.of(parser.parse_args(["train", *args]))
+        assert getattr(config, field.name) not in (None, (), field.default), flag
+    assert set(SHAPING) <= set(RESUMED) and set(KNOBS) | set(LORA) <= set(RESUMED)
+    keywords = {f.name for f in dataclasses.fields(Settings)}
+    keywords |= set(inspect.signature(shardplug.Trainer).parameters)
+    assert set(TRAINER) <= keywords, set(TRAINER) - keywords
+    config = RunConfig.of(parser.parse_args(["train", "--model", "mlp", "--seed", "4",
+                                             "--flops-per-sample", "2.5e6", "--log-every",
+                                             "3"]))  # fmt: skip
+    model = shardplug.get_model("mlp")
+    task = shardplug.Task(model.adapter("nnx"), model.loss_fn, optax.sgd(0.1), data=())
+    trainer = trainer_for(config, task, "dp", allocate=False, devices=1)
+    assert trainer.flops_per_sample == 2.5e6 and trainer.settings.seed == 4
+    assert trainer.settings.log_every == 3 and trainer.settings.config["seed"] == 4
+
+
+def test_the_trainer_takes_its_settings_as_one_value_or_by_name():
+    from shardplug.settings import Settings
+
+    model = shardplug.get_model("mlp")
+    task = shardplug.Task(model.adapter("nnx"), model.loss_fn, optax.sgd(0.1), data=())
+    trainer = task.trainer(devices=1, allocate=False, settings=Settings(seed=3, keep=5),
+                           keep=2)  # fmt: skip
+    assert (trainer.settings.seed, trainer.settings.keep) == (3, 2)
+    assert trainer.precision == "float32"  # "auto" chose for the CPU
+    with pytest.raises(shardplug.errors.ConfigError, match="Trainer takes no keyword 'sed'"):
+        task.trainer(devices=1, allocate=False, sed=3)

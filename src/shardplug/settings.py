@@ -47,10 +47,12 @@ class Settings:
         in ``grad_accum`` parts, one after another, inside the compiled step, and makes one
         update, equal to that of the whole batch (batch statistics, being per microbatch,
         excepted). Activation memory falls to that of one microbatch.
-    :param precision: ``"float32"``, or ``"bfloat16"`` (``"bf16"``): the matrix products of
-        forward and backward in bfloat16, on bfloat16 copies of the parameters and the batch's
-        float32 leaves, stock layers that chose no dtype computing in it; parameters,
-        gradients and optimizer state stay float32. Products left in float32 are warned of.
+    :param precision: ``"auto"`` (the Trainer's choice for its devices: see
+        :class:`~shardplug.Trainer`), ``"float32"``, or ``"bfloat16"`` (``"bf16"``): the
+        matrix products of forward and backward in bfloat16, on bfloat16 copies of the
+        parameters and the batch's float32 leaves, stock layers that chose no dtype computing
+        in it; parameters, gradients and optimizer state stay float32. Products left in
+        float32 are warned of.
     :param profile_dir: write a profiler trace (TensorBoard, Perfetto) of the steps
         ``profile_steps`` (a ``range`` of step numbers, default 3 to 5, after compilation)
         into this directory (``process_<i>/`` in it for each process of a multi-process run).
@@ -76,7 +78,7 @@ class Settings:
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     on_nonfinite: OnNonFinite = "stop"
     grad_accum: int = 1
-    precision: Precision = "float32"
+    precision: Precision | Literal["auto"] = "auto"
     profile_dir: str | None = None
     profile_steps: range = range(3, 6)
     axis_types: AxisTypes | None = None
@@ -95,7 +97,8 @@ class Settings:
             raise ConfigError("checkpoint_every needs a checkpoint_dir to save into")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
-        compute_dtype(self.precision)
+        if self.precision != "auto":  # the Trainer chooses for its devices
+            compute_dtype(self.precision)
         if self.axis_types not in (None, "auto", "explicit"):
             raise ConfigError(
                 f"axis_types must be 'auto', 'explicit' or None (chosen for the model), "
@@ -113,6 +116,22 @@ class Settings:
             if value is not None:
                 object.__setattr__(self, name, os.fspath(value))
         object.__setattr__(self, "config", dict(self.config))
+
+
+    @classmethod
+    def of(cls, settings: Settings | None, keywords: Mapping[str, Any]) -> Settings:
+        """``settings`` (the defaults where None) with ``keywords``, its fields by name, in
+        their place: a :class:`~shardplug.Trainer`'s keyword arguments. A name that is no
+        setting is refused in one line that lists them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(keywords) - names)
+        if unknown:
+            raise ConfigError(
+                f"Trainer takes no keyword {unknown[0]!r}: its settings are "
+                f"{', '.join(sorted(names))} (shardplug.settings.Settings), besides adapter, "
+                f"loss_fn, optimizer, strategy, devices, mesh, axis_names, allocate"
+            )
+        return dataclasses.replace(settings or cls(), **keywords)
 
 
 def reads(owner: str, name: str, doc: str = "") -> property:

@@ -5,15 +5,15 @@ to the loop (:func:`shardplug.loop.run.run`)."""
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import optax
 
-from shardplug.core.precision import Precision, auto_precision
+from shardplug.core.precision import auto_precision
 from shardplug.core.registry import Strategy, resolve_strategy
 from shardplug.core.state import create_state
 from shardplug.core.step import LossFn, TrainState, step_key
@@ -28,7 +28,7 @@ from shardplug.loop.program import Program, RunState
 from shardplug.loop.run import compiled_on_first, run, say_devices
 from shardplug.loop.saving import RunCheckpoints, run_meta
 from shardplug.models.adapter import Adapter, check_parts
-from shardplug.settings import AxisTypes, OnNonFinite, Settings, reads
+from shardplug.settings import Settings, reads
 
 
 class Trainer:
@@ -56,33 +56,25 @@ class Trainer:
         matrix units (a TPU, an NVIDIA GPU from the A100 on), ``"float32"`` elsewhere;
         ``trainer.precision`` and ``trainer.precision_reason`` say which and why.
 
-    The other keyword arguments say how the run goes: they are its
-    :class:`~shardplug.settings.Settings`, validated once and documented there.
+    The other keyword arguments say how the run goes (``seed``, ``precision``,
+    ``checkpoint_dir``, ...): they are its :class:`~shardplug.settings.Settings`, validated
+    once and documented there; or give ``settings=`` a ``Settings`` (its fields as keywords
+    beside it replace its own).
     """
 
     def __init__(
         self, adapter: Adapter, *, loss_fn: LossFn, optimizer: optax.GradientTransformation,
         strategy: str | Strategy = "dp", devices: int | Sequence[Any] | None = None,
         mesh: str | Mapping[str, int] | None = None,
-        axis_names: Mapping[str, str] | None = None, seed: int = 0, log_every: int = 10,
-        checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-        keep: int = 3, config: Mapping[str, Any] | None = None,
-        on_nonfinite: OnNonFinite = "stop", grad_accum: int = 1,
-        precision: Precision | Literal["auto"] = "auto",
-        profile_dir: str | os.PathLike | None = None, profile_steps: range = range(3, 6),
-        allocate: bool = True, axis_types: AxisTypes | None = None,
-        data_timeout: float | None = None, flops_per_sample: float | None = None,
-        peak_tflops: float | None = None,
+        axis_names: Mapping[str, str] | None = None, allocate: bool = True,
+        settings: Settings | None = None, **how: Any,
     ):  # fmt: skip
         check_parts(adapter, loss_fn, optimizer, ConfigError, "Trainer")
         chosen = jax.devices()[0] if not isinstance(devices, Sequence) else devices[0]
-        precision, self.precision_reason = auto_precision(chosen, precision)
-        self.settings = Settings(
-            seed=seed, log_every=log_every, checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every, keep=keep, config=config or {},
-            on_nonfinite=on_nonfinite, grad_accum=grad_accum, precision=precision,
-            profile_dir=profile_dir, profile_steps=profile_steps, axis_types=axis_types,
-            data_timeout=data_timeout, flops_per_sample=flops_per_sample, peak_tflops=peak_tflops)
+        settings = Settings.of(settings, how)
+        precision, self.precision_reason = auto_precision(chosen, settings.precision)
+        self.settings = settings = dataclasses.replace(settings, precision=precision)
+        seed, axis_types = settings.seed, settings.axis_types
         self._saver = RunCheckpoints.at(self.settings, lambda run: run_meta(
             self.strategy, self.mesh, self.config, self._train, self._data, run),
             adapter)  # fmt: skip

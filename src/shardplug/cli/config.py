@@ -16,102 +16,29 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from shardplug.cli.settings import (
+    KNOBS,
+    LORA,
+    MODEL_ONLY,
+    PRETRAINED_TAKES,
+    RESUMED,
+    RESUMED_PRETRAINED,
+    SHAPING,
+    SIZES,
+    TRAINER,
+    Declared,
+)
 from shardplug.errors import CheckpointError, ConfigError, MeshError, StrategyOptionError
 
-#: the optimizer's knobs besides ``lr`` (:class:`shardplug.optim.Optimizer`'s fields)
-KNOBS = ("optimizer", "weight_decay", "momentum", "schedule", "warmup", "decay_steps", "end_lr",
-         "clip_norm")  # fmt: skip
-#: the adapters' flags: any run may take them, a resumed run keeps them
-LORA = ("lora", "lora_alpha", "lora_targets", "lora_from", "lora_quantize", "lora_dropout")
-#: what only a reference model takes: a task brings its own
-MODEL_ONLY = ("model", "adapter", "layers", "remat", "lr", *KNOBS, "experts", "top_k",
-              "capacity_factor", "capacity_groups", "bias_rate")  # fmt: skip
-PRETRAINED_TAKES = ("adapter", "remat", "lr", *KNOBS)  # a pretrained model's, from the CLI
-SIZES = ("sequence", "batch_size")  # the reference model's, or a task function's that takes them
-#: taken from the checkpoint on --resume (a reference model's run; a task's keeps its --task)
-RESUMED = ("model", "adapter", "seed", "batch_size", "lr", "layers", "remat", "sequence",
-           "experts", "top_k", "capacity_factor", "capacity_groups", "bias_rate",
-           *KNOBS, *LORA)  # fmt: skip
-#: what shapes the model or its routing: on --resume a flag that disagrees is refused
-SHAPING = ("layers", "experts", "top_k", "capacity_factor", "capacity_groups", "bias_rate")
-#: a run --init-from a checkpoint's, taken from the checkpoint on --resume
-RESUMED_PRETRAINED = ("init_from", "adapter", "seed", "batch_size", "lr", "param_dtype",
-                      "sequence", "data", "tokenizer", *KNOBS, *LORA)  # fmt: skip
 DEFAULTS = {"model": "transformer", "adapter": "nnx", "seed": 0}
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """Everything a command line says about a run; None where a flag was not given (and
-    the command does not define it). Made by :meth:`of`, never changed:
-    :func:`resumed` returns another."""
-
-    command: str = "train"
-    # what to train: a task, a pretrained checkpoint, or a reference model and its shape
-    task: str | None = None
-    model: str | None = None
-    adapter: str | None = None
-    init_from: str | None = None
-    param_dtype: str | None = None
-    data: str | None = None
-    tokenizer: str | None = None
-    layers: int | None = None
-    remat: str | None = None
-    sequence: int | None = None
-    experts: int | None = None
-    top_k: int | None = None
-    capacity_factor: float | None = None
-    capacity_groups: int | None = None
-    bias_rate: float | None = None
-    batch_size: int | None = None
-    lr: float | None = None
-    optimizer: str | None = None
-    weight_decay: float | None = None
-    momentum: float | None = None
-    schedule: str | None = None
-    warmup: int | None = None
-    decay_steps: int | None = None
-    end_lr: float | None = None
-    clip_norm: float | None = None
-    lora: int | None = None
-    lora_alpha: float | None = None
-    lora_targets: str | None = None
-    lora_from: str | None = None
-    lora_quantize: str | None = None
-    lora_dropout: float | None = None
-    seed: int | None = None
-    # how: the strategy and the devices
-    strategy: str = "dp"
-    option: tuple[str, ...] = ()
-    addon: tuple[str, ...] = ()
-    axis_name: tuple[str, ...] = ()
-    devices: int | None = None
-    mesh: str | None = None
-    axis_types: str | None = None
-    grad_accum: int = 1
-    precision: str = "auto"
-    # train: the loop, its outputs and its checkpoints (bench: steps per round)
-    steps: int | None = None
-    log_every: int = 10
-    skip_memory_check: bool = False
-    data_timeout: float | None = None
-    peak_tflops: float | None = None
-    eval_every: int | None = None
-    quiet: bool = False
-    plot: Path | None = None
-    metrics_out: Path | None = None
-    tensorboard: Path | None = None
-    profile: Path | None = None
-    profile_steps: range = range(3, 6)
-    checkpoint_dir: Path | None = None
-    checkpoint_every: int | None = None
-    keep: int | None = None
-    resume: bool = False
-    on_nonfinite: str = "stop"
-    coordinator: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    distributed: bool = False
+class RunConfig(Declared):
+    """Everything a command line says about a run (each setting declared once, in
+    :class:`~shardplug.cli.settings.Declared`); None where a flag was not given (and the
+    command does not define it). Made by :meth:`of`, never changed: :func:`resumed`
+    returns another."""
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> RunConfig:
@@ -432,21 +359,12 @@ def trainer_for(config: RunConfig, task: Any, strategy: Any, *, allocate: bool =
     """The one Trainer a command builds: ``task``'s (:meth:`shardplug.Task.trainer`) with
     ``strategy`` (:func:`strategy_of`) and every setting the command line gave; on
     ``devices`` where given (a ``--target``'s), else on ``--devices`` of JAX's."""
-    run = {}
-    if config.command == "train":  # the loop's settings, the checkpoints'
-        run = dict(
-            log_every=config.log_every, checkpoint_dir=config.checkpoint_dir,
-            checkpoint_every=config.checkpoint_every, keep=config.keep or 3,
-            config=config.recorded(), on_nonfinite=config.on_nonfinite,
-            profile_dir=config.profile, profile_steps=config.profile_steps,
-            data_timeout=config.data_timeout, peak_tflops=config.peak_tflops,
-        )  # fmt: skip
-    return task.trainer(
-        strategy=strategy, devices=config.devices if devices is None else devices,
-        mesh=config.mesh, seed=config.seed or 0,
-        grad_accum=config.grad_accum, precision=config.precision, axis_types=config.axis_types,
-        allocate=allocate, **run,
-    )  # fmt: skip
+    given = {k: getattr(config, k) for k in TRAINER if getattr(config, k) is not None}
+    if config.command == "train":  # what its checkpoints keep of the run
+        given["config"] = config.recorded()
+    if devices is not None:
+        given["devices"] = devices
+    return task.trainer(strategy=strategy, allocate=allocate, **given)
 
 
 def read_first(data: Any, limit_s: float | None = None) -> Any:

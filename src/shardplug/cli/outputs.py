@@ -76,10 +76,10 @@ def summary(config: RunConfig, task: Any, trainer: Any, history: list[dict[str, 
     if trainer.settings.on_nonfinite == "skip" and trainer.skipped_steps:
         rate += (f"; skipped {trainer.skipped_steps} of {trainer.step} steps whose loss or "
                  "gradient was not finite")  # fmt: skip
-    if config.profile is not None:
+    if config.profile_dir is not None:
         window, end = trainer.settings.profile_steps, trainer.step
         if start <= window.start < end:
-            where = config.profile / "process_<i>" if processes > 1 else config.profile
+            where = config.profile_dir / "process_<i>" if processes > 1 else config.profile_dir
             saved_to += f"; profile of steps {window.start}-{min(window.stop, end) - 1} in {where}"
         else:
             saved_to += (f"; no profile: its steps {window.start}-{window.stop - 1} were not "

@@ -110,7 +110,7 @@ def _said_read(config: RunConfig, tensors: Any, trainer: Any, seconds: float) ->
 
 def _check_profile(config: RunConfig, start: int) -> None:
     window = config.profile_steps
-    if config.profile is not None and not start <= window.start < config.steps:
+    if config.profile_dir is not None and not start <= window.start < config.steps:
         raise ConfigError(
             f"--profile-steps {window.start}:{window.stop}: this run trains steps {start} to "
             f"{config.steps - 1}, so no trace would be written; choose steps among them"
