@@ -307,6 +307,10 @@ def test_each_setting_is_declared_once_and_reaches_the_trainer_by_its_name():
         config = RunConfig.of(parser.parse_args(["train", *args]))
         assert getattr(config, field.name) not in (None, (), field.default), flag
     assert set(SHAPING) <= set(RESUMED) and set(KNOBS) | set(LORA) <= set(RESUMED)
+    # a flag's default is its command's: explain takes no --steps (a schedule ends where
+    # its warmup says), train's is 100
+    assert RunConfig.of(parser.parse_args(["explain"])).steps is None
+    assert RunConfig.of(parser.parse_args(["train"])).steps == 100
     keywords = {f.name for f in dataclasses.fields(Settings)}
     keywords |= set(inspect.signature(shardplug.Trainer).parameters)
     assert set(TRAINER) <= keywords, set(TRAINER) - keywords
@@ -329,5 +333,6 @@ def test_the_trainer_takes_its_settings_as_one_value_or_by_name():
                            keep=2)  # fmt: skip
     assert (trainer.settings.seed, trainer.settings.keep) == (3, 2)
     assert trainer.precision == "float32"  # "auto" chose for the CPU
+    assert task.trainer(devices=1, allocate=False, config=None).config == {}
     with pytest.raises(shardplug.errors.ConfigError, match="Trainer takes no keyword 'sed'"):
         task.trainer(devices=1, allocate=False, sed=3)

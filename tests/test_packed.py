@@ -345,6 +345,15 @@ def test_the_fused_kernel_keeps_documents_apart_as_xlas_masked_attention_does(sp
     assert not any(c in text for c in ("all-gather", "all-to-all", "all-reduce"))
 
 
+def test_the_pair_kernels_tiles_are_powers_of_two_that_divide_the_block():
+    """Triton takes tiles of a power of two: a ring's dealt half-block of 96 positions
+    (sequence 768 over 4 devices) runs in tiles of 32, of 48 in tiles of 16."""
+    from shardplug.core.flash_pairs import _tile
+
+    assert [_tile(n, 64) for n in (96, 48, 80, 128, 1024, 16)] == [32, 16, 16, 64, 64, 16]
+    assert _tile(96, 128) == 32
+
+
 def test_what_the_fused_kernel_cannot_take_is_said():
     from shardplug.core import flash
 

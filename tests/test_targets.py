@@ -335,3 +335,34 @@ def test_float8_products_are_float8_gemms_in_the_h100_program():
 
     widened = gemms(compiled(dequantized))
     assert len(widened) == 3 and all(d == ("bf16", "bf16") for d in widened), widened
+
+
+@needs_plugin
+def test_the_pair_kernel_compiles_for_an_h100_on_blocks_of_any_multiple_of_16():
+    """Queries and keys of 96 and 48 positions (a ring's dealt half-blocks): Triton's
+    program for an H100, forward and backward, in tiles of powers of two."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shardplug.core.flash_pairs import pair_attention
+    from shardplug.core.targets import as_present
+
+    devices = target_devices("h100", 1)
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    whole = NamedSharding(mesh, P())
+
+    def shaped(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
+
+    def loss(q, k, v, qi, ki, qp, kp):
+        out, lse = pair_attention(q, k, v, qi, ki, qp, kp, causal=True, scale=0.125)
+        return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    args = (shaped((2, 96, 4, 64)), shaped((2, 48, 2, 64)), shaped((2, 48, 2, 64)),
+            shaped((2, 96), jnp.int32), shaped((2, 48), jnp.int32), shaped((96,), jnp.int32),
+            shaped((48,), jnp.int32))  # fmt: skip
+    with jax.set_mesh(mesh), as_present(devices[0]):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+    assert "shardplug_pair_forward" in text and "shardplug_pair_dq" in text

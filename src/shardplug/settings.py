@@ -87,6 +87,8 @@ class Settings:
     peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
+        if self.config is None:  # as the Trainer always took it: nothing to store
+            object.__setattr__(self, "config", {})
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         _positive("log_every", self.log_every)

@@ -47,12 +47,14 @@ AXIS_TYPES = ("auto", "explicit")  # core.mesh.AXIS_TYPES, without importing JAX
 
 
 def setting(*flags: str, part: str, default: Any = None, section: str | None = None,
-            tags: tuple[str, ...] = (), trainer: bool = False,
+            tags: tuple[str, ...] = (), trainer: bool = False, flag_default: Any = None,
             **argparse_: Any) -> Any:  # fmt: skip
-    """A :class:`RunConfig` field declared with everything about it (see the module)."""
+    """A :class:`RunConfig` field declared with everything about it (see the module);
+    ``flag_default``: the flag's default where it differs from the field's (a command that
+    does not take the flag leaves the field its own)."""
     tags = frozenset(tags).union(*(IMPLIED.get(t, ()) for t in tags))
     meta = {"flags": flags, "part": part, "section": section, "tags": tags, "trainer": trainer,
-            "argparse": argparse_}  # fmt: skip
+            "flag_default": flag_default, "argparse": argparse_}  # fmt: skip
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -285,7 +287,7 @@ class Declared:
         "A100 and later), float32 elsewhere (CPU)")  # fmt: skip
     # train: the loop, its outputs and its checkpoints (bench: steps per round)
     steps: int | None = setting(
-        "--steps", part="train", default=100, type=_INT,
+        "--steps", part="train", flag_default=100, type=_INT,
         help="train to this step; with --resume, counting the steps already taken "
         "(default 100)")  # fmt: skip
     log_every: int = setting("--log-every", part="train", default=10, type=_INT, trainer=True)
@@ -379,8 +381,9 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
             sections[title] = parser.add_argument_group(title, description)
     for field in fields:
         meta = field.metadata
-        default = list(field.default) if meta["argparse"].get("action") == "append" else (
-            field.default)  # fmt: skip
+        default = field.default if meta["flag_default"] is None else meta["flag_default"]
+        if meta["argparse"].get("action") == "append":
+            default = list(default)
         sections[meta["section"]].add_argument(*meta["flags"], dest=field.name, default=default,
                                                **meta["argparse"])  # fmt: skip
 

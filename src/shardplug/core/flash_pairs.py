@@ -106,7 +106,9 @@ _pair.defvjp(_pair_fwd, _pair_bwd)
 
 
 def _tile(length: int, most: int) -> int:
-    tile = min(most, length)
+    """The largest power of two up to ``most`` that divides ``length`` (Triton's blocks are
+    powers of two: a block of 96 positions runs in tiles of 32)."""
+    tile = most
     while length % tile:
         tile //= 2
     return tile
