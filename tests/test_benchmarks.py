@@ -99,7 +99,7 @@ def test_packing_counts_more_real_tokens_in_rows_of_the_same_shape():
 
 
 @pytest.mark.slow
-def test_the_gpu_check_script_runs_every_offload_and_lora_mode_on_a_tiny_gpt(tmp_path):
+def test_the_gpu_check_script_runs_every_offload_lora_and_float8_mode_on_a_tiny_gpt(tmp_path):
     """benchmarks/gpu/check.sh, ready for a GPU: every mode trains and writes its JSON."""
     import json
     import os
@@ -110,7 +110,8 @@ def test_the_gpu_check_script_runs_every_offload_and_lora_mode_on_a_tiny_gpt(tmp
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
-    assert len(rows) == 8 and rows["h100_smoke-offload"]["addons"] == ["offload"]
+    assert len(rows) == 10 and rows["h100_smoke-offload"]["addons"] == ["offload"]
+    assert rows["h100_smoke-float8-row"]["options"] == ["float8.scaling=row"]
     assert rows["h100_smoke-qlora16-nf4"]["lora_quantize"] == "nf4"
     assert rows["h100_smoke-offload-params"]["options"] == ["offload.params=true"]
     assert all(np.isfinite(r["loss"]) for r in rows.values())

@@ -327,7 +327,8 @@ def test_addon_wraps_any_strategy(tmp_path, monkeypatch, fresh_registry):
         {"replicate": ADDON},
         group="shardplug.addons",
     )
-    assert [a.name for a in shardplug.list_addons()] == ["grad-bf16", "offload", "replicate-all"]
+    assert [a.name for a in shardplug.list_addons()] == ["float8", "grad-bf16", "offload",
+                                                          "replicate-all"]  # fmt: skip
     model = shardplug.get_model("mlp")
     strategy = shardplug.get_strategy("fsdp", addons=["replicate-all"], min_size=0)
     assert strategy.addons == ("replicate-all",)

@@ -366,3 +366,28 @@ def test_the_pair_kernel_compiles_for_an_h100_on_blocks_of_any_multiple_of_16():
     with jax.set_mesh(mesh), as_present(devices[0]):
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
     assert "shardplug_pair_forward" in text and "shardplug_pair_dq" in text
+
+
+@needs_plugin
+def test_the_float8_addons_step_runs_its_targets_as_float8_gemms_in_the_h100_program():
+    """The reference transformer's step compiled for an H100, with and without
+    ``--addon float8``: as many GEMMs, every one of the targets' float8 (the forward e4m3
+    by e4m3, the gradients e5m2 by e4m3; no float8 value widened to a bfloat16 GEMM), the
+    output head's three (not a target) bfloat16."""
+    from collections import Counter
+
+    from shardplug.float8 import gemms
+
+    task = shardplug.get_model("transformer").task("nnx")
+    batch = next(iter(task.batches()))
+    found = {}
+    for addons in ((), ("float8",)):
+        trainer = task.trainer(strategy=shardplug.get_strategy("dp", addons=list(addons)),
+                               devices=target_devices("h100", 1), allocate=False,
+                               precision="bf16")  # fmt: skip
+        explain(trainer, batch)
+        found[addons] = Counter(tuple(sorted(d)) for d in gemms(trainer.compiled.as_text()))
+    plain, float8 = found[()], found[("float8",)]
+    assert set(plain) == {("bf16", "bf16")}
+    assert sum(float8.values()) == plain["bf16", "bf16"] and float8["bf16", "bf16"] == 3
+    assert float8["f8e4m3fn", "f8e4m3fn"] >= 4 and float8["f8e4m3fn", "f8e5m2"] >= 8

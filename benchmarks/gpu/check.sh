@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What the offload issue asks of one H100, in one run (about 6 minutes): the 1B GPT of
 # benchmarks/gpu_mfu.py (batch 16 x 1024, bf16 compute, AdamW) plain and under each offload
-# mode, with --remat full plain and offloaded, and LoRA and QLoRA at rank 16; each against
+# mode, with --remat full plain and offloaded, LoRA and QLoRA at rank 16, and float8
+# (per tensor and per row); each against
 # the hand-written plain (full fine-tune) step
 # in the same process (its "ratio"), each with its predicted and measured device peak.
 # Each writes benchmarks/gpu/h100_<case>.json (or under $OUT when it is set), which
@@ -46,4 +47,7 @@ run "$size-remat-full-offload" --remat full --addon offload
 # LoRA beside the frozen weight: its step against the hand-written full step ("ratio")
 run "$size-lora16" --lora 16
 run "$size-qlora16-nf4" --lora 16 --lora-quantize nf4
+# float8 products (e4m3 forward, e5m2 gradients): against the hand-written bf16 step
+run "$size-float8" --addon float8
+run "$size-float8-row" --addon float8 -o float8.scaling=row
 exit $failed

@@ -205,8 +205,7 @@ def explain(
     if from_backend and device_memory and peak and peak > device_memory:
         notes.append(memory_limit_note(device))
     precision, note = _precision(trainer)
-    if note:
-        notes.append(note)
+    notes += [n for n in (note, _held_note(trainer, precision)) if n]
     textbook, parts, sent = textbook_and_parts(
         hlo_text, found, flat_params, paths, trains,
         shards=[p.bytes_per_device for p in params], stored=stored, used=used, mesh=mesh,
@@ -320,6 +319,27 @@ def _precision(trainer: Any) -> tuple[dict[str, Any], str | None]:
         "float32_sites": [{"where": w, "flops": f} for w, f in dtypes.float32_sites[:5]],
     }
     return precision, float32_note(dtypes) if bf16 else None
+
+
+def _held_note(trainer: Any, precision: dict[str, Any]) -> str | None:
+    """The weights whose products an add-on runs its own way (float8's), named in
+    ``precision["held"]`` by kind, and said with their share of the matrix-product FLOPs."""
+    holds = trainer.strategy.held_weights(trainer.state.params, trainer.mesh)
+    if not holds:
+        return None
+    kinds: dict[str, list[str]] = {}
+    for h in holds:
+        if h is not None:
+            kinds.setdefault(h.kind, []).append(h.path)
+    precision["held"] = kinds
+    flops = precision["matmul_flops_by_dtype"]
+    lines = []
+    for kind, paths in kinds.items():
+        share = sum(v for k, v in flops.items() if kind in k) / (sum(flops.values()) or 1)
+        named = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+        lines.append(f"{kind}: the products of {len(paths)} weights ({named}) run in {kind}, "
+                     f"{share:.0%} of the step's matrix-product FLOPs")  # fmt: skip
+    return "; ".join(lines)
 
 
 def _parallelisms_told(trainer: Any, batch: Any, found: list[dict[str, Any]], paths: list[str],

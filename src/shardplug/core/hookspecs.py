@@ -323,6 +323,31 @@ def update_memory(mesh: Any) -> str | None:
 
 
 @hookspec(firstresult=True)
+def held_weights(params: Any, mesh: Any) -> list[Any] | None:
+    """Which weights an add-on runs the products of its own way (float8's), asked while
+    tracing the training step's forward pass.
+
+    Each weight named is *held*: marked where the model reads it (a layer stack's a layer at
+    a time, inside its loop), and the step's forward pass is rewritten so that each
+    ``dot_general`` by it runs the rule registered for its :class:`shardplug.plugin.Hold`'s
+    ``kind`` (``shardplug.core.held.RULES``); anything else reads the weight as it is (said
+    once). Evaluation, checkpoints and the stored parameters are unchanged.
+
+    :param params: the parameters as the step's forward pass reads them (gathered, cast).
+    :param mesh: the run's mesh.
+    :return: one ``Hold`` or None per leaf of ``params`` (``jax.tree.leaves`` order), or
+        None: no weight is held (the default).
+
+    Example, every matrix's products in a kind of one's own::
+
+        @hookimpl
+        def held_weights(self, params):
+            return [Hold(path, "mine") if leaf.ndim == 2 else None
+                    for path, leaf in zip(leaf_paths(params), jax.tree.leaves(params))]
+    """
+
+
+@hookspec(firstresult=True)
 def shard_batch(batch: Any, mesh: Any, sequences: tuple[int, ...] | None) -> Any:
     """Choose how every leaf of the global batch is split over the mesh.
 

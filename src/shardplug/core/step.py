@@ -18,6 +18,7 @@ import optax
 
 from shardplug.core import beside, means, memory
 from shardplug.core.context import batch_axis_name, computing_in, manual_axes
+from shardplug.core.held import held
 from shardplug.core.layer_gather import layer_specs
 from shardplug.core.mesh import is_explicit
 from shardplug.core.precision import PRECISIONS as PRECISIONS  # where explain reads it
@@ -126,6 +127,13 @@ def _forward(adapter, loss_fn, extras, params, model_state, rng, batch, train):
     if new_state is None:
         new_state = adapter.state_of(model, model_state)
     return loss, (metrics, new_state)
+
+
+def _held_forward(holds, adapter, loss_fn, extras, params, *rest):
+    """:func:`_forward` with the weights ``holds`` names held (marked inside the trace the
+    rewrite runs, so a layer stack finds its weights' by their traced arrays)."""
+    return _forward(adapter, loss_fn, extras, params if holds is None else held(params, holds),
+                    *rest)  # fmt: skip
 
 
 NONFINITE = "_nonfinite"
@@ -250,8 +258,16 @@ def _differentiated(adapter: ModelAdapter, loss_fn: LossFn, strategy: Strategy, 
         if compute is not None:
             batch = _cast_floats(batch, compute)
         with computing_in(compute), layer_specs(per_layer):
-            return beside.forward(adapter, _forward, adapter, loss_fn, extras, params,
-                                  model_state, rng, batch, True)  # fmt: skip
+            holds = strategy.held_weights(params, mesh)  # an add-on's products (float8's)
+            if holds is not None and getattr(adapter, "beside", False):
+                raise ConfigError(
+                    f"{next(h.kind for h in holds if h)} runs the products of the model's "
+                    f"weights, and adapters on them (LoRA) run beside them: train with one "
+                    f"of the two"
+                )
+            return beside.forward(adapter, _held_forward, holds, adapter, loss_fn, extras,
+                                  params, model_state, rng, batch, True,
+                                  held=holds is not None)  # fmt: skip
 
     def loss_of(params, model_state, batch, rng):
         return forward(prepare(params), model_state, batch, rng)

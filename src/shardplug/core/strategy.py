@@ -287,6 +287,22 @@ class Strategy:
     def gather_params(self, params: Any, mesh: Any) -> Any:
         return self._call("gather_params", params=params, mesh=mesh)
 
+    def held_weights(self, params: Any, mesh: Any) -> list[Any] | None:
+        """The ``held_weights`` hook's answer (one ``Hold`` or None per leaf), checked."""
+        from shardplug.core.held import Hold
+
+        held = self._call("held_weights", params=params, mesh=mesh)
+        if held is None:
+            return None
+        count = len(jax.tree.leaves(params))
+        if not isinstance(held, list | tuple) or len(held) != count or not all(
+                h is None or isinstance(h, Hold) for h in held):  # fmt: skip
+            raise PluginError(
+                f"strategy {self.name!r}: held_weights returned {type(held).__name__}; return "
+                f"a list of {count} (one per parameter leaf) of shardplug.plugin.Hold or None"
+            )
+        return list(held)
+
     def gather_for_step(self, params: Any, mesh: Any) -> tuple[Any, dict[int, Any]]:
         """:meth:`gather_params` (through the hook, so an add-on that wraps it runs under a
         composition too), and (for a composition) the layer stacks' leaves of what it

@@ -53,6 +53,8 @@ from shardplug.core.context import (
 )
 from shardplug.core.declared import Capability
 from shardplug.core.facts import Explained, StepFacts
+from shardplug.core.held import RULES as HELD_RULES
+from shardplug.core.held import Hold
 from shardplug.core.hlo import Instruction, Varying, computations, reached, source_of
 from shardplug.core.hookspecs import Axis, hookimpl, hookspec
 from shardplug.core.layer_stack import LAYERS, split_aux
@@ -134,6 +136,8 @@ __all__ = [
     "Capability",
     "Composed",
     "ConfigError",
+    "HELD_RULES",
+    "Hold",
     "Experts",
     "Explained",
     "Instruction",

@@ -1,0 +1,114 @@
+"""The ``float8`` add-on: the model's linear layers multiply in float8, forward and backward.
+
+It follows torchtitan's float8 training (and MaxText's ``fp8_full`` through Qwix): dynamic
+scaling, computed from each tensor in the step that uses it (no amax history to keep,
+checkpoint or resume), the forward product in ``float8_e4m3fn`` and the gradients' in
+``float8_e5m2``, per tensor (``scaling=tensor``, the default: the fastest) or per row
+(``scaling=row``: an outlier costs its own row's precision alone). Transformer Engine's
+delayed scaling (a history of amaxes carried in the state) was left aside: it changes what
+a checkpoint holds, and torchtitan measured dynamic tensorwise scaling as fast at 8B.
+
+It is an add-on (``--addon float8``): it owns no mesh axis and changes no layout, so it goes
+with every strategy and composition. Through the ``held_weights`` hook it names the weights
+whose products run in float8 (``targets``, a pattern searched in each parameter's path; by
+default every matrix but embeddings, positions, the output head, norms and routers, as
+LoRA's default targets), and core's rewrite of the step's forward pass runs each
+``dot_general`` by them as :func:`shardplug.float8.float8_dot_general`, in NNX, Linen and
+Equinox alike, a layer stack's a layer at a time inside its loop (under ``--remat`` and
+pp's schedules too). Attention's own products (scores, values) are not a weight's, and
+stay as they are. The master weights, gradients and optimizer state stay as they were;
+evaluation multiplies as before; checkpoints do not change.
+
+Off a GPU with float8 tensor cores (Hopper, Ada and later) the products are emulated:
+right, and slower than bfloat16's, said once.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from shardplug.float8 import SCALINGS, float8_dot_general
+from shardplug.lora import NOT_TARGETS
+from shardplug.plugin import (
+    HELD_RULES,
+    ConfigError,
+    Hold,
+    StrategyOptionError,
+    hookimpl,
+    leaf_paths,
+    warn_once,
+)
+
+#: what the default targets leave out: LoRA's exclusions, in any case, biases and scales
+_NOT_TARGETS = re.compile(f"{NOT_TARGETS.pattern}|(^|/)(bias|scale)$", re.IGNORECASE)
+#: device kinds whose tensor cores multiply float8 (Hopper, Ada Lovelace, Blackwell)
+FLOAT8_KINDS = re.compile(r"H100|H200|H800|H20|GH200|L4\b|L40|RTX 40|B100|B200|GB200|RTX 50")
+
+
+class Float8:
+    """The linear layers' matrix products in float8: e4m3 forward, e5m2 gradients, scaled
+    per tensor or per row (``scaling``); ``targets``: a pattern searched in each parameter's
+    path (default: every matrix but embeddings, positions, the head, norms, routers,
+    biases and scales)."""
+
+    description = "the linear layers' matrix products in float8 (e4m3 forward, e5m2 backward)"
+
+    def __init__(self, targets: str = "", scaling: str = "tensor"):
+        if scaling not in SCALINGS:
+            raise StrategyOptionError(
+                f"float8 option scaling must be {' or '.join(SCALINGS)}, got {scaling!r}"
+            )
+        try:
+            self.pattern = re.compile(targets) if targets else None
+        except re.error as exc:
+            raise StrategyOptionError(f"float8 option targets {targets!r}: {exc}") from None
+        self.scaling = scaling
+
+    def targets(self, params: Any) -> list[str | None]:
+        """Each leaf's path where its products run in float8, None elsewhere: by default
+        every matrix (a layer stack's too) but LoRA's exclusions (embeddings, positions, the
+        head, norms, routers: in any case) and biases and scales (a stack's are matrices)."""
+        out = []
+        for path, leaf in zip(leaf_paths(params), jax.tree.leaves(params), strict=True):
+            matrix = jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 2
+            chosen = (self.pattern.search(path) is not None if self.pattern is not None
+                      else _NOT_TARGETS.search(path) is None)  # fmt: skip
+            out.append(path if matrix and chosen else None)
+        if not any(out):
+            said = (f"targets {self.pattern.pattern!r}" if self.pattern is not None
+                    else "the default targets")  # fmt: skip
+            raise ConfigError(
+                f"float8: {said} match no matrix of this model; its parameters are "
+                f"{', '.join(leaf_paths(params)[:6])}: give -o float8.targets=REGEX"
+            )
+        return out
+
+    @hookimpl
+    def held_weights(self, params, mesh):
+        kinds = {d.device_kind for d in mesh.devices.flat}
+        if not all(FLOAT8_KINDS.search(k) for k in kinds):
+            warn_once(
+                f"float8 on {', '.join(sorted(kinds))}, which has no float8 matrix units: its "
+                f"products are emulated, right and slower than bfloat16's (float8 pays on "
+                f"Hopper GPUs and later)"
+            )
+        options = (("scaling", self.scaling),)
+        return [None if p is None else Hold(p, "float8", options) for p in self.targets(params)]
+
+
+def _product(eqn: Any, ins: list[Any], at: int, hold: Hold) -> Any | None:
+    """A ``dot_general`` by a held weight, in float8 (None on explicit axes, whose product
+    names its output's layout: it runs as it was)."""
+    if eqn.params.get("out_sharding") is not None:
+        return None
+    args = [x.value if i == at else x for i, x in enumerate(ins)]
+    return float8_dot_general(*args, eqn.params["dimension_numbers"],
+                              scaling=hold.option("scaling", "tensor"),
+                              preferred_element_type=eqn.outvars[0].aval.dtype)  # fmt: skip
+
+
+HELD_RULES.setdefault("float8", {})["dot_general"] = _product
