@@ -184,6 +184,8 @@ def test_recommend_plans_for_a_named_gpu(capsys):
     # the GPU's memory, not the CPU's (which has no limit: --device-memory is needed there)
     assert "on 2 devices of 85.0 GB (compiled for NVIDIA H100 80GB HBM3, not present)" in out
     assert "recommended: " in out
+    # an H100 multiplies float8: recommend says the add-on that runs the products in it
+    assert "NVIDIA H100 80GB HBM3 multiplies float8: add --addon float8" in out
 
 
 @needs_plugin

@@ -41,6 +41,8 @@ import jax.numpy as jnp
 
 from shardplug.errors import ConfigError
 
+#: device kinds whose tensor cores multiply float8 (Hopper, Ada Lovelace, Blackwell)
+FLOAT8_DEVICES = re.compile(r"H100|H200|H800|H20\b|GH200|L4\b|L40|RTX 40|B100|B200|GB200|RTX 50")
 FORWARD = jnp.float8_e4m3fn
 BACKWARD = jnp.float8_e5m2
 SCALINGS = ("tensor", "row")
@@ -173,5 +175,5 @@ def relative_error(got: Any, want: Any) -> float:
     return diff / norm if norm else (0.0 if diff == 0 else math.inf)
 
 
-__all__ = ["BACKWARD", "FORWARD", "SCALINGS", "float8_dot_general", "gemms", "relative_error",
-           "scaled_product"]
+__all__ = ["BACKWARD", "FLOAT8_DEVICES", "FORWARD", "SCALINGS", "float8_dot_general", "gemms",
+           "relative_error", "scaled_product"]

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from shardplug.float8 import SCALINGS, float8_dot_general
+from shardplug.float8 import FLOAT8_DEVICES, SCALINGS, float8_dot_general
 from shardplug.lora import NOT_TARGETS
 from shardplug.plugin import (
     HELD_RULES,
@@ -45,8 +45,7 @@ from shardplug.plugin import (
 
 #: what the default targets leave out: LoRA's exclusions, in any case, biases and scales
 _NOT_TARGETS = re.compile(f"{NOT_TARGETS.pattern}|(^|/)(bias|scale)$", re.IGNORECASE)
-#: device kinds whose tensor cores multiply float8 (Hopper, Ada Lovelace, Blackwell)
-FLOAT8_KINDS = re.compile(r"H100|H200|H800|H20|GH200|L4\b|L40|RTX 40|B100|B200|GB200|RTX 50")
+
 
 
 class Float8:
@@ -90,7 +89,7 @@ class Float8:
     @hookimpl
     def held_weights(self, params, mesh):
         kinds = {d.device_kind for d in mesh.devices.flat}
-        if not all(FLOAT8_KINDS.search(k) for k in kinds):
+        if not all(FLOAT8_DEVICES.search(k) for k in kinds):
             warn_once(
                 f"float8 on {', '.join(sorted(kinds))}, which has no float8 matrix units: its "
                 f"products are emulated, right and slower than bfloat16's (float8 pays on "
