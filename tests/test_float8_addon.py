@@ -89,3 +89,63 @@ def test_a_float8_run_resumes_without_it_and_back(tmp_path, capsys):
     assert main([*run, "--steps", "6", "--resume"]) == 0
     assert main([*run, "--steps", "8", "--resume", "--addon", "float8"]) == 0
     assert "-> " in capsys.readouterr().out
+
+
+def test_float8_leaves_what_it_cannot_run_and_says_where_it_runs_as_before(capsys):
+    """By default a convolution's kernel and a mixture's experts are no targets (the CNN,
+    all convolutions but its head, has none: one line; the mixture's attention runs in
+    float8 with nothing to warn of); on explicit axes float8 steps aside, said once; under
+    pp's schedules a held weight outside the layer stack (the head, asked for) is said to
+    multiply as before."""
+    import warnings
+
+    from shardplug.errors import ShardplugWarning
+
+    for model, options in (("cnn", {}), ("transformer", {"experts": 4})):
+        task = shardplug.get_model(model).task("nnx", **options)
+        trainer = task.trainer(strategy=shardplug.get_strategy("dp", addons=["float8"]),
+                               devices=2, precision="bf16")  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ShardplugWarning)
+            warnings.filterwarnings("ignore", "float8 on cpu")
+            if model == "cnn":
+                with pytest.raises(ConfigError, match="the default targets match no matrix"):
+                    trainer.compile(next(iter(task.batches())))
+                continue
+            trainer.compile(next(iter(task.batches())))
+        assert float8_share(trainer) > 0
+    assert main(["train", "--model", "mlp", "--axis-types", "explicit", "--addon", "float8",
+                 "--steps", "2", "--quiet", "--devices", "2"]) == 0  # fmt: skip
+    assert "float8 on explicit mesh axes is not built yet" in capsys.readouterr().err
+    task = shardplug.get_model("transformer").task("nnx")
+    made = shardplug.get_strategy("pp+fsdp", addons=["float8"], min_size=0,
+                                  **{"float8.targets": "unembed|wi"})  # fmt: skip
+    with pytest.warns(ShardplugWarning, match=r"held weights outside it \(unembed\) multiply"):
+        task.trainer(strategy=made, mesh="stage=2,fsdp=4").compile(next(iter(task.batches())))
+
+
+def test_two_addons_hold_weights_of_their_own_and_never_the_same_one():
+    from shardplug.errors import PluginError
+    from shardplug.plugin import Hold, hookimpl, leaf_paths
+
+    class Mine:
+        def __init__(self, name):
+            self.name = name
+
+        @hookimpl
+        def held_weights(self, params):
+            return [Hold(p, "float8", (("scaling", "row"),)) if p.endswith(self.name) else None
+                    for p in leaf_paths(params)]  # fmt: skip
+
+    task = shardplug.get_model("transformer").task("nnx")
+    batch = next(iter(task.batches()))
+    both = shardplug.get_strategy("dp", addons=[Mine("wq"), "float8"],
+                                  **{"float8.targets": "wk"})  # fmt: skip
+    trainer = task.trainer(strategy=both, devices=2, precision="bf16")
+    trainer.compile(batch)
+    holds = trainer.strategy.held_weights(trainer.state.params, trainer.mesh)
+    assert sorted(h.path for h in holds if h) == ["blocks/wk", "blocks/wq"]
+    same = shardplug.get_strategy("dp", addons=[Mine("wq"), "float8"],
+                                  **{"float8.targets": "wq"})  # fmt: skip
+    with pytest.raises(PluginError, match="blocks/wq is held for both float8 and float8"):
+        task.trainer(strategy=same, devices=2).compile(batch)

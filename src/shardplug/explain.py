@@ -337,8 +337,8 @@ def _held_note(trainer: Any, precision: dict[str, Any]) -> str | None:
     for kind, paths in kinds.items():
         share = sum(v for k, v in flops.items() if kind in k) / (sum(flops.values()) or 1)
         named = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
-        lines.append(f"{kind}: the products of {len(paths)} weights ({named}) run in {kind}, "
-                     f"{share:.0%} of the step's matrix-product FLOPs")  # fmt: skip
+        lines.append(f"{kind}: {len(paths)} weights held ({named}); {share:.0%} of the "
+                     f"step's matrix-product FLOPs run in {kind}")  # fmt: skip
     return "; ".join(lines)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from shardplug.core.layer_gather import follow, made_by_layer
+from shardplug.core.layer_gather import follow, made_by_layer, made_in_a_loop
 from shardplug.core.rewrite import MAKERS, Kept
 from shardplug.errors import warn_once
 
@@ -97,11 +97,12 @@ class Held(Kept):
 MAKERS[HOLD] = lambda number, ins: Held(ins[0], _HOLDS[number])
 
 
-def held(params: Any, holds: list[Hold | None]) -> Any:
+def held(params: Any, holds: list[Hold | None]) -> tuple[Any, list[tuple[Hold, Any]]]:
     """``params`` with each leaf ``holds`` names marked (:func:`hold`), a layer stack's made
-    a layer at a time inside its loop (:func:`~shardplug.core.layer_gather.made_by_layer`)."""
+    a layer at a time inside its loop (:func:`~shardplug.core.layer_gather.made_by_layer`);
+    and each hold with its marked array (for :func:`outside_stacks`)."""
     leaves, tree = jax.tree.flatten(params)
-    out = []
+    out, marked = [], []
     for leaf, site in zip(leaves, holds, strict=True):
         if site is None:
             out.append(leaf)
@@ -110,7 +111,22 @@ def held(params: Any, holds: list[Hold | None]) -> Any:
         follow(leaf, whole)  # a stack gathered a layer at a time gathers it alike
         made_by_layer(whole, leaf, hold(site))
         out.append(whole)
-    return jax.tree.unflatten(tree, out)
+        marked.append((site, whole))
+    return jax.tree.unflatten(tree, out), marked
 
 
-__all__ = ["HOLD", "RULES", "Hold", "Held", "held", "hold"]
+def said_outside_stacks(marked: list[tuple[Hold, Any]]) -> None:
+    """Where a parallelism supplies the layer stack (a pipeline's schedules), only the
+    stack's weights are rewritten (a layer at a time in its loop): say which held weights
+    no stack took, whose products then run as they were."""
+    outside = [site for site, whole in marked if not made_in_a_loop(whole)]
+    if outside:
+        kind = outside[0].kind
+        warn_once(
+            f"{kind}: a parallelism runs the layer stack itself (a pipeline's schedules), so "
+            f"the held weights outside it ({', '.join(s.path for s in outside)}) multiply as "
+            f"they were, not in {kind}"
+        )
+
+
+__all__ = ["HOLD", "RULES", "Hold", "Held", "held", "hold", "said_outside_stacks"]

@@ -322,7 +322,7 @@ def update_memory(mesh: Any) -> str | None:
     """
 
 
-@hookspec(firstresult=True)
+@hookspec
 def held_weights(params: Any, mesh: Any) -> list[Any] | None:
     """Which weights an add-on runs the products of its own way (float8's), asked while
     tracing the training step's forward pass.
@@ -336,7 +336,9 @@ def held_weights(params: Any, mesh: Any) -> list[Any] | None:
     :param params: the parameters as the step's forward pass reads them (gathered, cast).
     :param mesh: the run's mesh.
     :return: one ``Hold`` or None per leaf of ``params`` (``jax.tree.leaves`` order), or
-        None: no weight is held (the default).
+        None: no weight is held (the default). Unlike the other hooks, every plugin's
+        answer counts (two add-ons may hold different weights); two holding one weight are
+        refused in one line.
 
     Example, every matrix's products in a kind of one's own::
 

@@ -44,15 +44,22 @@ _MADE: contextvars.ContextVar[dict[int, tuple[Any, Any, Callable[[Any], Any]]] |
 )
 
 
+#: the weights made by layer that a layer stack took (by id), in the outermost layer_specs
+_TAKEN: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar("shardplug_taken",
+                                                                        default=None)
+
+
 @contextlib.contextmanager
 def layer_specs(specs: dict[int, P]) -> Iterator[None]:
     """Inside, the stacked parameters named by id are gathered one layer at a time (and
     weights made by layer, :func:`made_by_layer`, are made inside the stack's loop)."""
     token = _LAYER_SPECS.set({**(_LAYER_SPECS.get() or {}), **specs})
     made = _MADE.set({**(_MADE.get() or {})})
+    taken = _TAKEN.set(_TAKEN.get() if _TAKEN.get() is not None else set())  # one per step
     try:
         yield
     finally:
+        _TAKEN.reset(taken)
         _MADE.reset(made)
         _LAYER_SPECS.reset(token)
 
@@ -72,7 +79,15 @@ def made_of(leaf: Any) -> tuple[Any, Callable[[Any], Any]] | None:
     entry = (_MADE.get() or {}).get(id(leaf))
     if entry is None or entry[0]() is not leaf:  # an id reused by another array
         return None
+    taken = _TAKEN.get()
+    if taken is not None:
+        taken.add(id(leaf))
     return entry[1], entry[2]
+
+
+def made_in_a_loop(whole: Any) -> bool:
+    """Whether a layer stack took ``whole`` (:func:`made_by_layer`'s) to make by layer."""
+    return id(whole) in (_TAKEN.get() or ())
 
 
 def follow(old: Any, new: Any) -> None:

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from shardplug.core import beside, means, memory
+from shardplug.core import beside, means, memory, ops
 from shardplug.core.context import batch_axis_name, computing_in, manual_axes
-from shardplug.core.held import held
+from shardplug.core.held import held, said_outside_stacks
 from shardplug.core.layer_gather import layer_specs
 from shardplug.core.mesh import is_explicit
 from shardplug.core.precision import PRECISIONS as PRECISIONS  # where explain reads it
@@ -132,8 +132,13 @@ def _forward(adapter, loss_fn, extras, params, model_state, rng, batch, train):
 def _held_forward(holds, adapter, loss_fn, extras, params, *rest):
     """:func:`_forward` with the weights ``holds`` names held (marked inside the trace the
     rewrite runs, so a layer stack finds its weights' by their traced arrays)."""
-    return _forward(adapter, loss_fn, extras, params if holds is None else held(params, holds),
-                    *rest)  # fmt: skip
+    if holds is None:
+        return _forward(adapter, loss_fn, extras, params, *rest)
+    params, marked = held(params, holds)
+    out = _forward(adapter, loss_fn, extras, params, *rest)
+    if ops.supplied("layer_stack") is not None:  # the rest of the forward pass is not rewritten
+        said_outside_stacks(marked)
+    return out
 
 
 NONFINITE = "_nonfinite"

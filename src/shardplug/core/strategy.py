@@ -288,20 +288,28 @@ class Strategy:
         return self._call("gather_params", params=params, mesh=mesh)
 
     def held_weights(self, params: Any, mesh: Any) -> list[Any] | None:
-        """The ``held_weights`` hook's answer (one ``Hold`` or None per leaf), checked."""
+        """Every plugin's ``held_weights`` answer, checked and merged: one ``Hold`` or None
+        per leaf; None where no weight is held."""
         from shardplug.core.held import Hold
 
-        held = self._call("held_weights", params=params, mesh=mesh)
-        if held is None:
-            return None
         count = len(jax.tree.leaves(params))
-        if not isinstance(held, list | tuple) or len(held) != count or not all(
-                h is None or isinstance(h, Hold) for h in held):  # fmt: skip
-            raise PluginError(
-                f"strategy {self.name!r}: held_weights returned {type(held).__name__}; return "
-                f"a list of {count} (one per parameter leaf) of shardplug.plugin.Hold or None"
-            )
-        return list(held)
+        merged: list[Any] = [None] * count
+        for answer in self._call("held_weights", params=params, mesh=mesh):
+            if not isinstance(answer, list | tuple) or len(answer) != count or not all(
+                    h is None or isinstance(h, Hold) for h in answer):  # fmt: skip
+                raise PluginError(
+                    f"strategy {self.name!r}: held_weights returned {type(answer).__name__}; "
+                    f"return a list of {count} (one per parameter leaf) of "
+                    f"shardplug.plugin.Hold or None"
+                )
+            for i, h in enumerate(answer):
+                if h is not None and merged[i] is not None:
+                    raise PluginError(
+                        f"strategy {self.name!r}: {h.path} is held for both {merged[i].kind} "
+                        f"and {h.kind}: a weight's products run one way; leave it to one"
+                    )
+                merged[i] = h if h is not None else merged[i]
+        return merged if any(h is not None for h in merged) else None
 
     def gather_for_step(self, params: Any, mesh: Any) -> tuple[Any, dict[int, Any]]:
         """:meth:`gather_params` (through the hook, so an add-on that wraps it runs under a

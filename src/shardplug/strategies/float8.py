@@ -11,13 +11,15 @@ a checkpoint holds, and torchtitan measured dynamic tensorwise scaling as fast a
 It is an add-on (``--addon float8``): it owns no mesh axis and changes no layout, so it goes
 with every strategy and composition. Through the ``held_weights`` hook it names the weights
 whose products run in float8 (``targets``, a pattern searched in each parameter's path; by
-default every matrix but embeddings, positions, the output head, norms and routers, as
-LoRA's default targets), and core's rewrite of the step's forward pass runs each
-``dot_general`` by them as :func:`shardplug.float8.float8_dot_general`, in NNX, Linen and
-Equinox alike, a layer stack's a layer at a time inside its loop (under ``--remat`` and
-pp's schedules too). Attention's own products (scores, values) are not a weight's, and
-stay as they are. The master weights, gradients and optimizer state stay as they were;
-evaluation multiplies as before; checkpoints do not change.
+default every matrix, or stack of them, but embeddings, positions, the output head, norms,
+routers, a mixture's experts and convolutions' kernels), and core's rewrite of the step's
+forward pass runs each ``dot_general`` by them as
+:func:`shardplug.float8.float8_dot_general`, in NNX, Linen and Equinox alike, a layer
+stack's a layer at a time inside its loop (under ``--remat`` and pp's schedules too).
+Attention's own products (scores, values) are not a weight's, and stay as they are. The
+master weights, gradients and optimizer state stay as they were; evaluation multiplies as
+before; checkpoints do not change. On explicit mesh axes, where each product would have to
+name its output's layout, it steps aside (said once).
 
 Off a GPU with float8 tensor cores (Hopper, Ada and later) the products are emulated:
 right, and slower than bfloat16's, said once.
@@ -39,12 +41,16 @@ from shardplug.plugin import (
     Hold,
     StrategyOptionError,
     hookimpl,
+    is_explicit,
     leaf_paths,
     warn_once,
 )
 
-#: what the default targets leave out: LoRA's exclusions, in any case, biases and scales
-_NOT_TARGETS = re.compile(f"{NOT_TARGETS.pattern}|(^|/)(bias|scale)$", re.IGNORECASE)
+#: what no pattern makes a target: biases, scales and norms (a stack's are matrices)
+_NEVER = re.compile(r"(^|/)(bias|scale|b|g)$|norm", re.IGNORECASE)
+#: what the default targets leave out besides: LoRA's exclusions, in any case, a mixture's
+#: experts (their grouped product has no float8 rule yet) and convolutions' kernels
+_NOT_TARGETS = re.compile(f"{NOT_TARGETS.pattern}|expert|conv", re.IGNORECASE)
 
 
 
@@ -74,9 +80,11 @@ class Float8:
         out = []
         for path, leaf in zip(leaf_paths(params), jax.tree.leaves(params), strict=True):
             matrix = jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 2
-            chosen = (self.pattern.search(path) is not None if self.pattern is not None
-                      else _NOT_TARGETS.search(path) is None)  # fmt: skip
-            out.append(path if matrix and chosen else None)
+            if self.pattern is not None:
+                chosen = self.pattern.search(path) is not None
+            else:
+                chosen = _NOT_TARGETS.search(path) is None
+            out.append(path if matrix and chosen and not _NEVER.search(path) else None)
         if not any(out):
             said = (f"targets {self.pattern.pattern!r}" if self.pattern is not None
                     else "the default targets")  # fmt: skip
@@ -88,6 +96,13 @@ class Float8:
 
     @hookimpl
     def held_weights(self, params, mesh):
+        if is_explicit(mesh):
+            warn_once(
+                "float8 on explicit mesh axes is not built yet (each of its products would "
+                "have to name its output's layout): the products run as they were; train on "
+                "auto axes (--axis-types auto) for float8"
+            )
+            return None
         kinds = {d.device_kind for d in mesh.devices.flat}
         if not all(FLOAT8_DEVICES.search(k) for k in kinds):
             warn_once(
@@ -100,8 +115,8 @@ class Float8:
 
 
 def _product(eqn: Any, ins: list[Any], at: int, hold: Hold) -> Any | None:
-    """A ``dot_general`` by a held weight, in float8 (None on explicit axes, whose product
-    names its output's layout: it runs as it was)."""
+    """A ``dot_general`` by a held weight, in float8 (None where the product names its
+    output's layout: it runs as it was)."""
     if eqn.params.get("out_sharding") is not None:
         return None
     args = [x.value if i == at else x for i, x in enumerate(ins)]
