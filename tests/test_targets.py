@@ -348,6 +348,7 @@ def test_the_pair_kernel_compiles_for_an_h100_on_blocks_of_any_multiple_of_16():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from shardplug.core.cache import uncached
     from shardplug.core.flash_pairs import pair_attention
     from shardplug.core.targets import as_present
 
@@ -365,7 +366,7 @@ def test_the_pair_kernel_compiles_for_an_h100_on_blocks_of_any_multiple_of_16():
     args = (shaped((2, 96, 4, 64)), shaped((2, 48, 2, 64)), shaped((2, 48, 2, 64)),
             shaped((2, 96), jnp.int32), shaped((2, 48), jnp.int32), shaped((96,), jnp.int32),
             shaped((48,), jnp.int32))  # fmt: skip
-    with jax.set_mesh(mesh), as_present(devices[0]):
+    with jax.set_mesh(mesh), as_present(devices[0]), uncached():  # no deviceless load back
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
     assert "shardplug_pair_forward" in text and "shardplug_pair_dq" in text
 
