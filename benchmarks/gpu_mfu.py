@@ -189,23 +189,29 @@ def gpt_1b() -> Any:
     return task("1b")
 
 
-def hand_written(size: Size, batch: int, remat: str, seed: int = 0) -> tuple[Any, Any, Any]:
+def hand_written(size: Size, batch: int, remat: str, seed: int = 0,
+                 device: Any = None) -> tuple[Any, Any, Any]:  # fmt: skip
     """The same model with bfloat16 modules and cuDNN attention (XLA's off a GPU), and a
-    ``jax.jit`` step over its state; ``(step, state, trace)``."""
+    ``jax.jit`` step over its state; ``(step, state, trace)``. With a compile-only
+    ``device`` (``target_devices``) the state is abstract, placed on it, and cuDNN's
+    attention is lowered for its GPU: ``trace.lower().compile()`` is that GPU's program."""
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
-    kind = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    gpu = device is not None or jax.default_backend() == "gpu"
+    kind = "cudnn" if gpu else "xla"
 
     def attend(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kind)
 
-    model = gpt(size, dtype=jnp.bfloat16, attend=attend, remat=remat)(nnx.Rngs(seed))
+    build = gpt(size, dtype=jnp.bfloat16, attend=attend, remat=remat)
+    abstract = device is not None
+    model = nnx.eval_shape(lambda: build(nnx.Rngs(seed))) if abstract else build(nnx.Rngs(seed))
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optimizer()
-    state = (params, tx.init(params))
+    state = (params, tx.init(params) if device is None else jax.eval_shape(tx.init, params))
 
     def step(state, batch):
         params, opt_state = state
@@ -219,7 +225,18 @@ def hand_written(size: Size, batch: int, remat: str, seed: int = 0) -> tuple[Any
 
     step = jax.jit(step, donate_argnums=0)
     example = batches(size, batch, 1)[0]
-    return step, state, step.trace(state, example)
+    if device is None:
+        return step, state, step.trace(state, example)
+    placed = jax.sharding.SingleDeviceSharding(device)
+
+    def on(x: Any) -> Any:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed)
+
+    state, example = jax.tree.map(on, (state, example))
+    from shardplug.core.targets import as_present
+
+    with as_present(device):
+        return step, state, step.trace(state, example)
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:

@@ -67,6 +67,11 @@ def test_the_step_is_the_gpu_compilers_program_and_memory():
     text = trainer.compiled.as_text()
     assert "is_scheduled=true" in text and "all-gather" in text and "__triton" in text  # a GPU's
     assert report.notes[0].startswith("compiled for 2 x NVIDIA H100 80GB HBM3, not present")
+    # its time predicted from that program: the products, and the gathers fsdp runs
+    timing = report.timing
+    assert timing["chip"] == "h100" and timing["devices"] == 2 and timing["seconds"] > 0
+    assert {"matmul bf16", "all-gather (local)"} <= set(timing["parts"])
+    assert timing["seconds"] >= timing["compute_seconds"]
     # float32 master weights, computed in bfloat16 (the GPU's default precision)
     assert jax.tree.leaves(trainer.state.params)[0].dtype.name == "float32"
 
@@ -394,3 +399,41 @@ def test_the_float8_addons_step_runs_its_targets_as_float8_gemms_in_the_h100_pro
     assert set(plain) == {("bf16", "bf16")}
     assert sum(float8.values()) == plain["bf16", "bf16"] and float8["bf16", "bf16"] == 3
     assert float8["f8e4m3fn", "f8e4m3fn"] >= 4 and float8["f8e4m3fn", "f8e5m2"] >= 8
+
+
+def _record():
+    import json
+
+    return json.loads((ROOT / "benchmarks" / "gpu" / "h100_target_time.json").read_text())
+
+
+def test_every_h100_step_on_record_is_predicted_within_10_percent():
+    """benchmarks/target_time.py's fit: two constants, each solved on one point; every other
+    point (the GPTs of three sizes, shardplug's and by hand; the pipeline engines at M = 8
+    and 16) is a check, and every one lands within 10% of what the H100 measured."""
+    record = _record()
+    points = record["points"]
+    held = [p for p in points if not p["in_fit"]]
+    assert {p["point"] for p in points if p["in_fit"]} == set(record["fitted_on"].values())
+    assert len(held) >= 12
+    assert all(abs(p["error"]) < 0.10 for p in points), [
+        (p["point"], round(p["error"], 3)) for p in points if abs(p["error"]) >= 0.10
+    ]
+    on_record = {p["file"] for p in points}
+    timed = {f.name for f in (ROOT / "benchmarks" / "gpu").glob("h100_*.json")
+             if "step_seconds" in f.read_text() or "step_ms" in f.read_text()}  # fmt: skip
+    assert timed <= on_record  # every H100 step time the project holds is checked
+
+
+@needs_plugin
+def test_the_record_is_what_the_predictor_says_today():
+    """One held-out point compiled again here and predicted: the JSON is today's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import target_time
+
+    point = "gpt-125m hand_written"
+    found = next(p for p in target_time.points() if p["point"] == point)
+    seconds = shardplug.predict_step(found["compile"]()).seconds
+    recorded = next(p for p in _record()["points"] if p["point"] == point)
+    assert seconds == pytest.approx(recorded["predicted_seconds"], rel=1e-3)
+    assert abs(seconds / recorded["measured_seconds"] - 1) < 0.10

@@ -20,6 +20,8 @@ _EXPORTS = {
     "shardplug.core.attention": ("attention",),
     "shardplug.core.context": ("batch_axis_name", "compute_dtype", "constrain", "sharding_of"),
     "shardplug.core.devices": ("select_devices", "simulate_cpu_devices"),
+    "shardplug.core.timing": ("StepTime", "predict_step"),
+    "shardplug.core.chips": ("Chip",),
     "shardplug.core.hookspecs": ("hookimpl", "hookspec"),
     "shardplug.core.mesh": ("parse_mesh",),
     "shardplug.core.strategy": ("Strategy", "StrategyInfo", "StrategyOption"),

@@ -33,6 +33,7 @@ from shardplug.explain_memory import (  # fmt: skip
     per_device_bytes,
     shard_bytes,
 )
+from shardplug.explain_time import predicted
 from shardplug.flops import float32_note, product_dtypes
 from shardplug.loop.feed import global_struct
 from shardplug.native import sorted_stderr
@@ -94,6 +95,10 @@ class Report:
     #: more than once (a tied embedding): ``{"params": [paths], "dims", "parts",
     #: "extra_bytes", "extra_wire_bytes"}`` (:func:`shardplug.core.hlo.gradient_parts`)
     gradient_parts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: the step's time predicted for the GPU it is compiled for (``--target``, or a GPU
+    #: present), its throughput, MFU and parts (:func:`shardplug.explain_time.predicted`);
+    #: None on other devices
+    timing: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -234,6 +239,7 @@ def explain(
         gradient_parts=parts,
         axis_types={"types": trainer.axis_types, "why": trainer.axis_types_reason},
         precision=precision,
+        timing=predicted(trainer, batch),
     )
 
 

@@ -18,6 +18,13 @@ name: data parallelism wins where it fits because its one gradient all-reduce is
 such traffic, and loses where it does not fit. On one device nothing is sent: the plainest
 step that fits wins, of peaks within 5% of the lowest.
 
+Where the devices are a GPU shardplug predicts (``--target h100``, or an H100 present), the
+policy is the step's predicted time instead (:func:`shardplug.predict_step`, which weighs
+what the rest only counts: each kernel's FLOPs and bytes, each collective over its link and
+how much of it the schedule hides): the fastest that fits, times within 2% counting as equal
+(of equals, the plainest step); a pipeline's schedule and cp's scheme likewise. The reason
+names the runner-up and how much longer its step takes.
+
 A parameter the step uses twice (an embedding tied to the output) has a gradient of two
 parts; XLA's CPU compiler (planning on a CPU for a GPU) all-reduces each apart, and its GPU
 compiler adds them and reduces once. The parts are gradients, not activations (the textbook figure
@@ -121,7 +128,9 @@ def recommend(
     best, equals = _best(rows, with_equals=True)
     infos = {i.name: i for i in list_strategies()}
     others = [r["strategy"] for r in rows if "error" not in r and not r["fits"]]
-    if math.prod(best["mesh"].values()) == 1:
+    if _timed(fitting):
+        reason = _fastest(best, fitting, equals, device_memory)
+    elif math.prod(best["mesh"].values()) == 1:
         # One device: nothing is split or sent, so the plain step is best; a pipeline
         # schedule on one stage only cuts the batch into microbatches (slower, less memory).
         low = min(r["peak_bytes"] for r in fitting)  # peaks within 5% are equal
@@ -164,8 +173,43 @@ def recommend(
         reason += (f"; the {best['device_kind']} multiplies float8: add --addon float8 to run "
                    f"the linear layers' products in it (e4m3 forward, e5m2 gradients: "
                    f"torchtitan measured 1.28x the tokens a second at 8B), the same memory")
-    return {"strategies": rows, "recommended": best["strategy"], "reason": reason,
-            "options": options, "addons": addons}  # fmt: skip
+    result = {"strategies": rows, "recommended": best["strategy"], "reason": reason,
+              "options": options, "addons": addons}  # fmt: skip
+    result["runner_up"] = runner_up(result)
+    return result
+
+
+def _fastest(best: dict[str, Any], fitting: list[dict[str, Any]], equals: list[dict[str, Any]],
+             device_memory: int) -> str:  # fmt: skip
+    """Why the fastest predicted step was picked, and how much slower the runner-up is."""
+    ms = best["predicted_seconds"] * 1e3
+    reason = (f"of the {len(fitting)} that fit, its step is the fastest predicted on the GPU's "
+              f"program: {ms:,.1f} ms" + (f" (MFU {best['mfu']:.1%})" if best.get("mfu") else "")
+              + f", at a peak of {size(best['peak_bytes'])} of {size(device_memory)}")  # fmt: skip
+    tied = [r["strategy"] for r in equals if r is not best]
+    if tied:
+        reason += f"; the plainest of those within {TIED - 1:.0%} of it ({', '.join(tied)})"
+    others = sorted((r for r in fitting if r is not best), key=lambda r: r["predicted_seconds"])
+    if others:
+        second = others[0]
+        reason += (f"; the runner-up, {second['strategy']}, takes "
+                   f"{second['predicted_seconds'] / best['predicted_seconds']:.2f}x as long")
+    return reason
+
+
+def runner_up(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The fitting strategy predicted fastest after the pick, and its time over the pick's
+    (None where times were not predicted or nothing else fits)."""
+    rows = {r["strategy"]: r for r in result["strategies"] if r.get("fits")}
+    best = rows.get(result.get("recommended") or "")
+    if best is None or not _timed(list(rows.values())):
+        return None
+    others = sorted((r for r in rows.values() if r is not best),
+                    key=lambda r: r["predicted_seconds"])  # fmt: skip
+    if not others:
+        return None
+    return {"strategy": others[0]["strategy"],
+            "ratio": others[0]["predicted_seconds"] / best["predicted_seconds"]}
 
 
 def _float8(row: dict[str, Any]) -> list[str]:
@@ -248,6 +292,8 @@ def _row(compile_trainer: Callable[..., tuple[Any, Any]], name: str, options: di
         "bf16": report.precision.get("compute") == "bfloat16",
         "float8": "float8" in trainer.strategy.addons,
         **({"bubble": pipeline["bubble"], "ran": pipeline["schedule"]} if pipeline else {}),
+        **({"predicted_seconds": report.timing["seconds"], "mfu": report.timing["mfu"]}
+           if report.timing else {}),
     }  # fmt: skip
 
 
@@ -258,12 +304,28 @@ def _rank(row: dict[str, Any]) -> tuple:
     return (moves_activations, sent, row["peak_bytes"])
 
 
+#: predicted times within this factor of the fastest count as equal (the plainest wins)
+TIED = 1.02
+
+
+def _timed(rows: list[dict[str, Any]]) -> bool:
+    """Whether every row has a predicted step time (a GPU's program): then they are ranked
+    by it."""
+    return bool(rows) and all(r.get("predicted_seconds") for r in rows)
+
+
 def _best(rows: list[dict[str, Any]], with_equals: bool = False) -> Any:
-    """The pick of the fitting rows (see the module), and those sending about as little."""
+    """The pick of the fitting rows (see the module), and those sending about as little (of
+    predicted times, those within 2% of the fastest)."""
     infos = {i.name: i for i in list_strategies()}
     fitting = sorted((r for r in rows if r["fits"]), key=_rank)
     if not fitting:
         return (None, []) if with_equals else None
+    if _timed(fitting):
+        fastest = min(r["predicted_seconds"] for r in fitting)
+        equals = [r for r in fitting if r["predicted_seconds"] <= TIED * fastest]
+        best = min(equals, key=lambda r: (_plain(r, infos), r["predicted_seconds"]))
+        return (best, equals) if with_equals else best
     least = fitting[0]
     equals = [r for r in fitting if _rank(r)[0] == _rank(least)[0]
               and _rank(r)[1] <= 1.05 * _rank(least)[1]]  # fmt: skip
@@ -296,14 +358,19 @@ def _schedule_for(row: dict[str, Any], compile_trainer, device_memory: int) -> N
     fits = {k: r for k, r in tried.items() if r["fits"] and "bubble" in r}
     if not fits:
         return
-    name = min(fits, key=lambda k: (fits[k]["bubble"], fits[k]["peak_bytes"]))
+    if _timed(list(fits.values())):  # the fastest predicted step
+        name = min(fits, key=lambda k: (fits[k]["predicted_seconds"], fits[k]["peak_bytes"]))
+    else:
+        name = min(fits, key=lambda k: (fits[k]["bubble"], fits[k]["peak_bytes"]))
     chosen = fits[name]
     figures = ", ".join(
-        f"{k} {r['bubble']:.1%} idle at {size(r['peak_bytes'])}" if "bubble" in r
-        else f"{k} refused" for k, r in tried.items()
+        f"{k} {r['bubble']:.1%} idle at {size(r['peak_bytes'])}"
+        + (f", {r['predicted_seconds'] * 1e3:,.1f} ms" if r.get("predicted_seconds") else "")
+        if "bubble" in r else f"{k} refused" for k, r in tried.items()
     )  # fmt: skip
     over = [k for k, r in tried.items() if "bubble" in r and not r["fits"]]
-    reason = (f"-o pp.schedule={name}: the least idle of the schedules that fit ({figures}"
+    least = "the fastest predicted" if _timed(list(fits.values())) else "the least idle"
+    reason = (f"-o pp.schedule={name}: {least} of the schedules that fit ({figures}"
               + (f"; {', '.join(over)} do not fit" if over else "") + ")")  # fmt: skip
     row.update({k: v for k, v in chosen.items() if k != "strategy"})
     row["schedule"] = {"name": name, "reason": reason, "tried": {
@@ -331,18 +398,26 @@ def _scheme_for(row: dict[str, Any], compile_trainer, device_memory: int) -> Non
     fits = {k: r for k, r in tried.items() if r["fits"]}
     if not fits:
         return
-    least = min(r["sent_bytes"] - r["parts_bytes"] for r in fits.values())
-    equal = {k: r for k, r in fits.items() if r["sent_bytes"] - r["parts_bytes"] <= 1.05 * least}
+    if _timed(list(fits.values())):  # the fastest predicted step, then the lowest peak
+        fastest = min(r["predicted_seconds"] for r in fits.values())
+        equal = {k: r for k, r in fits.items() if r["predicted_seconds"] <= TIED * fastest}
+    else:
+        least = min(r["sent_bytes"] - r["parts_bytes"] for r in fits.values())
+        equal = {k: r for k, r in fits.items()
+                 if r["sent_bytes"] - r["parts_bytes"] <= 1.05 * least}  # fmt: skip
     name = min(equal, key=lambda k: (equal[k]["peak_bytes"], PLANNED_SCHEMES.index(k)))
 
     def said(k: str, r: dict[str, Any]) -> str:
         if "error" in r:
             return f"{k} cannot run here ({r['error']})"
         return (f"{k} sends {size(r['sent_bytes'])} at {size(r['peak_bytes'])}"
-                + ("" if r["fits"] else ", over"))  # fmt: skip
+                + (f", {r['predicted_seconds'] * 1e3:,.1f} ms" if r.get("predicted_seconds")
+                   else "") + ("" if r["fits"] else ", over"))  # fmt: skip
 
-    why = ("sends the least" if len(equal) == 1
-           else f"has the lowest peak of those sending as little ({', '.join(equal)})")  # fmt: skip
+    timed = _timed(list(fits.values()))
+    why = (("is the fastest predicted" if timed else "sends the least") if len(equal) == 1
+           else f"has the lowest peak of those {'as fast' if timed else 'sending as little'} "
+                f"({', '.join(equal)})")  # fmt: skip
     reason = (f"-o cp.scheme={name}: of cp's schemes that fit, it {why} ("
               + "; ".join(said(k, r) for k, r in tried.items()) + ")")  # fmt: skip
     row.update({k: v for k, v in tried[name].items() if k != "strategy"})

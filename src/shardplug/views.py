@@ -123,6 +123,11 @@ def render(report: Report, console: Any, every_row: bool = False) -> None:
         )
     for note in report.notes:
         console.print(f"note: {note}")
+    if report.timing:
+        from shardplug.explain_time import lines
+
+        for line in lines(report.timing):
+            console.print(line, highlight=False)
     if report.pipeline:
         _pipeline(console, report.pipeline)
     for picture in report.pictures:
@@ -322,20 +327,25 @@ def render_recommend(result: dict[str, Any], console: Any, title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
-    for column in ("strategy", "fits", "peak/device", "params+opt/device", "sent/step"):
+    timed = any(r.get("predicted_seconds") for r in result["strategies"])
+    columns = ("strategy", "fits", "peak/device", "params+opt/device", "sent/step")
+    for column in columns + (("predicted step", "MFU") if timed else ()):
         table.add_column(column, justify="left" if column in ("strategy", "fits") else "right")
     refused: dict[str, list[str]] = {}  # one row per reason (ep's, for a model without experts)
     for r in result["strategies"]:
         if "error" in r:
             refused.setdefault(r["error"], []).append(r["strategy"])
             continue
+        when = r.get("predicted_seconds")
         table.add_row(
             r["strategy"], "yes" if r["fits"] else "no", size(r["peak_bytes"]),
             size(r["params_bytes"] + r["opt_state_bytes"]), size(r["sent_bytes"]),
+            *((f"{when * 1e3:,.1f} ms" if when else "",
+               f"{r['mfu']:.1%}" if r.get("mfu") else "") if timed else ()),
         )  # fmt: skip
     for error, names in refused.items():
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-        table.add_row(names[0] + more, "no", "", "", error)
+        table.add_row(names[0] + more, "no", "", "", error, *(("", "") if timed else ()))
     console.print(table)
     choice, reason = result["recommended"], result["reason"]
     flags = "".join(

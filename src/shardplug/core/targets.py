@@ -174,7 +174,8 @@ def compile_noting(trainer: Any, batch: Any) -> list[str]:
         trainer.compile(batch)
     count = len(trainer.mesh.devices.flat)
     notes = [f"compiled for {count} x {device.device_kind}, not present: the GPU compiler's "
-             "program and memory, its kernels untuned (no GPU to time them)"]  # fmt: skip
+             "program and memory; its kernels untuned here, the step's time predicted for "
+             "the kernels a GPU tunes"]  # fmt: skip
     copies, overlapping, first = host_copies(trainer.compiled.as_text())
     if not copies and activations_on_host(trainer.jaxpr):  # the policy's moves were dropped
         raise ConfigError(_NO_REMAT.format(device.device_kind))

@@ -1,0 +1,83 @@
+"""A compiled program's values by name, with their shapes and bytes: what a prediction of
+the step's time reads of each instruction (:mod:`shardplug.core.timing`)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from shardplug.core.hlo import _ARRAY, _BYTES, Instruction, computations
+
+#: an instruction's result shape: the text between ``=`` and its opcode
+_RESULT = re.compile(r"=\s*(.*?)\s+[a-z][\w\-]*\(")
+
+Arrays = list[tuple[str, tuple[int, ...]]]
+
+
+def arrays(shape_text: str) -> Arrays:
+    """The arrays of a shape's text, each as ``(dtype, dimensions)``."""
+    clean = re.sub(r"/\*.*?\*/", "", shape_text)
+    return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(clean)]
+
+
+def nbytes(found: Arrays) -> int:
+    """The bytes of ``found`` arrays."""
+    return sum(_BYTES[d] * math.prod(s) for d, s in found)
+
+
+def result(i: Instruction) -> Arrays:
+    """What an instruction makes (an asynchronous fusion's start: the fusion's result)."""
+    found = _RESULT.search(i.text)
+    if not found:
+        return []
+    if i.opcode == "fusion-start":  # ((operands), result, context): the result
+        parts = elements(found.group(1))
+        return arrays(parts[1]) if len(parts) == 3 else []
+    return arrays(found.group(1))
+
+
+def elements(shape_text: str) -> list[str]:
+    """A tuple shape's elements, as text (a plain shape: itself)."""
+    text = re.sub(r"/\*.*?\*/", "", shape_text).strip()
+    if not text.startswith("("):
+        return [text]
+    out, depth, current = [], 0, ""
+    for ch in text[1:-1]:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    return [*out, current.strip()] if current.strip() else out
+
+
+def in_host_memory(i: Instruction) -> bool:
+    """Whether an instruction's result lives in host memory (memory space ``S(5)``)."""
+    found = _RESULT.search(i.text)
+    return bool(found and "S(5)" in found.group(1))
+
+
+class Program:
+    """A compiled program's computations, with each value's shape by name."""
+
+    def __init__(self, hlo_text: str):
+        self.text = hlo_text
+        self.computations = computations(hlo_text)
+        self.defs = {c: {i.name: i for i in ins} for c, ins in self.computations.items()}
+        entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", hlo_text, re.MULTILINE)
+        self.entry = entry.group(1) if entry else next(iter(self.computations), "")
+        partitions = re.search(r"num_partitions=(\d+)", hlo_text)
+        self.devices = int(partitions.group(1)) if partitions else 1
+
+    def shape(self, computation: str, name: str) -> Arrays:
+        """The shape of value ``name`` of ``computation`` (none where it is not found)."""
+        found = self.defs.get(computation, {}).get(name)
+        return result(found) if found is not None else []
+
+    def operand_bytes(self, computation: str, i: Instruction) -> int:
+        """The bytes of everything ``i`` reads, whole."""
+        return sum(nbytes(self.shape(computation, o)) for o in i.operands)
