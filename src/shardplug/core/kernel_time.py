@@ -20,6 +20,14 @@ from shardplug.core.hlo import Instruction
 from shardplug.core.program import Program, result
 from shardplug.core.program import nbytes as size_of
 
+#: a Pallas flash kernel lowered to Triton (jax.experimental.pallas.ops.gpu.attention's, or
+#: shardplug's pair kernel for a ring's blocks), by its kernel's name
+_FLASH = re.compile(r"^(mha_forward|mha_backward|shardplug_pair_)")
+#: the products of each pass of fused attention, by the kernel's name
+_PRODUCTS = (("Backward|mha_backward", 5), ("pair_dkv", 4), ("pair_dq", 3))
+#: what a Triton flash kernel reaches of cuDNN's: FlashAttention-2 against FlashAttention-3
+#: on an H100 at head dimension 64-128 (the FA3 paper: about 335 against 540 TFLOP/s)
+TRITON_SHARE = 0.62
 #: a kernel's part of the step, its FLOPs, bytes and seconds
 Cost = tuple[str, float, float, float]
 #: what costs nothing on its own: names, tuples, views, a device's index
@@ -203,12 +211,24 @@ class Kernels:
             best = min(best, waves * per_tile)
         return max(best, memory) + chip.launch_seconds
 
+    def host_slice_bytes(self, computation: str, i: Instruction, to_device: bool) -> float:
+        """What a slice between host and device memory moves over PCIe: the slice read out
+        of host memory, or the update written into it."""
+        if to_device:
+            return float(size_of(result(i)))
+        callee = next((c for r, c in i.calls if r == "calls"), "")
+        _, written = self._fusion_io(callee)
+        return float(size_of(result(i)) if written is None else written)
+
     def _custom(self, computation: str, i: Instruction) -> Cost:
         target = _TARGET.search(i.text)
         name = target.group(1) if target else ""
         nbytes = self.program.operand_bytes(computation, i) + size_of(result(i))
         if "fmha" in name or "flash" in name:
             return self._attention(computation, i, name, nbytes)
+        kernel = re.search(r'\bname = "([^"]+)"', i.text) if "triton" in name else None
+        if kernel is not None and _FLASH.search(kernel.group(1)):  # a Pallas flash kernel
+            return self._attention(computation, i, kernel.group(1), nbytes, TRITON_SHARE)
         if "gemm" in name or "matmul" in name:
             lhs = self.program.shape(computation, i.operands[0]) if i.operands else []
             rhs = self.program.shape(computation, i.operands[1]) if len(i.operands) > 1 else []
@@ -226,9 +246,12 @@ class Kernels:
         return "memory-bound", 0.0, nbytes, seconds + self.chip.launch_seconds
 
     def _attention(
-        self, computation: str, i: Instruction, name: str, nbytes: float
+        self, computation: str, i: Instruction, name: str, nbytes: float, share: float = 1.0
     ) -> Cost:
-        """cuDNN's fused attention: queries (B, S, H, D) against keys (B, T, H', D)."""
+        """Fused attention: queries (B, S, H, D) against keys (B, T, H', D), 2 products
+        forward and 5 backward (a pass of a split backward: its own share of them), halved
+        where causal (cuDNN says so; a Pallas kernel of queries as long as its keys is taken
+        to be), at ``share`` of cuDNN's efficiency."""
         q = self.program.shape(computation, i.operands[0]) if i.operands else []
         k = self.program.shape(computation, i.operands[1]) if len(i.operands) > 1 else []
         if not (q and k) or len(q[0][1]) != 4:
@@ -236,11 +259,13 @@ class Kernels:
             return "memory-bound", 0.0, nbytes, seconds + self.chip.launch_seconds
         bsz, s, h, d = q[0][1]
         t = k[0][1][1]
-        causal = 0.5 if '"mask_type": "CAUSAL"' in i.text or "PADDING_CAUSAL" in i.text else 1.0
-        backward = "Backward" in name
-        flops = (10.0 if backward else 4.0) * bsz * h * s * t * d * causal
-        share = self.chip.attention_efficiency["backward" if backward else "forward"]
-        peak = self.chip.flops.get("bf16", 1.0) * share
+        cudnn = '"mask_type": "CAUSAL"' in i.text or "PADDING_CAUSAL" in i.text
+        causal = 0.5 if cudnn or (share != 1.0 and s == t) else 1.0
+        products = next((n for pattern, n in _PRODUCTS if re.search(pattern, name)), 2)
+        backward = products > 2
+        flops = 2.0 * products * bsz * h * s * t * d * causal
+        efficiency = self.chip.attention_efficiency["backward" if backward else "forward"]
+        peak = self.chip.flops.get("bf16", 1.0) * efficiency * share
         seconds = max(flops / peak, nbytes / (self.chip.bandwidth * self.chip.memory_efficiency))
         return "attention", flops, nbytes, seconds + self.chip.launch_seconds
 

@@ -56,9 +56,15 @@ def elements(shape_text: str) -> list[str]:
 
 
 def in_host_memory(i: Instruction) -> bool:
-    """Whether an instruction's result lives in host memory (memory space ``S(5)``)."""
+    """Whether an instruction's result lives in host memory (memory space ``S(5)``; of an
+    asynchronous fusion's start, the fusion's result)."""
     found = _RESULT.search(i.text)
-    return bool(found and "S(5)" in found.group(1))
+    if not found:
+        return False
+    if i.opcode == "fusion-start":
+        parts = elements(found.group(1))
+        return len(parts) == 3 and "S(5)" in parts[1]
+    return "S(5)" in found.group(1)
 
 
 class Program:

@@ -176,9 +176,17 @@ def compile_noting(trainer: Any, batch: Any) -> list[str]:
     notes = [f"compiled for {count} x {device.device_kind}, not present: the GPU compiler's "
              "program and memory; its kernels untuned here, the step's time predicted for "
              "the kernels a GPU tunes"]  # fmt: skip
-    copies, overlapping, first = host_copies(trainer.compiled.as_text())
-    if not copies and activations_on_host(trainer.jaxpr):  # the policy's moves were dropped
-        raise ConfigError(_NO_REMAT.format(device.device_kind))
+    text = trainer.compiled.as_text()
+    copies, overlapping, first = host_copies(text)
+    written, read = host_slices(text)
+    if activations_on_host(trainer.jaxpr):
+        if not (copies or written):  # the policy's moves were dropped
+            raise ConfigError(_NO_REMAT.format(device.device_kind))
+        notes.append(
+            f"--remat offload: the GPU's program writes each layer's input to host memory and "
+            f"reads it back for the backward pass, over PCIe ({written} slice write(s) and "
+            f"{read} read(s) in the layer loops' bodies)"
+        )
     if copies:
         notes.append(
             f"the GPU's program brings host memory to the device in {copies} copies, "
@@ -252,9 +260,9 @@ _NO_HOST = (
 
 
 _NO_REMAT = (
-    "--target compiles for the {}, which is not here, and JAX drops --remat offload's moves "
-    "to host memory for a device without memories: explain it with --remat full (the same "
-    "recomputation, the inputs kept on the device) or without --target"
+    "--target compiles for the {}, which is not here, and this JAX drops --remat offload's "
+    "moves to host memory for a device without memories: explain it with --remat full (the "
+    "same recomputation, the inputs kept on the device) or without --target"
 )
 
 
@@ -283,6 +291,28 @@ def host_copies(hlo_text: str) -> tuple[int, int, float]:
     starts = [k for k, i in enumerate(entry) if i.opcode == "copy-start" and _to_device(i.text)]
     first = starts[0] / max(len(entry), 1) if starts else 1.0
     return len(starts), sum(k < last for k in starts), first
+
+
+def host_slices(hlo_text: str) -> tuple[int, int]:
+    """In a compiled GPU program: how many asynchronous slice writes into arrays in host
+    memory (``S(5)``) and slice reads out of them it runs, each loop's body counted once:
+    how a remat policy's moves to the host compile (a layer stack's inputs, one layer at a
+    time)."""
+    from shardplug.core.hlo import computations
+    from shardplug.core.program import elements
+
+    written = read = 0
+    for instructions in computations(hlo_text).values():
+        for i in instructions:
+            if i.opcode != "fusion-start" or "S(5)" not in i.text:
+                continue
+            result = i.text.split("=", 1)[1].split(" fusion-start(", 1)[0]
+            parts = elements(result)  # ((operands), result, context)
+            if len(parts) == 3 and "S(5)" in parts[1]:
+                written += 1
+            else:
+                read += 1
+    return written, read
 
 
 def _to_device(line: str) -> bool:

@@ -213,6 +213,10 @@ class _Predictor:
             elif op == "call":
                 for _, callee in i.calls:
                     self.run(callee, times, clock)
+            elif op == "fusion-start" and "S(5)" in i.text:  # a slice to or from the host
+                self._start(computation, i, times, clock)
+            elif op == "fusion-done" and i.operands and i.operands[0] in clock.pending:
+                self._done(i, times, clock)
             elif op in ("fusion-start", "fusion-done"):  # a kernel started asynchronously
                 if op == "fusion-start":
                     part, flops, nbytes, seconds = self.kernels.kernel(computation, i)
@@ -334,6 +338,11 @@ class _Predictor:
     ) -> tuple[str | None, str, float, float]:
         """What an asynchronous start begins: its part, its stream, its seconds and bytes."""
         op = i.opcode
+        if op == "fusion-start":  # a slice written into, or read out of, host memory
+            to_device = not in_host_memory(i)
+            moved = self.kernels.host_slice_bytes(computation, i, to_device)
+            kind = "host copies (to device)" if to_device else "host copies (to host)"
+            return kind, kind, moved / self.chip.pcie + self.chip.launch_seconds, moved
         if op == "copy-start":
             to_device = not in_host_memory(i)
             arrays = result(i)
