@@ -219,9 +219,11 @@ def test_the_input_and_weight_halves_are_the_pullback_each_operation_once():
     gx, stash = backward.input_grads(cut, kept, [gy])
     gw = backward.weight_grads(cut, kept, stash)
     want_w, want_x = pull(gy)
-    np.testing.assert_array_equal(gx[0], want_x)
+    # the same operations, run apart: equal but for the last bit of a sum XLA may fuse
+    # otherwise (seen on some CPUs)
+    np.testing.assert_allclose(gx[0], want_x, rtol=1e-5, atol=1e-6)
     for got, want in zip(gw, jax.tree.leaves(want_w), strict=True):
-        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert not set(cut.b) & set(cut.w) and cut.w and cut.shared == 0
     products = [cut.flat.eqns[i].eqn.primitive.name == "dot_general" for i in cut.w]
     assert sum(products) >= 4  # each weight's product is W's, not B's

@@ -32,7 +32,8 @@ GPU would pick, not of the tile the program names):
 Loops run their body their known trip count times, each iteration walked where a
 conditional in the body picks its branch by the iteration (a pipeline's ticks): which branch
 each device takes is computed from the program's own tables (:mod:`shardplug.core.branches`),
-and the step waits for the slowest device's; where it cannot be told, the longest branch.
+each device walks its own branches through an iteration, and the iteration lasts as long as
+the slowest device's walk; where a branch cannot be told, the longest.
 """
 
 from __future__ import annotations
@@ -198,10 +199,11 @@ class _Predictor:
     # the schedule ------------------------------------------------------------------
 
     def run(self, computation: str, times: float, clock: _Clock,
-            loop: Loop | None = None) -> None:  # fmt: skip
+            loop: Loop | None = None, device: int | None = None) -> None:  # fmt: skip
         """Advance ``clock`` through ``computation``'s schedule; every kernel's work counts
         ``times`` times in the parts (the loops around it). ``loop``: the iteration of the
-        loop whose body this is, which the branches a conditional takes may depend on."""
+        loop whose body this is, which the branches a conditional takes may depend on;
+        ``device``: the one device whose branches are taken (None: the slowest's)."""
         for i in self.program.computations.get(computation, []):
             op = i.opcode
             if op in FREE:
@@ -209,7 +211,7 @@ class _Predictor:
             if op == "while":
                 self._loop(computation, i, times, clock)
             elif op == "conditional":
-                self._branches(computation, i, times, clock, loop)
+                self._branches(computation, i, times, clock, loop, device)
             elif op == "call":
                 for _, callee in i.calls:
                     self.run(callee, times, clock)
@@ -258,10 +260,8 @@ class _Predictor:
         if branching and index and steps and trips <= _WALKED:
             init, step = int(steps.group(1)), int(steps.group(2))
             for k in range(trips):
-                inner = _Clock(free=dict.fromkeys(clock.free, 0.0))
                 loop = Loop(body, int(index.group(1)), init + k * step)
-                self.run(body, times, inner, loop)
-                clock.now += inner.now + per_iteration
+                clock.now += self._iteration(body, times, clock, loop) + per_iteration
         else:
             inner = _Clock(free=dict.fromkeys(clock.free, 0.0))
             self.run(body, times * trips, inner)
@@ -269,15 +269,45 @@ class _Predictor:
         clock.now += cond.now
         self.parts[_ITERATIONS].add(times * trips, 0.0, 0.0, per_iteration)
 
+    def _iteration(self, body: str, times: float, clock: _Clock, loop: Loop) -> float:
+        """One iteration of a loop whose branches differ by device (a pipeline's tick): each
+        device walks its own branches, and the iteration lasts as long as the slowest
+        device's walk (the devices meet at the end of the iteration, where the tick's sends
+        are); its parts are the slowest device's."""
+        slowest: tuple[float, dict[str, Part], Any] | None = None
+        for device in range(max(self.program.devices, 1)):
+            saved, self.parts = self.parts, collections.defaultdict(Part)
+            spent, self.spent = self.spent, collections.Counter()
+            inner = _Clock(free=dict.fromkeys(clock.free, 0.0))
+            self.run(body, times, inner, loop, device)
+            walked = (inner.now, self.parts, self.spent)
+            self.parts, self.spent = saved, spent
+            if slowest is None or walked[0] > slowest[0]:
+                slowest = walked
+        self._merge(slowest[1], slowest[2])
+        return slowest[0]
+
+    def _merge(self, parts: dict[str, Part], spent: Any) -> None:
+        self.spent.update(spent)
+        for name, p in parts.items():
+            mine = self.parts[name]
+            mine.count += p.count
+            mine.flops += p.flops
+            mine.bytes += p.bytes
+            mine.seconds += p.seconds
+            mine.exposed += p.exposed
+
     def _branches(self, computation: str, i: Instruction, times: float, clock: _Clock,
-                  loop: Loop | None) -> None:  # fmt: skip
-        """The branch each device takes, where the program says (its index computed from the
-        loop's iteration, the device's own index and constants); the step waits for the
-        slowest device. Where it cannot be told, the longest branch."""
+                  loop: Loop | None, device: int | None = None) -> None:  # fmt: skip
+        """The branch a device takes, where the program says (its index computed from the
+        loop's iteration, the device's own index and constants): ``device``'s, or where it
+        is None the slowest device's (the step waits for it). Where it cannot be told, the
+        longest branch."""
         branches = [c for r, c in i.calls if r in _BRANCHES]
         taken = set()
-        for device in range(max(self.program.devices, 1)):
-            chosen = Evaluator(self.program, loop, device).branch(computation, i)
+        devices = range(max(self.program.devices, 1)) if device is None else (device,)
+        for one in devices:
+            chosen = Evaluator(self.program, loop, one).branch(computation, i)
             if chosen is None:
                 taken = set(range(len(branches)))
                 self.unresolved += 1
@@ -289,14 +319,7 @@ class _Predictor:
             if best is None or found[0] > best[0]:
                 best = found
         if best is not None:
-            self.spent.update(best[2])
-            for name, p in best[1].items():
-                mine = self.parts[name]
-                mine.count += p.count
-                mine.flops += p.flops
-                mine.bytes += p.bytes
-                mine.seconds += p.seconds
-                mine.exposed += p.exposed
+            self._merge(best[1], best[2])
             clock.now += best[0] + self.chip.loop_seconds
 
     def _branch(self, branch: str, times: float) -> tuple[float, dict[str, Part], Any]:

@@ -154,6 +154,35 @@ def _offloads(block: Any, w: Any, x: Any) -> bool:
     return any(a.memory_space == host for a in jax.make_jaxpr(residuals)(w, x).out_avals)
 
 
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Buffers of ``(slots, 1, 1, layers, *one layer's value)`` and the slot a pass reads or
+    writes: each layer's value goes straight to its row as the layer runs, and comes
+    straight from it, never a chunk's stack of them copied whole into (or out of) a slot."""
+
+    buffers: list[Any]
+    slot: Any
+
+    def written(self, buffers: list[Any], j: Any, values: list[Any]) -> list[Any]:
+        """``values`` (layer ``j``'s) into ``buffers`` (a scan's carry) at the slot."""
+        at = jnp.maximum(self.slot, 0)
+        return [
+            jax.lax.dynamic_update_slice(
+                b, v.astype(b.dtype)[None, None, None, None], (at, 0, 0, j, *(0,) * v.ndim)
+            )
+            for b, v in zip(buffers, values, strict=True)
+        ]
+
+    def read(self, j: Any) -> list[Any]:
+        """Layer ``j``'s values, from the slot."""
+        at = jnp.maximum(self.slot, 0)
+        return [
+            jax.lax.dynamic_slice(b, (at, 0, 0, j, *(0,) * (b.ndim - 4)),
+                                  (1, 1, 1, 1, *b.shape[4:]))[0, 0, 0, 0]
+            for b in self.buffers
+        ]  # fmt: skip
+
+
 class Chunk:
     """F, B and W of a chunk of ``size`` layers on a stage (see the module); with ``remat``,
     F keeps only each layer's input and B recomputes the rest. ``placed``: each stage's
@@ -188,22 +217,33 @@ class Chunk:
             return (k * self.stages + stage) * self.size
         return jnp.asarray(self.placed, jnp.int32)[stage, k] * self.size
 
-    def forward(self, local, k, msg, stage, rows) -> tuple[Any, list[Any]]:
+    def forward(self, local, k, msg, stage, rows, into: Slot | None = None
+                ) -> tuple[Any, list[Any]]:  # fmt: skip
         """F: the chunk's output message and its layers' residuals (stacked per layer; a
         layer's own weights left out: :meth:`_leaves` puts them back); ``rows``: the
-        microbatch's row inputs of the blocks."""
+        microbatch's row inputs of the blocks. ``into``: buffers each layer's residuals are
+        written into as the layer runs (returned in place of the stack)."""
 
-        def layer(h, w):
+        def layer(carry, inputs):
+            h, kept = carry if into is not None else (carry, None)
+            w, j = inputs
             y, pull = jax.vjp(lambda w, h: self.block(w, h, rows), w, h)
             res, tree = jax.tree.flatten(pull)
             mine = {id(x): i for i, x in enumerate(jax.tree.leaves(w))}
             where = tuple(mine.get(id(r), -1) for r in res)  # -1: kept, else the weight's
             self.pull.update(tree=tree, where=where)
             h, aux = split_aux(y)
-            return h, ([r for r, i in zip(res, where, strict=True) if i < 0], aux)
+            res = [r for r, i in zip(res, where, strict=True) if i < 0]
+            if into is None:
+                return h, (res, aux)
+            return (h, into.written(kept, j, res)), aux
 
         h, acc = msg if self.cut.aux is not None else (msg, None)
-        h, (res, aux) = jax.lax.scan(layer, h, self.params(local, k))
+        xs = (self.params(local, k), jnp.arange(self.size))
+        if into is None:
+            h, (res, aux) = jax.lax.scan(layer, h, xs)
+        else:
+            (h, res), aux = jax.lax.scan(layer, (h, list(into.buffers)), xs)
         if acc is None:
             return h, res
         first = self.first_layer(k, stage)
@@ -214,8 +254,11 @@ class Chunk:
         )
         return (h, acc), res
 
-    def input_grad(self, local, k, g_msg, res, stage) -> tuple[Any, list[Any]]:
-        """B: the gradient of the chunk's input message, and the stash W needs."""
+    def input_grad(self, local, k, g_msg, res, stage, into: Slot | None = None
+                   ) -> tuple[Any, list[Any]]:  # fmt: skip
+        """B: the gradient of the chunk's input message, and the stash W needs. ``res``:
+        the layers' residuals stacked, or the :class:`Slot` they were written into;
+        ``into``: buffers each layer's stash is written into (returned in its place)."""
         aux = self.cut.aux is not None
         g_h, g_acc = g_msg if aux else (g_msg, None)
         g_aux = None
@@ -225,26 +268,41 @@ class Chunk:
                 lambda a: jax.lax.dynamic_slice_in_dim(a, first, self.size, 0), g_acc
             )
 
-        def layer(g, inputs):
-            w, r, ga = inputs
+        def layer(carry, inputs):
+            g, kept_stash = carry if into is not None else (carry, None)
+            w, r, ga, j = inputs
+            r = res.read(j) if isinstance(res, Slot) else r
             kept = self._leaves(r, w)
             given = (g, ga) if aux else (g,)
             gx, stash = backward.input_grads(self._cut(kept, given), kept, jax.tree.leaves(given))
-            return gx[0], stash
+            if into is None:
+                return gx[0], stash
+            return (gx[0], into.written(kept_stash, j, stash)), None
 
-        g_h, stash = jax.lax.scan(layer, g_h, (self.params(local, k), res, g_aux), reverse=True)
+        layers = jnp.arange(self.size)
+        stacked = None if isinstance(res, Slot) else res
+        xs = (self.params(local, k), stacked, g_aux, layers)
+        if into is None:
+            g_h, stash = jax.lax.scan(layer, g_h, xs, reverse=True)
+        else:
+            (g_h, stash), _ = jax.lax.scan(layer, (g_h, list(into.buffers)), xs, reverse=True)
         return ((g_h, g_acc) if aux else g_h), stash
 
     def weight_grad(self, local, k, res, stash, given) -> list[Any]:
         """W: the gradient of each of the stack operation's parameter leaves, (G, ...);
+        ``res`` and ``stash`` stacked, or the :class:`Slot` each was written into;
         ``given``: one layer's output gradient, its shape alone."""
 
         def layer(_, inputs):
-            w, r, st = inputs
+            w, r, st, j = inputs
+            r = res.read(j) if isinstance(res, Slot) else r
+            st = stash.read(j) if isinstance(stash, Slot) else st
             kept = self._leaves(r, w)
             return None, backward.weight_grads(self._cut(kept, given), kept, st)
 
-        _, gw = jax.lax.scan(layer, None, (self.params(local, k), res, stash))
+        xs = (self.params(local, k), None if isinstance(res, Slot) else res,
+              None if isinstance(stash, Slot) else stash, jnp.arange(self.size))  # fmt: skip
+        _, gw = jax.lax.scan(layer, None, xs)
         return gw
 
     def _leaves(self, res: list[Any], w: Any) -> list[Any]:

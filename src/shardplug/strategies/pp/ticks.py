@@ -49,7 +49,7 @@ from shardplug.plugin import (
     lay_out,
     means,
 )
-from shardplug.strategies.pp.chunks import Chunk, chunked, cut_at_stack, merged, unchunked
+from shardplug.strategies.pp.chunks import Chunk, Slot, chunked, cut_at_stack, merged, unchunked
 from shardplug.strategies.pp.region import (
     after,
     leaving,
@@ -57,7 +57,6 @@ from shardplug.strategies.pp.region import (
     read_slot,
     sent,
     write_if_slot,
-    write_slot,
     zeros,
 )
 from shardplug.strategies.pp.stages import leaf_microbatches
@@ -273,28 +272,30 @@ class _Ticks:
         updated in place; what F and B send, and a token of W's update."""
         chunk, per_chunk, msg_local = self.chunk, self.per_chunk, self.msg_local
 
+        # Each layer's residuals are written into the slot as the layer runs, and read from it
+        # a layer at a time (a chunk's stack copied whole into a slot and out of it again
+        # moved each residual three more times: 1.17x accumulation's step on one H100)
         def fwd(res):
             inbox = read_slot(st["inbox"], me["inbox"])
             start = self.message(x_in) if self.has_aux else x_in
             msg = jax.tree.map(lambda a, b: jnp.where(me["first"] > 0, a, b), start, inbox)
-            out, new = chunk.forward(local, me["chunk"], msg, stage, mine)
-            return write_slot(res, me["residual"], new), out
+            return chunk.forward(local, me["chunk"], msg, stage, mine,
+                                 into=Slot(res, me["residual"]))[::-1]  # fmt: skip
 
         def skip_f(res):
             return list(res), zeros(msg_local)
 
         def bwd(stash):
-            res = read_slot(st["res"], me["residual"])
             g_msg = read_slot(st["grad"], me["grad"])
-            out, new = chunk.input_grad(local, me["chunk"], g_msg, res, stage)
-            return write_slot(stash, me["stash"], new), out
+            out, new = chunk.input_grad(local, me["chunk"], g_msg, Slot(st["res"], me["residual"]),
+                                        stage, into=Slot(stash, me["stash"]))  # fmt: skip
+            return new, out
 
         def skip_b(stash):
             return list(stash), zeros(msg_local)
 
         def wgt(acc):
-            res = read_slot(st["res"], me["residual"])
-            stash = read_slot(st["stash"], me["stash"])
+            res, stash = Slot(st["res"], me["residual"]), Slot(st["stash"], me["stash"])
             gw = chunk.weight_grad(local, me["chunk"], res, stash, self.g_like)
             acc, start = list(acc), me["chunk"] * per_chunk
             for i, g in zip(self.cut.view, gw, strict=True):  # (replica 1, layers, ...) each
