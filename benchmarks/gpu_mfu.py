@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 PEAKS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
-REMAT = ("none", "dots", "full")
+REMAT = ("none", "dots", "full", "offload")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,14 +118,21 @@ def gpt(size: Size, *, dtype: Any = None, attend: Any = None, remat: str = "none
 
 def _remat(block: Any, policy: str) -> Any:
     """The block, its activations kept (``none``), all recomputed in the backward pass
-    (``full``), or all but the matrix products' outputs recomputed (``dots``)."""
+    (``full``), all but the matrix products' outputs recomputed (``dots``), or all
+    recomputed from its input kept in host memory (``offload``: shardplug's policy, as
+    ``--remat offload`` runs it)."""
     import jax
     from flax import nnx
 
+    from shardplug.core.remat import named_input, saveable
+
     if policy == "none":
         return block
-    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    run = nnx.remat(lambda b, x: b(x), policy=saveable if policy == "dots" else None)
+    if policy == "offload":
+        run = nnx.remat(named_input(lambda b, x: b(x), "offload"), policy=saveable("offload"))
+        return lambda x: run(block, x)
+    dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    run = nnx.remat(lambda b, x: b(x), policy=dots if policy == "dots" else None)
     return lambda x: run(block, x)
 
 
@@ -264,13 +271,20 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         report = explain(trainer, next(iter(t.batches())), device_memory=memory)
         peak = report.per_device["peak_bytes"]
         params = sum(math.prod(p.shape) for p in report.params)
+        timing = report.timing or {}  # a GPU's program: its step predicted
         rows.append({"size": name, "params": params, "peak_bytes": peak,
-                     "fits": memory is not None and peak <= memory})  # fmt: skip
+                     "fits": memory is not None and peak <= memory,
+                     "predicted_step_seconds": timing.get("seconds"),
+                     "predicted_tokens_per_second": timing.get("tokens_per_second"),
+                     "predicted_mfu": timing.get("mfu")})  # fmt: skip
     fitting = [r["size"] for r in rows if r["fits"]]
+    timed = sorted((r for r in rows if r["fits"] and r["predicted_step_seconds"]),
+                   key=lambda r: r["predicted_step_seconds"])  # fmt: skip
     result = {
         "plan": rows, "device": getattr(device, "device_kind", device.platform),
         "device_memory": memory, "batch": args.batch or 8, "remat": args.remat,
         "largest_that_fits": fitting[-1] if fitting else None,
+        "fastest_predicted": [r["size"] for r in timed],
     }  # fmt: skip
     if memory is not None and not all(r["fits"] for r in rows) and args.device_memory is None:
         result["note"] = memory_limit_note(device)
@@ -357,6 +371,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = trainer.mesh.devices.flat[0]
     measured = (device.memory_stats() or {}).get("peak_bytes_in_use")
     predicted = peak_bytes(trainer.compiled.memory_analysis())
+    from shardplug.core.chips import chip_of
+
+    chip = chip_of(device)  # a GPU shardplug predicts: the step's time from its own program
+    predicted_step = shardplug.predict_step(trainer.compiled, chip).seconds if chip else None
 
     step, state, traced = hand_written(size, batch, args.remat)
     for b in feed(3):
@@ -415,6 +433,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rounds": {"shardplug": ours, "hand_written": theirs},
         "predicted_peak_bytes": predicted,
         "measured_peak_bytes": measured,
+        "predicted_step_seconds": predicted_step,
         "loss": trainer.history[-1]["loss"],
     }
     print(json.dumps(result))

@@ -57,13 +57,13 @@ def elements(shape_text: str) -> list[str]:
 
 def in_host_memory(i: Instruction) -> bool:
     """Whether an instruction's result lives in host memory (memory space ``S(5)``; of an
-    asynchronous fusion's start, the fusion's result)."""
+    asynchronous fusion's start, the fusion's result; of a copy's start, its destination)."""
     found = _RESULT.search(i.text)
     if not found:
         return False
-    if i.opcode == "fusion-start":
-        parts = elements(found.group(1))
-        return len(parts) == 3 and "S(5)" in parts[1]
+    if i.opcode in ("fusion-start", "copy-start"):  # (operands, result, context) and
+        parts = elements(found.group(1))  # (destination, source, context)
+        return len(parts) == 3 and "S(5)" in parts[i.opcode == "fusion-start"]
     return "S(5)" in found.group(1)
 
 
