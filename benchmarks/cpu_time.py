@@ -107,7 +107,8 @@ def _collective_latency() -> float:
     def per_device(v):
         return lax.fori_loop(0, trips, lambda i, v: lax.psum(v, "d") * 0.125, v)
 
-    step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("d"), out_specs=P("d"),
+                                 check_vma=False))
     return _timed(step, jnp.ones((8, 8), jnp.float32)) / trips
 
 

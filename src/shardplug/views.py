@@ -322,6 +322,30 @@ def plot_bench(report: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def render_bench_plan(result: dict[str, Any], console: Any) -> None:
+    """``bench --plan``'s predicted steps, fastest first, beside their hand-written twins'."""
+    from rich.table import Table
+
+    title = (f"{result['model']}: steps predicted on {result['devices']} x {result['device']} "
+             "(compiled here, nothing run)")  # fmt: skip
+    table = Table(title=title, title_justify="left")
+    for column in ("strategy", "predicted step", "hand-written", "ratio", "tokens/s", "MFU",
+                   "peak/device"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for r in result["plans"]:
+        table.add_row(
+            r["strategy"], f"{r['predicted_seconds'] * 1e3:,.1f} ms",
+            f"{r['hand_written_seconds'] * 1e3:,.1f} ms", f"{r['ratio']:.3f}",
+            f"{r['tokens_per_second']:,.0f}" if r["tokens_per_second"] else "",
+            f"{r['mfu']:.1%}" if r["mfu"] else "", size(r["peak_bytes"]),
+        )  # fmt: skip
+    console.print(table)
+    runner = result.get("runner_up")
+    if runner:
+        console.print(f"fastest: [bold]{result['plans'][0]['strategy']}[/bold]; the runner-up, "
+                      f"{runner['strategy']}, takes {runner['ratio']:.2f}x as long")  # fmt: skip
+
+
 def render_recommend(result: dict[str, Any], console: Any, title: str) -> None:
     """``recommend``'s ranking as a table on a ``rich`` console, and its choice."""
     from rich.table import Table
@@ -383,6 +407,6 @@ def render_longest(result: dict[str, Any], console: Any, title: str) -> None:
 
 
 __all__ = [
-    "groups", "plot", "plot_bench", "render", "render_bench", "render_longest",
-    "render_recommend", "size",
+    "groups", "plot", "plot_bench", "render", "render_bench", "render_bench_plan",
+    "render_longest", "render_recommend", "size",
 ]  # fmt: skip

@@ -164,6 +164,11 @@ def _bench_command(sub: Any) -> None:
                        "twin (default: dp,fsdp,2d,pmap)")  # fmt: skip
     bench.add_argument("--steps", type=_positive(int), default=20, help="steps per round")
     bench.add_argument("--rounds", type=_positive(int), default=7, help="interleaved rounds")
+    bench.add_argument("--plan", action="store_true",
+                       help="run nothing: each strategy and its hand-written twin compiled for "
+                       "--target's GPU and their steps predicted from the programs, fastest "
+                       "first")  # fmt: skip
+    _target(bench)
 
 
 def _export_command(sub: Any) -> None:

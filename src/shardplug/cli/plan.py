@@ -96,6 +96,29 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_plan(args: argparse.Namespace, config: RunConfig, strategies: list[str]) -> int:
+    """``bench --plan --target GPU``: the strategies' steps and their twins' predicted."""
+    if args.target is None or not args.plan:
+        raise ConfigError(
+            "bench --plan predicts a GPU's steps from the programs compiled for it, and --target "
+            "names the GPU: give both (--plan --target h100), or neither to time the strategies "
+            "on this machine"
+        )
+    task, devices = _prepare_for(args, config)
+    from shardplug.bench import plan
+    from shardplug.views import render_bench_plan
+
+    console = _console()
+    quiet = args.json
+    say = None if quiet else lambda text: console.print(f"[dim]{text}[/dim]")
+    result = plan(strategies, task, devices, progress=say)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        render_bench_plan(result, console)
+    return 0
+
+
 def _prepare_for(args: argparse.Namespace, config: RunConfig) -> tuple[Any, list[Any] | None]:
     """The task, and with ``--target`` the devices of the GPU compiled for on this CPU
     machine (None: this machine's own)."""
@@ -200,6 +223,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError("--strategies names no strategy: give e.g. dp,fsdp")
     for name in strategies:
         get_strategy(name)  # an unknown name fails here, before anything compiles
+    if args.plan or args.target is not None:
+        return _bench_plan(args, config, strategies)
     task = _prepare(config)
     from shardplug.bench import bench
     from shardplug.views import plot_bench, render_bench
