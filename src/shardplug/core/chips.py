@@ -62,8 +62,9 @@ class Chip:
     attention_efficiency: Mapping[str, float] = dataclasses.field(
         default_factory=lambda: {"forward": 0.45, "backward": 0.35}
     )
-    #: what the step's time is per device when several share this chip (simulated CPU
-    #: devices take turns on one machine's cores): each device's program runs alone
+    #: how many devices share this chip's cores (simulated CPU devices on one machine): each
+    #: kernel and loop iteration takes that many times as long (the devices' programs take
+    #: turns), a collective's wait does not
     shared_by: int = 1
 
     def peak(self, kind: str = "bf16") -> float:

@@ -61,7 +61,8 @@ class Kernels:
         """A kernel's part, FLOPs, bytes and seconds."""
         key = (computation, i.name)
         if key not in self.memo:
-            self.memo[key] = self._kernel(computation, i)
+            part, flops, moved, seconds = self._kernel(computation, i)
+            self.memo[key] = (part, flops, moved, seconds * self.chip.shared_by)
         return self.memo[key]
 
     def _kernel(self, computation: str, i: Instruction) -> Cost:

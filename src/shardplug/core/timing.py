@@ -255,7 +255,7 @@ class _Predictor:
         start = clock.now
         cond = _Clock()
         self.run(condition, times * (trips + 1), cond)
-        per_iteration = self.chip.loop_seconds + cond.now
+        per_iteration = self.chip.loop_seconds * self.chip.shared_by + cond.now
         branching = any(x.opcode == "conditional" for x in self.program.computations.get(body, []))
         if branching and index and steps and trips <= _WALKED:
             init, step = int(steps.group(1)), int(steps.group(2))
@@ -482,7 +482,7 @@ def predict_step(program: Any, chip: Chip | str | None = None) -> StepTime:
     clock = _Clock()
     predictor.run(predictor.program.entry, 1.0, clock)
     parts = {k: dataclasses.asdict(v) for k, v in predictor.parts.items() if v.count or v.seconds}
-    return StepTime(clock.now * chip.shared_by, chip.name, parts, predictor.unresolved,
+    return StepTime(clock.now, chip.name, parts, predictor.unresolved,
                     predictor.largest(_LARGEST))  # fmt: skip
 
 
