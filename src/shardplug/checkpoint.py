@@ -387,6 +387,19 @@ def saved_config(directory: Path, step: int) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
+def saved_layout(directory: Path, step: int) -> dict[str, Any]:
+    """What the newest checkpoint's run ran on: ``{"devices", "mesh", "strategy"}`` as its
+    JSON holds them (best effort, as :func:`saved_config`)."""
+    try:
+        with open(directory / str(step) / "meta" / "metadata") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(meta, dict):
+        return {}
+    return {k: meta[k] for k in ("devices", "mesh", "strategy") if k in meta}
+
+
 def readable(root: Path) -> None:
     """Raise :class:`CheckpointError` naming the first file or folder of a checkpoint that
     cannot be read for a reason other than damage (permission denied, an I/O error).

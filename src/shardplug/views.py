@@ -394,15 +394,22 @@ def render_longest(result: dict[str, Any], console: Any, title: str) -> None:
         over = dict(r["tried"]).get(r["first_over"]) if r["first_over"] else None
         table.add_row(
             r["strategy"], ",".join(f"{k}={v}" for k, v in r["mesh"].items()), str(r["rows"]),
-            (f"at least {r['longest']:,} (the most tried)" if r.get("capped") else
+            (f"at least {r['longest']:,} (the time ran out)" if r.get("timed_out") else
+             f"{r['longest']:,} (the model's most positions)" if r.get("capped")
+             and result.get("limited_by") == "the model's positions" else
+             f"at least {r['longest']:,} (the most tried)" if r.get("capped") else
              f"{r['longest']:,}") if r["longest"] else "none",
             size(r["peak_bytes"]) if r["peak_bytes"] else "",
             f"{r['first_over']:,} ({size(over)})" if over else "",
         )  # fmt: skip
     console.print(table)
+    bound = (f"up to the model's {result['limit']:,} positions"
+             if result.get("limited_by") == "the model's positions" else
+             f"up to {result.get('limit') or 1 << 20:,} tokens")  # fmt: skip
+    seconds = f" and {result['seconds']:.0f} s" if result.get("seconds") else ""
     console.print(
-        f"the step compiled at each length tried, nothing allocated; peaks against "
-        f"{size(result['device_memory'])} per device"
+        f"the step compiled at each length tried ({bound}{seconds}), nothing allocated; peaks "
+        f"against {size(result['device_memory'])} per device"
     )
 
 

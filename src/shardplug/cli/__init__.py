@@ -10,6 +10,7 @@ prints the whole traceback instead.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
 import sysconfig
@@ -61,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exit:
         return int(exit.code or 0)
+    _quiet_cuda_plugin()
     from shardplug.distributed import joined, leave
 
     errors: list[str] = []
@@ -74,6 +76,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if errors and joined():
         leave(code, errors[-1])
     return code
+
+
+class _CudaPlugin(logging.Filter):
+    """JAX's CUDA plugin where CUDA is missing (``shardplug[target]`` installs it to compile
+    for GPUs not here): JAX logs its failed start as a 20-line traceback before every
+    command. Without an NVIDIA GPU that is expected, and said nowhere; with one, one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Jax plugin configuration error" not in str(record.msg) or not record.exc_info:
+            return True
+        from shardplug.core.devices import nvidia_gpus
+
+        if not nvidia_gpus():
+            return False
+        cause = record.exc_info[1]
+        record.msg = ("JAX's CUDA plugin could not start (%s): JAX runs on the CPU; install "
+                      "CUDA's libraries (pip install -e '.[cuda]')")  # fmt: skip
+        record.args, record.exc_info, record.exc_text = (str(cause),), None, None
+        return True
+
+
+def _quiet_cuda_plugin() -> None:
+    logging.getLogger("jax._src.xla_bridge").addFilter(_CudaPlugin())
 
 
 def _run(args, errors: list[str]) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -208,9 +209,44 @@ def saved_run(config: RunConfig) -> dict[str, Any]:
     return {}
 
 
+def ran_on(config: RunConfig) -> dict[str, Any]:
+    """On ``--resume``: what the newest checkpoint's run ran on (its devices, mesh and
+    strategy), else {}."""
+    from shardplug.checkpoint import complete_steps, saved_layout
+
+    if not config.resume or config.checkpoint_dir is None:
+        return {}
+    complete = complete_steps(config.checkpoint_dir)
+    return saved_layout(config.checkpoint_dir, complete[-1]) if complete else {}
+
+
+def on_its_devices(config: RunConfig) -> tuple[RunConfig, str | None]:
+    """A plain ``--resume`` (no ``--devices``, ``--mesh`` or processes named) on the device
+    count its checkpoint ran on, and the line that says so; else ``config`` as it is."""
+    named = (config.devices, config.mesh, config.coordinator, config.num_processes,
+             config.process_id)  # fmt: skip
+    if not config.resume or any(v for v in named) or config.distributed:
+        return config, None
+    devices = ran_on(config).get("devices")
+    if not isinstance(devices, int) or devices < 1:
+        return config, None
+    from shardplug.core.devices import nvidia_gpus
+
+    gpus = nvidia_gpus()
+    if gpus and devices > gpus:  # fewer GPUs here than it ran on: every one, as by default
+        return config, None
+    said = (f"shardplug: --resume: on the {devices} device{'s' * (devices > 1)} the "
+            f"checkpoint in {config.checkpoint_dir} ran on (--devices N for another count)")
+    return dataclasses.replace(config, devices=devices), said
+
+
 def resumed(config: RunConfig, saved: Mapping[str, Any]) -> RunConfig:
     """``config`` with what it leaves unsaid taken from the checkpoint's run (``saved``, {}
     for a new run), checked: the one merge of the two. A new run gets the defaults."""
+    for name in ("adapter", "sequence"):  # what shapes a pretrained run's model or batches too
+        given, was = getattr(config, name), saved.get(name)
+        if given is not None and was is not None and given != was:
+            raise ConfigError(_reshaped(config, name, given, f"{name} {was}"))
     if saved.get("init_from") and config.task is None and config.model is None:
         return _filled(config, {k: saved.get(k) for k in RESUMED_PRETRAINED}, saved)
     if config.task is None and saved.get("task") and config.model is None:
@@ -240,13 +276,20 @@ def resumed(config: RunConfig, saved: Mapping[str, Any]) -> RunConfig:
             was = 2  # the default, which checkpoints before top_k was recorded ran
         if saved and name in SHAPING and given is not None and given != was:
             had = f"{name} {was}" if was is not None else f"no {name.replace('_', ' ')}"
-            raise ConfigError(
-                f"{_flag(name)} {given}: the run in {config.checkpoint_dir} was trained with "
-                f"{had}, and a resumed run keeps the model it saved: drop {_flag(name)}, or "
-                f"train anew in another --checkpoint-dir"
-            )
+            raise ConfigError(_reshaped(config, name, given, had))
         fill[name] = was
     return _filled(config, fill, saved)
+
+
+def _reshaped(config: RunConfig, name: str, given: Any, had: str) -> str:
+    """The line that refuses a resume whose flag would change the model it saved."""
+    why = {"adapter": " (another framework names and lays out its parameters otherwise)",
+           "sequence": " (its batches, and the data position that counts them)"}  # fmt: skip
+    return (
+        f"{_flag(name)} {given}: the run in {config.checkpoint_dir} was trained with {had}, and "
+        f"a resumed run keeps the model it saved{why.get(name, '')}: drop {_flag(name)}, or "
+        f"train anew in another --checkpoint-dir"
+    )
 
 
 def _filled(config: RunConfig, values: Mapping[str, Any], saved: Mapping[str, Any]) -> RunConfig:
@@ -364,7 +407,26 @@ def trainer_for(config: RunConfig, task: Any, strategy: Any, *, allocate: bool =
         given["config"] = config.recorded()
     if devices is not None:
         given["devices"] = devices
+    elif config.devices is None and config.mesh:
+        given["devices"] = _mesh_devices(config.mesh, strategy)
     return task.trainer(strategy=strategy, allocate=allocate, **given)
+
+
+def _mesh_devices(mesh: str, strategy: Any) -> int | None:
+    """The devices a ``--mesh`` that sizes every axis of the strategy's composition names,
+    where they are fewer than JAX has (``--mesh stage=4`` of ``pp`` on 8 devices: 4 of
+    them, as asked); None to use every device (the mesh then sizes them, or says why not)."""
+    import jax
+
+    from shardplug.core.mesh import parse_mesh
+
+    composition = getattr(strategy, "composition", None)
+    shape = parse_mesh(mesh)
+    if composition is None or not set(composition.axes) <= set(shape):
+        return None
+    count = math.prod(shape.values())
+    there = len(jax.devices())
+    return count if count < there and jax.process_count() == 1 else None
 
 
 def read_first(data: Any, limit_s: float | None = None) -> Any:
@@ -397,6 +459,9 @@ def _png(path: Path, flag: str = "--plot", reads: tuple[Path, ...] = ()) -> Path
     its missing folders made."""
     if path.is_dir():
         raise ConfigError(f"{flag} {path} is a folder: name the .png file to write in it")
+    if path.exists() and not path.is_file():  # a device, a pipe: nothing a picture is kept in
+        raise ConfigError(f"{flag} {path} is not a regular file (a device or a pipe): name "
+                          f"a .png file to write")  # fmt: skip
     path = path if path.suffix else path.with_suffix(".png")
     if path.suffix.lower() not in PICTURES:
         raise ConfigError(f"{flag} {path}: a picture is drawn as {', '.join(PICTURES)}; name "

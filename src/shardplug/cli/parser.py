@@ -146,6 +146,10 @@ def _recommend_command(sub: Any) -> None:
                            help="instead: the longest sequence each strategy fits, one sample "
                            "per data-parallel device (the task at other lengths: --sequence, "
                            "or its function's sequence=)")  # fmt: skip
+    recommend.add_argument("--search-seconds", type=_positive(float), default=600.0,
+                           metavar="S", help="with --longest-sequence: stop searching after S "
+                           "seconds, over all the strategies (default 600); what fit so far "
+                           "is said as 'at least'")  # fmt: skip
 
 
 def _bench_command(sub: Any) -> None:

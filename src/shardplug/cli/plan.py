@@ -16,7 +16,7 @@ from shardplug.cli.config import (
     trainer_for,
 )
 from shardplug.cli.tasks import task_of
-from shardplug.errors import ConfigError
+from shardplug.errors import ConfigError, ShardplugError
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -76,7 +76,8 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         return trainer_for(config, task, strategy, allocate=False, devices=devices), batch
 
     if args.longest_sequence:
-        result = _longest(config, planned, batch, memory, strategies or candidates())
+        result = _longest(config, planned, batch, memory, strategies or candidates(),
+                          args.search_seconds)  # fmt: skip
         if args.json:
             print(json.dumps(result, indent=1))
         else:
@@ -133,7 +134,7 @@ def _prepare_for(args: argparse.Namespace, config: RunConfig) -> tuple[Any, list
 
 
 def _longest(config: RunConfig, planned: Callable, batch: Any, memory: int,
-             strategies: list[str]) -> dict[str, Any]:  # fmt: skip
+             strategies: list[str], seconds: float) -> dict[str, Any]:  # fmt: skip
     """``recommend --longest-sequence``: the longest sequence each strategy fits."""
     from shardplug.recommend import longest_sequences
 
@@ -153,7 +154,10 @@ def _longest(config: RunConfig, planned: Callable, batch: Any, memory: int,
             other = task_of(config, sequence, rows).task
             return planned(name, task=other, batch=plan_batch(other))
 
-        result = longest_sequences(compile_at, memory, strategies, start)
+        limit = _positions(config) or 1 << 20
+        result = longest_sequences(compile_at, memory, strategies, start, limit=limit,
+                                   seconds=seconds)  # fmt: skip
+        result["limited_by"] = "the model's positions" if limit < 1 << 20 else "shardplug"
         progress(len(strategies), len(strategies), "")
     refused = [r for r in result["strategies"] if "error" in r]
     if len(refused) == len(result["strategies"]):
@@ -198,6 +202,19 @@ def _candidates_progress() -> Iterator[Callable[[int, int, str], None]]:
             bar[0].stop()
     print(f"shardplug: compiled the candidates in {time.perf_counter() - began:.0f} s",
           file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _positions(config: RunConfig) -> int | None:
+    """The most positions the model reads (a pretrained checkpoint's
+    ``max_position_embeddings``), or None where it has no such bound."""
+    if config.init_from is None:
+        return None
+    from shardplug.pretrained import read_config
+
+    try:
+        return read_config(config.init_from).max_positions
+    except ShardplugError:  # unreadable here: the task's own load has said why
+        return None
 
 
 def _sequence_of(batch: Any) -> int:

@@ -131,7 +131,7 @@ class Declared:
         help="reference model: mlp, classifier, transformer or cnn (default: transformer)")
     adapter: str | None = setting(
         "--adapter", part="what", tags=("model_only", "pretrained_takes", "resumed",
-                                        "resumed_pretrained"),
+                                        "resumed_pretrained", "shaping"),
         help="the reference model's framework: nnx, linen or equinox")  # fmt: skip
     init_from: str | None = setting(
         "--init-from", part="what", metavar="DIR", tags=("resumed_pretrained",),

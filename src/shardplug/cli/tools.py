@@ -211,7 +211,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise ConfigError(f"{path}: no such file; give the JSON lines train --metrics-out wrote")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not text, so not a metrics file; give the JSON lines "
+                          "train --metrics-out wrote") from None  # fmt: skip
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -10,6 +10,8 @@ from typing import Any
 
 from shardplug.cli.config import (
     RunConfig,
+    on_its_devices,
+    ran_on,
     read_first,
     resumed,
     saved_run,
@@ -19,12 +21,13 @@ from shardplug.cli.config import (
 from shardplug.cli.outputs import logged, plot, summary
 from shardplug.cli.tasks import task_of
 from shardplug.cli.watch import check_memory, quiet_orbax
-from shardplug.errors import ConfigError
+from shardplug.errors import BatchError, ConfigError
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     config = _checked(RunConfig.of(args))  # every flag, before JAX starts: a typo costs nothing
     strategy = strategy_of(config)  # an unknown name or option is one line, now
+    config, said = on_its_devices(config)  # a plain --resume: where its checkpoint ran
     _join_or_simulate(config)
     quiet_orbax()
     what = task_of(config)  # after the devices: a task file may use JAX as it is imported
@@ -35,7 +38,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config.eval_every is not None and task.eval_data is None:
         raise ConfigError(f"--eval-every: task {task.name} has no eval_data to evaluate on")
     trainer = trainer_for(config, task, strategy, allocate=False)
-    _compile_first(config, task, trainer)  # a batch that does not split fails here
+    if said and primary:
+        print(said, file=sys.stderr)
+    try:
+        _compile_first(config, task, trainer)  # a batch that does not split fails here
+    except BatchError as exc:
+        raise _replanned(config, exc) from exc
     began = time.perf_counter()
     trainer.allocate()
     if what.pretrained is not None and what.pretrained.tensors is not None:
@@ -95,6 +103,28 @@ def _compile_first(config: RunConfig, task: Any, trainer: Any) -> None:
     trainer.compile(first if _reads_own_rows(task.batches()) else _own_rows(first))
     if not config.skip_memory_check:
         check_memory(trainer)
+
+
+def _replanned(config: RunConfig, exc: BatchError) -> Exception:
+    """A batch that does not split, on ``--resume``: where the batch size is the
+    checkpoint's, one line saying which device counts it splits over and what a new batch
+    size changes; else the error as it was."""
+    ran = ran_on(config)
+    saved = saved_run(config) if config.resume else {}
+    batch = config.batch_size
+    if not ran or batch is None or saved.get("batch_size") != batch:
+        return exc
+    import re
+
+    devices = ran.get("devices")
+    found = re.search(r"over the (\d+) devices", str(exc))
+    where = f"the {found.group(1)} devices of this run" if found else "this run's devices"
+    return ConfigError(
+        f"--resume: the checkpoint's global batch of {batch} (its --batch-size, which a "
+        f"resumed run keeps) does not split over {where}: resume on --devices {devices} as "
+        f"it ran, or give a --batch-size that splits (each step then reads other samples, "
+        f"and the losses part from the uninterrupted run's)"
+    )
 
 
 def _said_read(config: RunConfig, tensors: Any, trainer: Any, seconds: float) -> None:

@@ -42,12 +42,17 @@ def check_resumed(batches: Any, meta: dict[str, Any] | None) -> None:
     is the :func:`signature` of this run's batches, ``meta`` the checkpoint's JSON."""
     saved = (meta or {}).get("batch_shapes")
     shapes = global_shapes(batches)
-    if saved is not None and saved != shapes:
-        raise BatchError(
-            f"the checkpoint's run read batches of shapes {saved}, this one reads {shapes}: "
-            "resume with the same batch size (another one would read other samples), or "
-            "start a new run in an empty directory"
-        )
+    if saved is None or saved == shapes:
+        return
+    rows = {tuple(s[:1]) for s in saved} != {tuple(s[:1]) for s in shapes}
+    what = ("batch size (another one would read other samples)" if rows else
+            "sequence and sample shapes (its batches' other dimensions: another length reads "
+            "other tokens)")  # fmt: skip
+    raise BatchError(
+        f"the checkpoint's run read batches of shapes {saved}, this one reads {shapes}: "
+        f"resume with the same {what}, or start a new run in an empty directory"
+    )
+
 
 
 def put(batch: Any, shardings: Any) -> Any:
