@@ -1,8 +1,12 @@
 """Answers that used to mislead: each is now one line that says what happened."""
 
 import json
+import pathlib
+import types
 
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from shardplug.cli import main
 
@@ -192,3 +196,114 @@ def test_what_is_right_is_still_taken():
     assert dict(trainer.mesh.shape) == {"data": 2}
     prefer = next(o for o in strategy_options("fsdp") if o.name == "prefer")
     assert prefer.parse("") == ()
+
+
+# -- the fourth sweep --------------------------------------------------------------------------
+
+
+def test_a_plain_resume_runs_where_its_checkpoint_ran(tmp_path, capsys):
+    """A run on 4 devices with a batch of 4, resumed with no --devices, resumes on 4 (not
+    refused over 8); --devices 8 is one line naming the 4 and the batch size's trade."""
+    ckpt = str(tmp_path / "ckpt")
+    first = ["train", "--steps", "1", "--quiet", "--layers", "1", "--checkpoint-dir", ckpt]
+    assert main([*first, "--devices", "4", "--batch-size", "4"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", "--steps", "2", "--quiet", "--checkpoint-dir", ckpt]) == 0
+    err = capsys.readouterr().err
+    assert f"shardplug: --resume: on the 4 devices the checkpoint in {ckpt} ran on" in err
+    assert main(["train", "--resume", "--steps", "3", "--quiet", "--checkpoint-dir", ckpt,
+                 "--devices", "8"]) == 2  # fmt: skip
+    line = one_line(capsys)
+    assert line.startswith(
+        "shardplug: error: --resume: the checkpoint's global batch of 4 (its --batch-size, "
+        "which a resumed run keeps) does not split over the 8 devices of this run: resume on "
+        "--devices 4 as it ran, or give a --batch-size that splits"
+    ), line
+    for flag, value, had in (("--adapter", "equinox", "adapter nnx"),
+                             ("--sequence", "16", "sequence 32")):  # fmt: skip
+        assert main(["train", "--resume", "--steps", "3", "--checkpoint-dir", ckpt, flag,
+                     value]) == 2  # fmt: skip
+        line = one_line(capsys)
+        assert line.startswith(f"shardplug: error: {flag} {value}: the run in {ckpt} was "
+                               f"trained with {had}, and a resumed run keeps"), line  # fmt: skip
+
+
+def test_the_readmes_pipeline_example_runs_on_the_devices_its_mesh_names(capsys):
+    assert main(["explain", "--strategy", "pp", "--mesh", "stage=4", "--layers", "8",
+                 "-o", "pp.schedule=1f1b"]) == 0  # fmt: skip
+    assert capsys.readouterr().out.startswith("pp on 4 cpu devices (stage=4)")
+
+
+def test_plot_refuses_what_is_no_metrics_file_and_no_picture_file(tmp_path, capsys):
+    binary = tmp_path / "m.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    assert main(["plot", str(binary)]) == 2
+    assert one_line(capsys) == (f"shardplug: error: {binary}: not text, so not a metrics "
+                                "file; give the JSON lines train --metrics-out wrote")  # fmt: skip
+    rows = tmp_path / "m.jsonl"
+    rows.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 0.5}\n')
+    assert main(["plot", str(rows), "--out", "/dev/null"]) == 2
+    assert "--out /dev/null is not a regular file (a device or a pipe)" in one_line(capsys)
+    assert not pathlib.Path("/dev/null.png").exists()
+
+
+def test_a_loss_of_three_values_that_are_no_state_says_what_a_loss_returns(tmp_path, capsys):
+    task = tmp_path / "three.py"
+    task.write_text(TASKS + "\ndef three():\n    return loss_says(lambda l: (l, {}, l))\n")
+    assert main(["train", "--steps", "1", "--devices", "2", "--task", f"{task}:three"]) == 2
+    line = one_line(capsys)
+    assert ("loss_fn returned three values, read as (loss, metrics, new model state), and its "
+            "third is an array, not the model's state: return (loss, metrics)" in line), line
+
+
+def test_jaxs_cuda_plugin_without_cuda_is_quiet_without_a_gpu(monkeypatch):
+    import logging
+
+    from shardplug.cli import _CudaPlugin
+    from shardplug.core import devices
+
+    try:
+        raise RuntimeError("Unable to load cuDNN. Is it installed?")
+    except RuntimeError:
+        import sys
+
+        failed = sys.exc_info()
+    record = logging.LogRecord("jax._src.xla_bridge", logging.ERROR, __file__, 1,
+                               "Jax plugin configuration error: Exception when calling %s",
+                               ("jax_plugins.xla_cuda12.initialize()",), failed)  # fmt: skip
+    monkeypatch.setattr(devices, "nvidia_gpus", lambda: 0)
+    assert not _CudaPlugin().filter(record)
+    monkeypatch.setattr(devices, "nvidia_gpus", lambda: 8)
+    assert _CudaPlugin().filter(record) and record.exc_info is None
+    said = record.getMessage()
+    assert said.startswith("JAX's CUDA plugin could not start (Unable to load cuDNN. Is it "
+                           "installed?): JAX runs on the CPU"), said
+
+
+def test_the_longest_sequence_search_ends_at_the_positions_and_the_time():
+    from shardplug.recommend import longest_sequences
+
+    class Planned:  # a step whose peak is its sequence in bytes; compiling takes no time
+        def __init__(self, n):
+            self.mesh, self.n = types.SimpleNamespace(shape={"data": 1}), n
+            self.strategy = types.SimpleNamespace(
+                shard_batch=lambda b, m: [types.SimpleNamespace(spec=P())])
+
+    planned = []
+
+    def compile_at(name, length, rows):
+        planned.append(length)
+        return Planned(length), {"tokens": np.zeros((1, length), np.int32)}
+
+    import shardplug.recommend as recommend
+
+    real = recommend.explain
+    recommend.explain = lambda trainer, batch, device_memory: types.SimpleNamespace(
+        per_device={"peak_bytes": trainer.n})
+    try:
+        found = longest_sequences(compile_at, 10**9, ["dp"], 32, limit=128)["strategies"][0]
+        assert found["longest"] == 128 and found["capped"] and max(planned) == 128
+        found = longest_sequences(compile_at, 10**9, ["dp"], 32, seconds=0.0)["strategies"][0]
+        assert found["timed_out"] and found["longest"] is None
+    finally:
+        recommend.explain = real

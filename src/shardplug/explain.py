@@ -145,7 +145,7 @@ def _why(strategy: Any, shape: tuple[int, ...], logical: Any, mesh: Any, seen: d
         return f"the rule splits none of its logical axes {tuple(logical)}"
     if math.prod(shape) < seen["smallest"]:
         return (
-            f"small: {math.prod(shape)} < {seen['smallest']} elements (the smallest split)"
+            f"small: {math.prod(shape)} elements (< {seen['smallest']}, the smallest split)"
         )
     if logical is not None and not names:
         return "no logical-axis annotation to split it by"

@@ -230,11 +230,11 @@ def on_its_devices(config: RunConfig) -> tuple[RunConfig, str | None]:
     devices = ran_on(config).get("devices")
     if not isinstance(devices, int) or devices < 1:
         return config, None
-    from shardplug.core.devices import nvidia_gpus
+    from shardplug.core.devices import SIMULATED, nvidia_gpus
 
     gpus = nvidia_gpus()
-    if gpus and devices > gpus:  # fewer GPUs here than it ran on: every one, as by default
-        return config, None
+    if devices == (gpus or SIMULATED) or (gpus and devices > gpus):
+        return config, None  # as by default: every device (fewer GPUs here: every one)
     said = (f"shardplug: --resume: on the {devices} device{'s' * (devices > 1)} the "
             f"checkpoint in {config.checkpoint_dir} ran on (--devices N for another count)")
     return dataclasses.replace(config, devices=devices), said
@@ -245,6 +245,10 @@ def resumed(config: RunConfig, saved: Mapping[str, Any]) -> RunConfig:
     for a new run), checked: the one merge of the two. A new run gets the defaults."""
     for name in ("adapter", "sequence"):  # what shapes a pretrained run's model or batches too
         given, was = getattr(config, name), saved.get(name)
+        if name == "sequence" and was is None and saved.get("model"):
+            from shardplug.models import get_model
+
+            was = get_model(saved["model"]).default_sequence
         if given is not None and was is not None and given != was:
             raise ConfigError(_reshaped(config, name, given, f"{name} {was}"))
     if saved.get("init_from") and config.task is None and config.model is None:
@@ -426,7 +430,8 @@ def _mesh_devices(mesh: str, strategy: Any) -> int | None:
         return None
     count = math.prod(shape.values())
     there = len(jax.devices())
-    return count if count < there and jax.process_count() == 1 else None
+    fits = count < there and there % count == 0  # a share of them (data=3 of 8: a typo)
+    return count if fits and jax.process_count() == 1 else None
 
 
 def read_first(data: Any, limit_s: float | None = None) -> Any:

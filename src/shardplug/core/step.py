@@ -126,16 +126,13 @@ def _forward(adapter, loss_fn, extras, params, model_state, rng, batch, train):
     )
     if new_state is None:
         new_state = adapter.state_of(model, model_state)
-    elif jax.tree.structure(new_state) != jax.tree.structure(model_state):
-        have = len(jax.tree.leaves(model_state))
-        leaves = len(jax.tree.leaves(new_state))
-        what = ("an array" if hasattr(new_state, "shape")
-                else f"a {type(new_state).__name__} of {leaves} leaves")  # fmt: skip
+    elif hasattr(new_state, "shape") or isinstance(new_state, int | float):
+        # an array or a number is no model state (a state is the model's own tree; it is
+        # not flattened here: Equinox's refuses to be read twice)
         raise ConfigError(
-            f"loss_fn returned three values, read as (loss, metrics, new model state), and its "
-            f"third is {what} where the model's state has {have} leaves: return (loss, "
-            f"metrics), or the model's new state third (its batch statistics, as Equinox "
-            f"threads them)"
+            "loss_fn returned three values, read as (loss, metrics, new model state), and its "
+            "third is an array, not the model's state: return (loss, metrics), or the "
+            "model's new state third (its batch statistics, as Equinox threads them)"
         )
     return loss, (metrics, new_state)
 

@@ -91,6 +91,11 @@ class ReferenceModel:
         self.check_options(**given)
         return self.builders[framework](**given)
 
+    @property
+    def default_sequence(self) -> int | None:
+        """The sequence it trains on unless ``sequence`` is given (None: it reads none)."""
+        return synthetic.SEQ_LEN if "sequence" in self.options else None
+
     def flops_per_sample(self, **options: Any) -> float | None:
         """Training FLOPs of one sample as MFU counts them (:mod:`shardplug.flops`): the
         transformer's; None for the models that are not transformers."""
