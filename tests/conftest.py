@@ -71,6 +71,7 @@ SLOW = (
     "tests/test_checkpoint.py::test_sigkill_in_the_middle_of_a_run",
     "tests/test_checkpoint.py::test_sigterm_finishes_the_step",
     "tests/test_docs.py::test_code_blocks_run[guide.md]",
+    "tests/test_commands.py::test_every_command_runs",
     "tests/test_plugin_guide.py::test_the_guide_builds_a_working_strategy",
     "tests/test_benchmarks.py::test_gpu_mfu",
     "tests/test_benchmarks.py::test_the_hand_written_gpipe",
