@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO
 
 from shardplug import native
@@ -126,14 +126,158 @@ def gpu_blocks(nprocs: int, gpus: int) -> list[str] | None:
     return [",".join(str(g) for g in range(r * per, (r + 1) * per)) for r in range(nprocs)]
 
 
-def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int:
+def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str], *,
+           restarts: int = 0, min_nprocs: int | None = None) -> int:  # fmt: skip
     """Run the job; returns the exit code (0 when every worker succeeded).
 
     On a machine with NVIDIA GPUs each worker gets an equal block of them
     (``CUDA_VISIBLE_DEVICES``) and uses all of its block; without, each simulates
     ``devices_per_proc`` CPU devices.
+
+    :param restarts: how many times a failed job starts again, every worker from the newest
+        complete checkpoint of its ``--checkpoint-dir`` (:class:`Restarts`).
+    :param min_nprocs: the fewest processes it may go on with: a process that fails twice
+        with no checkpoint saved between is taken as lost (its host gone), and the job
+        resumes without it, re-planned as ``--resume`` onto fewer devices is; SIGUSR1 to the
+        launcher brings the lost ones back.
     """
     check_train_args(train_args)
+    plan = Restarts(train_args, nprocs, restarts, min_nprocs)
+    while True:
+        code, failed = _job(plan.nprocs, devices_per_proc, plan.args(), plan)
+        if not plan.again(code, failed):
+            return code
+
+
+class Restarts:
+    """What a launch does when its job fails: which processes start again, from where, and
+    what it says. A job restarts when it failed (not when stopped by a signal or ended well),
+    restarts remain, and it keeps checkpoints; every worker resumes from the newest complete
+    checkpoint (``--resume`` added once one exists)."""
+
+    def __init__(self, train_args: Sequence[str], nprocs: int, restarts: int,
+                 min_nprocs: int | None):  # fmt: skip
+        if restarts < 0:
+            raise ConfigError(f"--restarts {restarts}: give 0 or more")
+        if min_nprocs is not None and not 1 <= min_nprocs <= nprocs:
+            raise ConfigError(f"--min-nprocs {min_nprocs}: give 1 to --nprocs ({nprocs})")
+        self.train_args, self.full = list(train_args), nprocs
+        self.nprocs, self.left, self.min_nprocs = nprocs, restarts, min_nprocs or nprocs
+        self.restart = 0
+        self.folder = _value(self.train_args, "--checkpoint-dir")
+        self.metrics = _value(self.train_args, "--metrics-out")
+        if restarts and self.folder is None:
+            raise ConfigError("--restarts resumes from the job's checkpoints: give the train "
+                              "command a --checkpoint-dir (and --checkpoint-every)")  # fmt: skip
+        self.failures: list[tuple[int, int | None]] = []  # (rank, newest step when it failed)
+        self.grow = False
+        if min_nprocs is not None and min_nprocs < nprocs:
+            signal.signal(signal.SIGUSR1, self._grow)
+
+        self.stop: Callable[[int, object], None] | None = None  # asks this start to stop
+
+    def _grow(self, signum: int, frame: object) -> None:
+        """SIGUSR1: every process back. The running workers are asked to stop (they save,
+        as on SIGTERM), and the job starts again on all of them."""
+        if self.nprocs < self.full and not self.grow and self.stop is not None:
+            self.grow = True
+            self.stop(signal.SIGTERM, None)
+
+    def args(self) -> list[str]:
+        """The train command of this start: ``--resume`` once a checkpoint exists."""
+        if self.restart and self._newest() is not None and "--resume" not in self.train_args:
+            return [*self.train_args, "--resume"]
+        return list(self.train_args)
+
+    def _newest(self) -> int | None:
+        from pathlib import Path
+
+        from shardplug.checkpoint import complete_steps
+
+        steps = complete_steps(Path(self.folder)) if self.folder else []
+        return steps[-1] if steps else None
+
+    def again(self, code: int, failed: tuple[int, int] | None) -> bool:
+        """Whether the job starts again, said in one line; adjusts who starts."""
+        if self.grow and self.nprocs < self.full:  # told to grow back: not a failure
+            self.nprocs, self.grow = self.full, False
+            self.restart += 1
+            print(f"shardplug: restart {self.restart}: back to {self.full} processes, every "
+                  f"worker from the checkpoint of step {self._newest()}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            os.environ["SHARDPLUG_RESTART"] = str(self.restart)
+            return True
+        if code == 0 or failed is None or self.left <= 0:
+            return False
+        rank, exit_code = failed
+        if exit_code == 2:  # bad input: the same again would fail the same way
+            return False
+        newest = self._newest()
+        self.failures.append((rank, newest))
+        reached = _last_step(self.metrics)
+        at = f" at step {reached}" if reached is not None else ""
+        if newest is None:
+            where = "from the start (no checkpoint was complete)"
+        else:
+            redone = ""
+            if reached is not None and reached > newest:
+                redone = (f": step {reached} is trained again" if reached == newest + 1 else
+                          f": steps {newest + 1}-{reached} are trained again")  # fmt: skip
+            where = f"from the checkpoint of step {newest}{redone}"
+        self.left -= 1
+        self.restart += 1
+        lost = self._lost(rank, newest)
+        if lost:
+            self.nprocs -= 1
+            going = "1 process goes" if self.nprocs == 1 else f"{self.nprocs} processes go"
+            where += (f"; process {rank} failed twice with no checkpoint saved between, so its "
+                      f"host is taken as lost: {going} on (SIGUSR1 to the launcher brings it "
+                      f"back)")  # fmt: skip
+        print(f"shardplug: restart {self.restart}: process {rank} {_how(exit_code)}{at}; "
+              f"every worker starts again {where}", file=sys.stderr, flush=True)  # fmt: skip
+        os.environ["SHARDPLUG_RESTART"] = str(self.restart)
+        return True
+
+    def _lost(self, rank: int, newest: int | None) -> bool:
+        if self.nprocs <= self.min_nprocs or len(self.failures) < 2:
+            return False
+        (before, saved_before), (now, saved_now) = self.failures[-2:]
+        return before == now == rank and saved_before == saved_now
+
+
+def _value(args: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` among a command's arguments (``--flag V`` or ``--flag=V``)."""
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _last_step(metrics: str | None) -> int | None:
+    """The last step a run's --metrics-out logged (None without one)."""
+    import json
+
+    if metrics is None:
+        return None
+    try:
+        with open(metrics) as file:
+            lines = file.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def _job(nprocs: int, devices_per_proc: int, train_args: Sequence[str],
+         plan: Restarts | None = None) -> tuple[int, tuple[int, int] | None]:  # fmt: skip
+    """One start of every worker, supervised to its end: the exit code and the worker that
+    failed (None where none did, or a signal stopped them)."""
     from shardplug.core.devices import nvidia_gpus
 
     held: list[list[str]] = [[] for _ in range(nprocs)]  # each worker's native lines
@@ -157,6 +301,8 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
                 proc.kill() if again else proc.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    if plan is not None:
+        plan.stop = forward
     try:
         failed = _supervise(workers, exits, signalled, followed, lock)
     finally:
@@ -165,7 +311,11 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str]) -> int
         _kill(workers)
         for t in threads:
             t.join(timeout=5)
-    return _exit_code(failed, exits, signalled, held, said)
+    code = _exit_code(failed, exits, signalled, held, said)
+    if signalled and failed is None:
+        return code, None
+    bad = [(r, c) for r, c in exits if c != 0]
+    return code, failed or (bad[0] if bad else None)
 
 
 def _start_workers(

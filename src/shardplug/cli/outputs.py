@@ -28,7 +28,13 @@ def logged(config: RunConfig, start: int, primary: bool) -> Iterator[Any]:
         board = _tensorboard(config.tensorboard) if primary and config.tensorboard else None
         with Progress(config.quiet or not primary, config.steps, start) as advance:
 
+            restart = os.environ.get("SHARDPLUG_RESTART") if config.resume else None
+
             def log(rows: list[dict[str, float]]) -> None:
+                nonlocal restart
+                if restart and rows:  # the first row after launch restarted the job
+                    rows = [{**rows[0], "restart": int(restart)}, *rows[1:]]
+                    restart = None
                 if out is not None:
                     out.write(rows)
                 if board is not None:

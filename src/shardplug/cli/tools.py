@@ -131,7 +131,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     command = list(args.command_args)
     if command and command[0] == "--":
         command = command[1:]
-    return launch(args.nprocs, args.devices_per_proc, command)
+    return launch(args.nprocs, args.devices_per_proc, command, restarts=args.restarts,
+                  min_nprocs=args.min_nprocs)  # fmt: skip
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -259,6 +260,10 @@ def plot_losses(rows: list[dict], out: Path, title: str = "") -> Path:
             if r.get("eval_loss") is not None and "step" in r]
     if held:
         ax.plot(*zip(*held, strict=True), "o-", label="held-out loss", markersize=3)
+    restarts = [r["step"] for r in rows if r.get("restart") and "step" in r]
+    for k, step in enumerate(restarts):  # where a launch started the job again
+        ax.axvline(step, color="grey", linestyle="--", linewidth=0.8,
+                   label="restart" if k == 0 else None)  # fmt: skip
     ax.set(xlabel="step", ylabel="loss", title=title)
     ax.grid(alpha=0.3)
     ax.legend()

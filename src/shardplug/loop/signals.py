@@ -50,7 +50,10 @@ class StopSignals:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = signum
-        if self.wait is not None and self.wait.waiting:  # the loop is stuck reading data
+        # the loop stuck reading data stops at once, alone; in a job of many processes the
+        # others are at another step, so the signal waits for the agreement (a wait that
+        # never ends is given up after --data-timeout), and the batch being read is kept
+        if self.wait is not None and self.wait.waiting and not self._multi:
             raise Interrupted
 
     def __enter__(self) -> StopSignals:

@@ -1,0 +1,119 @@
+"""``shardplug launch --restarts N``: a job whose workers die (SIGKILL, SIGTERM, an error in
+the data) starts again from its newest complete checkpoint, and ends with the losses of the
+run nothing interrupted, bit for bit, each step logged once, the restarts marked."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TASK = """
+import os, signal
+import jax, optax, shardplug
+
+model = shardplug.get_model("transformer")
+KILLS = os.environ.get("CHAOS_KILLS", "")  # "step:rank:how,...": each once (a marker file)
+
+def data():
+    for i, batch in enumerate(model.batches(16, 0)):
+        for kill in filter(None, KILLS.split(",")):
+            step, rank, how = kill.split(":")
+            marker = os.path.join(os.environ["CHAOS_DIR"], "killed-" + kill.replace(":", "-"))
+            if i == int(step) and jax.process_index() == int(rank) and not os.path.exists(marker):
+                open(marker, "w").close()
+                if how == "raise":
+                    raise RuntimeError("chaos")
+                os.kill(os.getpid(), getattr(signal, how))
+        yield batch
+
+task = shardplug.Task(model.adapter("nnx", layers=1), model.loss_fn, optax.adam(1e-3),
+                      data=data)
+"""
+
+
+def _launch(folder, nprocs, kills, steps, restarts):
+    (folder / "task.py").write_text(TASK)
+    env = {**os.environ, "CHAOS_KILLS": kills, "CHAOS_DIR": str(folder), "JAX_PLATFORMS": "cpu"}
+    env.pop("SHARDPLUG_RESTART", None)
+    command = [sys.executable, "-m", "shardplug", "launch", "--nprocs", str(nprocs),
+               "--devices-per-proc", str(4 // nprocs), "--restarts", str(restarts), "--",
+               "train", "--task", f"{folder}/task.py:task", "--steps", str(steps),
+               "--checkpoint-dir", str(folder / "ckpt"), "--checkpoint-every", "2",
+               "--metrics-out", str(folder / "m.jsonl"), "--quiet"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env,
+                          cwd=folder)  # fmt: skip
+    rows = [json.loads(line) for line in (folder / "m.jsonl").read_text().splitlines()]
+    return done, rows
+
+
+def _chaos(tmp_path, nprocs, kills, steps):
+    (tmp_path / "calm").mkdir()
+    (tmp_path / "chaos").mkdir()
+    calm, calm_rows = _launch(tmp_path / "calm", nprocs, "", steps, 0)
+    assert calm.returncode == 0, calm.stderr[-2000:]
+    done, rows = _launch(tmp_path / "chaos", nprocs, kills, steps, len(kills.split(",")))
+    assert done.returncode == 0, done.stderr[-3000:]
+    restarts = [line for line in done.stderr.splitlines() if "shardplug: restart " in line]
+    assert len(restarts) == len(kills.split(",")), done.stderr[-3000:]
+    assert [r["step"] for r in rows] == list(range(steps))  # each step once
+    assert [r["loss"] for r in rows] == [r["loss"] for r in calm_rows]  # bit for bit
+    # each restart marks the first row it logs; a later restart may train that row again
+    marks = [r["restart"] for r in rows if "restart" in r]
+    assert marks == sorted(set(marks)) and marks[-1] == len(restarts), marks
+    return restarts
+
+
+def test_a_killed_worker_restarts_the_job_from_its_checkpoint(tmp_path):
+    (line,) = _chaos(tmp_path, 1, "5:0:SIGKILL", 8)
+    assert line.startswith("shardplug: restart 1: process 0 was killed by SIGKILL at step ")
+    assert "every worker starts again from the checkpoint of step " in line
+
+
+@pytest.mark.parametrize("nprocs", [2])
+def test_chaos_of_every_kind(tmp_path, nprocs):
+    kills = "3:1:SIGKILL,6:0:SIGTERM,9:1:raise,12:0:SIGKILL,15:1:SIGTERM,17:0:raise"
+    said = _chaos(tmp_path, nprocs, kills, 20)
+    assert any("killed by SIGKILL" in s for s in said)
+    assert any("exited with code 1" in s for s in said)  # the raised error
+
+
+def test_a_lost_host_leaves_fewer_processes_that_grow_back_when_told(tmp_path):
+    """Process 1 fails at its start while its host is 'gone' (a file says so): after two
+    failures with no checkpoint saved between, the job goes on with process 0 alone (the
+    batch re-planned onto its devices); SIGUSR1, once the host is back, brings both back."""
+    import signal
+    import time
+
+    (tmp_path / "task.py").write_text(TASK + """
+import pathlib
+if jax.process_index() == 1 and (pathlib.Path(os.environ["CHAOS_DIR"]) / "gone").exists():
+    raise RuntimeError("this host is gone")
+""")
+    (tmp_path / "gone").touch()
+    env = {**os.environ, "CHAOS_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    env.pop("SHARDPLUG_RESTART", None)
+    command = [sys.executable, "-m", "shardplug", "launch", "--nprocs", "2",
+               "--devices-per-proc", "2", "--restarts", "3", "--min-nprocs", "1", "--",
+               "train", "--task", f"{tmp_path}/task.py:task", "--steps", "400",
+               "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2",
+               "--metrics-out", str(tmp_path / "m.jsonl"), "--quiet"]  # fmt: skip
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, cwd=tmp_path)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not (tmp_path / "ckpt" / "4").exists() and time.monotonic() < deadline:
+            time.sleep(1)  # process 0 alone trains and saves
+        (tmp_path / "gone").unlink()
+        launcher.send_signal(signal.SIGUSR1)
+        while not (tmp_path / "ckpt" / "12").exists() and time.monotonic() < deadline:
+            time.sleep(1)  # both again
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=300)
+    finally:
+        launcher.kill()
+    said = [line for line in err.splitlines() if line.startswith("shardplug: restart ")]
+    assert "its host is taken as lost: 1 process goes on" in said[1], err[-3000:]
+    assert said[2].startswith("shardplug: restart 3: back to 2 processes"), err[-3000:]
+    assert "dp on 2 cpu devices" in out and "dp on 4 cpu devices in 2 processes" in out
