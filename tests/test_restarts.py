@@ -88,8 +88,14 @@ def test_a_lost_host_leaves_fewer_processes_that_grow_back_when_told(tmp_path):
 
     (tmp_path / "task.py").write_text(TASK + """
 import pathlib
-if jax.process_index() == 1 and (pathlib.Path(os.environ["CHAOS_DIR"]) / "gone").exists():
-    raise RuntimeError("this host is gone")
+
+def gone():
+    if jax.process_index() == 1 and (pathlib.Path(os.environ["CHAOS_DIR"]) / "gone").exists():
+        raise RuntimeError("this host is gone")
+    yield from data()
+
+task = shardplug.Task(model.adapter("nnx", layers=1), model.loss_fn, optax.adam(1e-3),
+                      data=gone)
 """)
     (tmp_path / "gone").touch()
     env = {**os.environ, "CHAOS_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
