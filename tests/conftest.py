@@ -74,6 +74,7 @@ SLOW = (
     "tests/test_commands.py::test_every_command_runs",
     "tests/test_restarts.py::test_chaos_of_every_kind",
     "tests/test_restarts.py::test_a_lost_host_leaves_fewer_processes",
+    "tests/test_restarts.py::test_the_frequent_local_tier",
     "tests/test_plugin_guide.py::test_the_guide_builds_a_working_strategy",
     "tests/test_benchmarks.py::test_gpu_mfu",
     "tests/test_benchmarks.py::test_the_hand_written_gpipe",

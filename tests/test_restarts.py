@@ -33,14 +33,14 @@ task = shardplug.Task(model.adapter("nnx", layers=1), model.loss_fn, optax.adam(
 """
 
 
-def _launch(folder, nprocs, kills, steps, restarts):
+def _launch(folder, nprocs, kills, steps, restarts, every=("--checkpoint-every", "2")):
     (folder / "task.py").write_text(TASK)
     env = {**os.environ, "CHAOS_KILLS": kills, "CHAOS_DIR": str(folder), "JAX_PLATFORMS": "cpu"}
     env.pop("SHARDPLUG_RESTART", None)
     command = [sys.executable, "-m", "shardplug", "launch", "--nprocs", str(nprocs),
                "--devices-per-proc", str(4 // nprocs), "--restarts", str(restarts), "--",
                "train", "--task", f"{folder}/task.py:task", "--steps", str(steps),
-               "--checkpoint-dir", str(folder / "ckpt"), "--checkpoint-every", "2",
+               "--checkpoint-dir", str(folder / "ckpt"), *every,
                "--metrics-out", str(folder / "m.jsonl"), "--quiet"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env,
                           cwd=folder)  # fmt: skip
@@ -48,12 +48,12 @@ def _launch(folder, nprocs, kills, steps, restarts):
     return done, rows
 
 
-def _chaos(tmp_path, nprocs, kills, steps):
+def _chaos(tmp_path, nprocs, kills, steps, every=("--checkpoint-every", "2")):
     (tmp_path / "calm").mkdir()
     (tmp_path / "chaos").mkdir()
     calm, calm_rows = _launch(tmp_path / "calm", nprocs, "", steps, 0)
     assert calm.returncode == 0, calm.stderr[-2000:]
-    done, rows = _launch(tmp_path / "chaos", nprocs, kills, steps, len(kills.split(",")))
+    done, rows = _launch(tmp_path / "chaos", nprocs, kills, steps, len(kills.split(",")), every)
     assert done.returncode == 0, done.stderr[-3000:]
     restarts = [line for line in done.stderr.splitlines() if "shardplug: restart " in line]
     assert len(restarts) == len(kills.split(",")), done.stderr[-3000:]
@@ -123,3 +123,15 @@ task = shardplug.Task(model.adapter("nnx", layers=1), model.loss_fn, optax.adam(
     assert "its host is taken as lost: 1 process goes on" in said[1], err[-3000:]
     assert said[2].startswith("shardplug: restart 3: back to 2 processes"), err[-3000:]
     assert "dp on 2 cpu devices" in out and "dp on 4 cpu devices in 2 processes" in out
+
+
+def test_the_frequent_local_tier_is_what_a_restart_resumes(tmp_path):
+    """Persistent checkpoints every 100 steps (none before the end), a local tier every 2 in
+    a RAM disk's folder: a worker killed as it reads batch 7 (step 6 dispatched, not yet
+    saved) costs the steps since the local checkpoint of step 4, not the run."""
+    local = tmp_path / "shm"
+    (line,) = _chaos(tmp_path, 1, "7:0:SIGKILL", 10, every=(
+        "--checkpoint-every", "100", "--local-checkpoint-dir", str(local),
+        "--local-checkpoint-every", "2"))  # fmt: skip
+    assert "from the checkpoint of step 4" in line, line
+    assert [p.name for p in local.iterdir() if p.name.isdigit()] == ["10"]  # the newest alone

@@ -165,6 +165,7 @@ class Restarts:
         self.nprocs, self.left, self.min_nprocs = nprocs, restarts, min_nprocs or nprocs
         self.restart = 0
         self.folder = _value(self.train_args, "--checkpoint-dir")
+        self.local = _value(self.train_args, "--local-checkpoint-dir")
         self.metrics = _value(self.train_args, "--metrics-out")
         if restarts and self.folder is None:
             raise ConfigError("--restarts resumes from the job's checkpoints: give the train "
@@ -194,8 +195,8 @@ class Restarts:
 
         from shardplug.checkpoint import complete_steps
 
-        steps = complete_steps(Path(self.folder)) if self.folder else []
-        return steps[-1] if steps else None
+        steps = [s for f in (self.folder, self.local) if f for s in complete_steps(Path(f))]
+        return max(steps) if steps else None
 
     def again(self, code: int, failed: tuple[int, int] | None) -> bool:
         """Whether the job starts again, said in one line; adjusts who starts."""

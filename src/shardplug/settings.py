@@ -35,6 +35,11 @@ class Settings:
         current step, save it and raise :class:`shardplug.errors.TrainingInterrupted`.
         Continue a run with :meth:`restore`.
     :param checkpoint_every: steps between checkpoints (None: only when ``fit`` ends).
+    :param local_checkpoint_dir: a second, frequent tier of checkpoints, in a folder of
+        fast local storage (a RAM disk: ``/dev/shm/...``), saved every
+        ``local_checkpoint_every`` steps and keeping the newest alone; ``restore`` takes the
+        newest complete checkpoint of either tier. Where it is not on storage every process
+        of a job shares, a process sees its own shards only, so across hosts keep it off.
     :param keep: how many checkpoints to keep.
     :param config: JSON-serialisable settings to store in each checkpoint (the command line
         stores its arguments), read back as ``trainer.restored_meta["config"]``.
@@ -75,6 +80,8 @@ class Settings:
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     keep: int = 3
+    local_checkpoint_dir: str | None = None
+    local_checkpoint_every: int | None = None
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     on_nonfinite: OnNonFinite = "stop"
     grad_accum: int = 1
@@ -97,6 +104,17 @@ class Settings:
         _positive("grad_accum", self.grad_accum)
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ConfigError("checkpoint_every needs a checkpoint_dir to save into")
+        _positive("local_checkpoint_every", self.local_checkpoint_every, optional=True)
+        if (self.local_checkpoint_dir is None) != (self.local_checkpoint_every is None):
+            raise ConfigError(
+                "local_checkpoint_dir and local_checkpoint_every go together: the folder of "
+                "the frequent tier, and its steps between saves"
+            )
+        if self.local_checkpoint_dir is not None and self.checkpoint_dir is None:
+            raise ConfigError(
+                "local_checkpoint_dir is a frequent tier beside checkpoint_dir's persistent "
+                "one: give checkpoint_dir too"
+            )
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         if self.precision != "auto":  # the Trainer chooses for its devices
@@ -113,7 +131,7 @@ class Settings:
             json.dumps(dict(self.config))
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"config must be JSON-serialisable: {exc}") from None
-        for name in ("checkpoint_dir", "profile_dir"):
+        for name in ("checkpoint_dir", "profile_dir", "local_checkpoint_dir"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, os.fspath(value))

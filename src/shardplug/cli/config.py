@@ -179,7 +179,7 @@ def check_what(config: RunConfig) -> None:
 
 def saved_run(config: RunConfig) -> dict[str, Any]:
     """Check the checkpoint flags; the saved run's configuration on ``--resume`` (else {})."""
-    from shardplug.checkpoint import complete_steps, saved_config
+    from shardplug.checkpoint import saved_config
 
     directory = config.checkpoint_dir
     if directory is None:
@@ -191,33 +191,47 @@ def saved_run(config: RunConfig) -> dict[str, Any]:
         return {}
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"--checkpoint-dir {directory} is a file: name a directory")
-    complete = complete_steps(directory)
+    local = config.local_checkpoint_dir
+    if local is not None and local.exists() and not local.is_dir():
+        raise ConfigError(f"--local-checkpoint-dir {local} is a file: name a directory")
+    newest = _newest_of(config)
     if config.resume:
         if not directory.exists():
             raise CheckpointError(f"--resume: checkpoint directory {directory} does not exist")
-        if not complete:
+        if newest is None:
             raise CheckpointError(
                 f"--resume: {directory} holds no complete checkpoint (it is empty, or every "
                 f"save was cut short); train without --resume to start"
             )
-        return saved_config(directory, complete[-1])
-    if complete:
+        return saved_config(*newest)
+    if newest is not None:
         raise ConfigError(
-            f"--checkpoint-dir {directory} already holds checkpoints (newest: step "
-            f"{complete[-1]}); pass --resume to continue that run, or choose an empty directory"
+            f"{'--checkpoint-dir' if newest[0] == directory else '--local-checkpoint-dir'} "
+            f"{newest[0]} already holds checkpoints (newest: step {newest[1]}); pass --resume "
+            f"to continue that run, or choose an empty directory"
         )
     return {}
+
+
+def _newest_of(config: RunConfig) -> tuple[Path, int] | None:
+    """The folder and step of the newest complete checkpoint of either tier, or None."""
+    from shardplug.checkpoint import complete_steps
+
+    found = [(folder, steps[-1]) for folder in (config.checkpoint_dir,
+                                                config.local_checkpoint_dir)
+             if folder is not None and (steps := complete_steps(folder))]  # fmt: skip
+    return max(found, key=lambda f: f[1]) if found else None
 
 
 def ran_on(config: RunConfig) -> dict[str, Any]:
     """On ``--resume``: what the newest checkpoint's run ran on (its devices, mesh and
     strategy), else {}."""
-    from shardplug.checkpoint import complete_steps, saved_layout
+    from shardplug.checkpoint import saved_layout
 
     if not config.resume or config.checkpoint_dir is None:
         return {}
-    complete = complete_steps(config.checkpoint_dir)
-    return saved_layout(config.checkpoint_dir, complete[-1]) if complete else {}
+    newest = _newest_of(config)
+    return saved_layout(*newest) if newest else {}
 
 
 def on_its_devices(config: RunConfig) -> tuple[RunConfig, str | None]:

@@ -337,6 +337,13 @@ class Declared:
     keep: int | None = setting(
         "--keep", part="train", section="checkpoints", type=_INT, trainer=True,
         help="checkpoints to keep (default 3)")
+    local_checkpoint_dir: Path | None = setting(
+        "--local-checkpoint-dir", part="train", section="checkpoints", type=Path, trainer=True,
+        help="a frequent tier of checkpoints in fast local storage (a RAM disk, /dev/shm/RUN), "
+        "the newest kept; --resume takes the newest of either tier")  # fmt: skip
+    local_checkpoint_every: int | None = setting(
+        "--local-checkpoint-every", part="train", section="checkpoints", type=_INT,
+        trainer=True, metavar="K", help="steps between the local tier's checkpoints")
     resume: bool = setting(
         "--resume", part="train", section="checkpoints", default=False, action="store_true",
         help="continue from the newest good checkpoint in --checkpoint-dir, with the "

@@ -2,8 +2,9 @@
 
 The compiled program is a schedule of kernels: matrix products, fused attention, fusions of
 element-wise work and reductions, collectives over links, copies between host and device,
-and loops around them. :func:`predict` walks that schedule once and gives each kernel a
-time from its own FLOPs and bytes against a :class:`Chip`'s figures, each collective the
+and loops around them. :func:`predict_step` walks that schedule once and gives each kernel
+a time from its own FLOPs and bytes against a :class:`~shardplug.core.chips.Chip`'s figures
+(:mod:`shardplug.core.kernel_time`), each collective the
 time its bytes take over its link, and each copy its bytes over PCIe. What runs
 asynchronously (every ``*-start``/``*-done`` pair the scheduler placed) runs on its own
 stream: the step waits for it only where its ``-done`` comes before it has finished, which
@@ -26,7 +27,7 @@ GPU would pick, not of the tile the program names):
   computes its element-wise arithmetic, whichever is longer;
 - each kernel costs ``launch_seconds`` on top;
 - a **collective** moves the bytes a ring sends (:func:`shardplug.core.hlo.wire_bytes`) over
-  its link (NVLink inside a host, the network between hosts) plus a latency per ring step;
+  its link (NVLink inside a host, the network between hosts) plus the link's latency;
 - a **copy** between host and device moves its bytes over PCIe, one stream each way.
 
 Loops run their body their known trip count times, each iteration walked where a
@@ -267,7 +268,8 @@ class _Predictor:
             self.run(body, times * trips, inner)
             clock.now = start + trips * (inner.now + per_iteration)
         clock.now += cond.now
-        self.parts[_ITERATIONS].add(times * trips, 0.0, 0.0, per_iteration)
+        self.parts[_ITERATIONS].add(times * trips, 0.0, 0.0,
+                                    self.chip.loop_seconds * self.chip.shared_by)  # fmt: skip
 
     def _iteration(self, body: str, times: float, clock: _Clock, loop: Loop) -> float:
         """One iteration of a loop whose branches differ by device (a pipeline's tick): each
@@ -321,6 +323,7 @@ class _Predictor:
         if best is not None:
             self._merge(best[1], best[2])
             clock.now += best[0] + self.chip.loop_seconds
+            self.parts[_ITERATIONS].add(times, 0.0, 0.0, self.chip.loop_seconds)
 
     def _branch(self, branch: str, times: float) -> tuple[float, dict[str, Part], Any]:
         """One branch simulated alone: its seconds, its parts and its kernels' seconds

@@ -199,12 +199,14 @@ class _Run:
         due = settings.checkpoint_every is not None and (
             state.step % settings.checkpoint_every == 0
         )
+        local = settings.local_checkpoint_every  # the frequent tier's, where not persistent
+        local = local is not None and not due and state.step % local == 0
         evaluating = self.evaluate is not None and state.step % self.evaluate[0] == 0
-        if len(self.pending) == settings.log_every or due or evaluating:
+        if len(self.pending) == settings.log_every or due or local or evaluating:
             self.flush(evaluating)
             stop.agree()  # at the same step in every process
-        if due:
-            self.checkpoints.save(state)
+        if due or local:
+            self.checkpoints.save(state, local=local)
             self.started = time.perf_counter()  # saving is not a step
 
     def flush(self, evaluating: bool = False) -> None:

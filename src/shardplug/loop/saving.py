@@ -62,54 +62,78 @@ class RunCheckpoints:
     """
 
     def __init__(self, store: Any, meta: Callable[[RunState], dict[str, Any]],
-                 adapter: Any = None):  # fmt: skip
+                 adapter: Any = None, local: Any = None):  # fmt: skip
         self.store = store
         self.meta = meta
         self.adapter = adapter  # the model's: its frozen parameters are not written
+        self.local = local  # the frequent tier's store (fast local storage), or None
+        self.saved_in: Any = store  # the store of the newest checkpoint saved or restored
 
     @classmethod
     def at(cls, settings: Any, meta: Callable[[RunState], dict[str, Any]],
            adapter: Any = None) -> RunCheckpoints | None:  # fmt: skip
         """The checkpoints of a run with these :class:`~shardplug.settings.Settings` (in its
-        ``checkpoint_dir``, keeping ``keep``), or None without a directory."""
+        ``checkpoint_dir``, keeping ``keep``; the frequent tier in ``local_checkpoint_dir``,
+        keeping the newest), or None without a directory."""
         if settings.checkpoint_dir is None:
             return None
         from shardplug.checkpoint import Checkpoints
 
-        return cls(Checkpoints(settings.checkpoint_dir, keep=settings.keep), meta, adapter)
+        local = None
+        if settings.local_checkpoint_dir is not None:
+            local = Checkpoints(settings.local_checkpoint_dir, keep=1)
+        return cls(Checkpoints(settings.checkpoint_dir, keep=settings.keep), meta, adapter,
+                   local)  # fmt: skip
 
     @property
     def directory(self) -> Any:
         return self.store.directory
 
-    def save(self, run: RunState) -> str:
-        """Checkpoint ``run``'s state now, in the background; its path."""
+    def save(self, run: RunState, local: bool = False) -> str:
+        """Checkpoint ``run``'s state now, in the background (into the frequent tier where
+        ``local``); its path."""
         state = run.state()
         if not bool(_finite(state.params)):  # never save a broken model
             raise NonFiniteError.at(run.step - 1, self.last(run), "the parameters are")
         meta = {"data_position": run.step, **self.meta(run)}
+        store = self.local if local and self.local is not None else self.store
         frozen = frozen_names(self.adapter, state)
         if frozen:  # a frozen base: its fingerprints alone (adapters' checkpoints stay small)
-            path = self.store.save(run.step, state, meta, frozen=frozen)
+            path = store.save(run.step, state, meta, frozen=frozen)
         else:
-            path = self.store.save(run.step, state, meta)
-        run.saved_step = run.step
+            path = store.save(run.step, state, meta)
+        run.saved_step, self.saved_in = run.step, store
         return str(path)
 
     def last(self, run: RunState) -> str | None:
         """The path of the newest checkpoint ``run`` saved or restored, if any."""
-        return None if run.saved_step is None else str(self.store.path(run.saved_step))
+        return None if run.saved_step is None else str(self.saved_in.path(run.saved_step))
 
     def restore(
         self, like: Any, shardings: Any, step: int | None = None
     ) -> tuple[Any, dict[str, Any]]:
         """The newest good checkpoint's (or ``step``'s) state read into ``shardings``, and its
-        JSON (a damaged one moved aside, the one before it used)."""
-        self.store.wait()
+        JSON (a damaged one moved aside, the one before it used): the frequent tier's where
+        it is newer than the persistent one's."""
+        self.wait()
+        local = self.local
+        if local is not None and step is None:
+            newest = (local.steps() or [-1])[-1]
+            if newest > (self.store.steps() or [-1])[-1]:
+                try:
+                    found = local.restore(like, shardings, step=None, quarantine=True)
+                except CheckpointError:  # none good in the fast tier: the persistent one
+                    pass
+                else:
+                    self.saved_in = local
+                    return found
+        self.saved_in = self.store
         return self.store.restore(like, shardings, step=step, quarantine=True)
 
     def wait(self) -> None:
         self.store.wait()
+        if self.local is not None:
+            self.local.wait()
 
     def refuse_existing(self) -> None:
         """Refuse to start a run over another's checkpoints (restore() continues that run)."""
