@@ -135,3 +135,4 @@ def test_the_frequent_local_tier_is_what_a_restart_resumes(tmp_path):
         "--local-checkpoint-every", "2"))  # fmt: skip
     assert "from the checkpoint of step 4" in line, line
     assert [p.name for p in local.iterdir() if p.name.isdigit()] == ["10"]  # the newest alone
+    assert (tmp_path / "chaos" / "ckpt" / "10").is_dir()  # and the end, persistent

@@ -244,8 +244,10 @@ class _Run:
         if self.pending:
             self.flush()
         stop.agree()
-        if self.checkpoints is not None and self.state.saved_step != self.state.step:
-            self.checkpoints.save(self.state)
+        checkpoints = self.checkpoints  # the last step saved, and into the persistent tier
+        if checkpoints is not None and (self.state.saved_step != self.state.step
+                                        or checkpoints.saved_in is not checkpoints.store):
+            checkpoints.save(self.state)
 
     def interrupted(self, signum: int) -> TrainingInterrupted:
         """The error that says a signal stopped the run, and where it was saved."""
