@@ -216,8 +216,9 @@ def test_a_plain_resume_runs_where_its_checkpoint_ran(tmp_path, capsys):
     line = one_line(capsys)
     assert line.startswith(
         "shardplug: error: --resume: the checkpoint's global batch of 4 (its --batch-size, "
-        "which a resumed run keeps) does not split over the 8 devices of this run: resume on "
-        "--devices 4 as it ran, or give a --batch-size that splits"
+        "which a resumed run keeps: its data position counts batches) does not split over the "
+        "8 devices of this run: resume on --devices 4 as it ran, or on a count that divides 4 "
+        "(1, 2, 4)"
     ), line
     for flag, value, had in (("--adapter", "equinox", "adapter nnx"),
                              ("--sequence", "16", "sequence 32")):  # fmt: skip
@@ -307,3 +308,59 @@ def test_the_longest_sequence_search_ends_at_the_positions_and_the_time():
         assert found["timed_out"] and found["longest"] is None
     finally:
         recommend.explain = real
+
+
+def test_a_resume_that_would_change_its_run_is_one_line(tmp_path, capsys):
+    """--lr, --seed, --init-from and --model that differ from the run a checkpoint holds:
+    each refused naming the flag and the checkpoint's, not trained silently or as a
+    mismatch of parameter paths."""
+    ckpt = str(tmp_path / "ckpt")
+    assert main(["train", "--steps", "1", "--quiet", "--layers", "1", "--devices", "2",
+                 "--checkpoint-dir", ckpt]) == 0  # fmt: skip
+    capsys.readouterr()
+    for flags, says in (
+        (["--lr", "0.1"], "--lr 0.1: the run in {ckpt} was trained with lr 0.003"),
+        (["--seed", "5"], "--seed 5: the run in {ckpt} was trained with seed 0"),
+        (["--init-from", "tests/fixtures/hf/llama"],
+         "--init-from tests/fixtures/hf/llama: the run in {ckpt} trained --model transformer"),
+    ):  # fmt: skip
+        assert main(["train", "--resume", "--steps", "2", "--checkpoint-dir", ckpt,
+                     *flags]) == 2  # fmt: skip
+        line = one_line(capsys)
+        assert says.format(ckpt=ckpt) in line, line
+
+
+def test_a_metrics_file_of_the_users_is_never_rewritten(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\nmore\n")
+    assert main(["train", "--steps", "1", "--devices", "2", "--quiet", "--layers", "1",
+                 "--metrics-out", str(notes)]) == 2  # fmt: skip
+    assert "is not a row of a run's metrics" in one_line(capsys)
+    assert notes.read_text() == "my notes\nmore\n"
+
+
+def test_predict_step_takes_a_compiled_program_and_a_chip():
+    import jax
+    import jax.numpy as jnp
+
+    import shardplug
+
+    lowered = jax.jit(lambda x: x @ x).lower(jnp.ones((8, 8)))
+    for program, says in ((lowered, "not a Lowered: compile it first"),
+                          (None, "not a NoneType"), ("garbage", "no compiled program's HLO"),
+                          ("", "no compiled")):  # fmt: skip
+        with pytest.raises(shardplug.ConfigError, match=says):
+            shardplug.predict_step(program, "h100")
+    with pytest.raises(shardplug.ConfigError, match="chip is a GPU's name"):
+        shardplug.predict_step(lowered.compile(), 5)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["recommend", "--strategies", "dp,dp", "--device-memory", "1GB"], "names dp twice"),
+    (["recommend", "--search-seconds", "5", "--device-memory", "1GB"], "give --longest-sequence"),
+    (["launch", "--nprocs", "2", "--min-nprocs", "1", "--", "train"], "give --restarts N too"),
+    (["bench", "--plan", "--steps", "3"], "takes no --steps or --rounds"),
+])  # fmt: skip
+def test_flags_that_need_another_say_so(argv, says, capsys):
+    assert main(argv) == 2
+    assert says in one_line(capsys)

@@ -257,7 +257,8 @@ def test_a_resume_reads_the_run_the_checkpoint_holds():
 
     old = resumed(RunConfig(), {"task": "shardplug.tasks:digits", "seed": 3})  # before the rename
     assert (old.task, old.seed) == ("shardplug.builtin_tasks:digits", 3)
-    with pytest.raises(ConfigError, match=r"holds a run of task t\.py:task, not one --init-from"):
+    with pytest.raises(ConfigError, match=r"--init-from ckpt: the run in c trained --task "
+                                          r"t\.py:task, and a resumed run keeps the model"):
         resumed(RunConfig(init_from="ckpt", checkpoint_dir=Path("c")), {"task": "t.py:task"})
 
 

@@ -345,7 +345,9 @@ def plan(strategies: Sequence[str], task: Any, devices: list[Any],
          progress: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """``bench --plan``: each strategy and its hand-written twin compiled for ``devices``
     (a GPU's, compile-only: ``target_devices``) and their steps predicted from the programs
-    (:func:`shardplug.predict_step`), nothing allocated or run; ranked fastest first.
+    (:func:`shardplug.predict_step`), nothing allocated or run; ranked fastest first. Both
+    compute in float32 (TF32 products on an NVIDIA GPU), as ``bench`` compares them: the
+    hand-written twin is the plain step a user writes.
 
     :return: ``{"plans": [{"strategy", "predicted_seconds", "hand_written_seconds",
         "ratio", "tokens_per_second", "mfu", "peak_bytes"}...] (fastest first),
@@ -362,7 +364,7 @@ def plan(strategies: Sequence[str], task: Any, devices: list[Any],
     for strategy in strategies:
         say(f"compiling {strategy} and its twin")
         trainer = task.trainer(strategy=get_strategy(strategy), devices=devices,
-                               allocate=False)  # fmt: skip
+                               allocate=False, precision="float32")  # fmt: skip
         compile_noting(trainer, first)
         ours = predicted(trainer, first)
         if ours is None:

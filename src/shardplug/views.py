@@ -327,7 +327,7 @@ def render_bench_plan(result: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     title = (f"{result['model']}: steps predicted on {result['devices']} x {result['device']} "
-             "(compiled here, nothing run)")  # fmt: skip
+             "(compiled here, nothing run; float32, as the twin computes)")  # fmt: skip
     table = Table(title=title, title_justify="left")
     for column in ("strategy", "predicted step", "hand-written", "ratio", "tokens/s", "MFU",
                    "peak/device"):  # fmt: skip
@@ -394,7 +394,8 @@ def render_longest(result: dict[str, Any], console: Any, title: str) -> None:
         over = dict(r["tried"]).get(r["first_over"]) if r["first_over"] else None
         table.add_row(
             r["strategy"], ",".join(f"{k}={v}" for k, v in r["mesh"].items()), str(r["rows"]),
-            (f"at least {r['longest']:,} (the time ran out)" if r.get("timed_out") else
+            ("not searched: the time ran out first" if r.get("timed_out") and not r["longest"]
+             else f"at least {r['longest']:,} (the time ran out)" if r.get("timed_out") else
              f"{r['longest']:,} (the model's most positions)" if r.get("capped")
              and result.get("limited_by") == "the model's positions" else
              f"at least {r['longest']:,} (the most tried)" if r.get("capped") else

@@ -203,7 +203,13 @@ def saved_run(config: RunConfig) -> dict[str, Any]:
                 f"--resume: {directory} holds no complete checkpoint (it is empty, or every "
                 f"save was cut short); train without --resume to start"
             )
-        return saved_config(*newest)
+        # the newest whose record reads: a damaged one is set aside by the restore, which
+        # then falls back to the one before it, whose run this is
+        for folder, step in _complete_of(config):
+            found = saved_config(folder, step)
+            if found:
+                return found
+        return {}
     if newest is not None:
         raise ConfigError(
             f"{'--checkpoint-dir' if newest[0] == directory else '--local-checkpoint-dir'} "
@@ -213,14 +219,19 @@ def saved_run(config: RunConfig) -> dict[str, Any]:
     return {}
 
 
-def _newest_of(config: RunConfig) -> tuple[Path, int] | None:
-    """The folder and step of the newest complete checkpoint of either tier, or None."""
+def _complete_of(config: RunConfig) -> list[tuple[Path, int]]:
+    """Every complete checkpoint of either tier, as ``(folder, step)``, newest first."""
     from shardplug.checkpoint import complete_steps
 
-    found = [(folder, steps[-1]) for folder in (config.checkpoint_dir,
-                                                config.local_checkpoint_dir)
-             if folder is not None and (steps := complete_steps(folder))]  # fmt: skip
-    return max(found, key=lambda f: f[1]) if found else None
+    found = [(folder, step) for folder in (config.checkpoint_dir, config.local_checkpoint_dir)
+             if folder is not None for step in complete_steps(folder)]  # fmt: skip
+    return sorted(found, key=lambda f: -f[1])
+
+
+def _newest_of(config: RunConfig) -> tuple[Path, int] | None:
+    """The folder and step of the newest complete checkpoint of either tier, or None."""
+    found = _complete_of(config)
+    return found[0] if found else None
 
 
 def ran_on(config: RunConfig) -> dict[str, Any]:
@@ -257,8 +268,11 @@ def on_its_devices(config: RunConfig) -> tuple[RunConfig, str | None]:
 def resumed(config: RunConfig, saved: Mapping[str, Any]) -> RunConfig:
     """``config`` with what it leaves unsaid taken from the checkpoint's run (``saved``, {}
     for a new run), checked: the one merge of the two. A new run gets the defaults."""
-    for name in ("adapter", "sequence"):  # what shapes a pretrained run's model or batches too
+    _same_kind(config, saved)
+    for name in ("adapter", "sequence", "init_from", "param_dtype", "seed"):
         given, was = getattr(config, name), saved.get(name)
+        if name == "init_from" and given is not None:
+            given = str(Path(given).resolve())
         if name == "sequence" and was is None and saved.get("model"):
             from shardplug.models import get_model
 
@@ -299,10 +313,33 @@ def resumed(config: RunConfig, saved: Mapping[str, Any]) -> RunConfig:
     return _filled(config, fill, saved)
 
 
+def _same_kind(config: RunConfig, saved: Mapping[str, Any]) -> None:
+    """A resume of a reference model's run as a pretrained or a task's (or the other way
+    round), refused in one line naming both."""
+    if not saved:
+        return
+    was = (f"--init-from {saved['init_from']}" if saved.get("init_from") else
+           f"--task {saved['task']}" if saved.get("task") else
+           f"--model {saved['model']}" if saved.get("model") else None)  # fmt: skip
+    given = (("--init-from", config.init_from) if config.init_from is not None else
+             ("--task", config.task) if config.task is not None else
+             ("--model", config.model) if config.model is not None else None)  # fmt: skip
+    if was is None or given is None or was.startswith(given[0]):
+        return
+    raise ConfigError(
+        f"{given[0]} {given[1]}: the run in {config.checkpoint_dir} trained {was}, and a "
+        f"resumed run keeps the model it saved: drop {given[0]} to resume it, or train anew "
+        f"in another --checkpoint-dir"
+    )
+
+
 def _reshaped(config: RunConfig, name: str, given: Any, had: str) -> str:
     """The line that refuses a resume whose flag would change the model it saved."""
     why = {"adapter": " (another framework names and lays out its parameters otherwise)",
-           "sequence": " (its batches, and the data position that counts them)"}  # fmt: skip
+           "sequence": " (its batches, and the data position that counts them)",
+           "init_from": " (another checkpoint's model and weights)",
+           "param_dtype": " (its parameters' dtype)",
+           "seed": " (its data, and the random keys, are drawn from it)"}  # fmt: skip
     return (
         f"{_flag(name)} {given}: the run in {config.checkpoint_dir} was trained with {had}, and "
         f"a resumed run keeps the model it saved{why.get(name, '')}: drop {_flag(name)}, or "
@@ -313,7 +350,7 @@ def _reshaped(config: RunConfig, name: str, given: Any, had: str) -> str:
 def _filled(config: RunConfig, values: Mapping[str, Any], saved: Mapping[str, Any]) -> RunConfig:
     """``config`` with ``values`` where it says nothing, then checked (an optimizer's knob
     that disagrees with the checkpoint's refused: a resumed run continues its optimizer)."""
-    for name in (*KNOBS, *LORA):
+    for name in (*KNOBS, "lr", *LORA):
         given, was = getattr(config, name), saved.get(name)
         if name == "lora_from" and given is not None:
             given = str(Path(given).resolve())
@@ -321,9 +358,12 @@ def _filled(config: RunConfig, values: Mapping[str, Any], saved: Mapping[str, An
         if given is None or not recorded or given == was:
             continue
         had = f"{name.replace('_', ' ')} {was}"
+        adapters = saved.get("lora") or saved.get("lora_from")
         if was is None:
             had = "no adapters" if name in LORA else f"the default {name.replace('_', ' ')}"
-            if name == "lora_quantize" and (saved.get("lora") or saved.get("lora_from")):
+            if name in LORA and adapters:  # adapters, with this knob at its default
+                had = f"adapters of the default {name.replace('_', ' ')}"
+            if name == "lora_quantize" and adapters:
                 had = "its base unquantized"
         keeps = "its adapters" if name in LORA else "its optimizer and schedule"
         raise ConfigError(

@@ -134,6 +134,7 @@ class _Metrics:
 
     def __init__(self, path: Path, resume_from: int | None):
         self.path, self.resume_from, self.file = path, resume_from, None
+        _theirs(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             if path.exists():
@@ -154,6 +155,32 @@ class _Metrics:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def _theirs(path: Path) -> None:
+    """Refuse a --metrics-out that holds something other than a run's metrics (a file of
+    the user's would be rewritten): every line a JSON object with a step, but a last one
+    cut short (a killed run's)."""
+    if not path.is_file():
+        return
+    try:
+        with path.open("rb") as file:
+            head = file.read(1 << 20)
+        lines = head.decode().splitlines()
+    except (OSError, UnicodeDecodeError):
+        raise ConfigError(f"--metrics-out {path} is not a run's metrics (not text): name "
+                          "another file, or remove it") from None  # fmt: skip
+    whole = lines[:-1] if len(head) == 1 << 20 or not head.endswith(b"\n") else lines
+    for number, line in enumerate(whole, 1):
+        try:
+            row = json.loads(line) if line.strip() else {"step": 0}
+        except ValueError:
+            row = None
+        if not isinstance(row, dict) or "step" not in row:
+            raise ConfigError(
+                f"--metrics-out {path}: line {number} is not a row of a run's metrics, so the "
+                f"file is not one shardplug wrote: name another file, or remove it"
+            )
 
 
 def _unwritable(path: Path, exc: OSError) -> ConfigError:

@@ -106,15 +106,15 @@ def _launch_command(sub: Any) -> None:
     launch.add_argument("--devices-per-proc", type=_positive(int), default=4,
                         help="simulated CPU devices per process (default 4); on a machine with "
                         "NVIDIA GPUs each process gets an equal block of them instead")  # fmt: skip
-    launch.add_argument("--restarts", type=int, default=0, metavar="N",
+    launch.add_argument("--restarts", type=_natural, default=0, metavar="N",
                         help="when a worker fails, start every worker again from the newest "
                         "complete checkpoint of the train command's --checkpoint-dir, up to N "
                         "times (default 0: the launch ends, naming it)")  # fmt: skip
     launch.add_argument("--min-nprocs", type=_positive(int), default=None, metavar="K",
                         help="with --restarts: a process that fails twice with no checkpoint "
-                        "saved between is taken as lost and the job goes on without it, down "
-                        "to K processes (its batch and mesh re-planned as --resume onto fewer "
-                        "devices is); SIGUSR1 to the launcher brings them back")  # fmt: skip
+                        "saved between is taken as lost, and the job goes on without it, down "
+                        "to K processes, re-planned as a --resume onto fewer devices; SIGUSR1 "
+                        "to the launcher brings them back")  # fmt: skip
     launch.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- train ...")
 
 
@@ -241,6 +241,17 @@ def build_parser() -> argparse.ArgumentParser:
     _export_command(sub)
     _plot_command(sub)
     return parser
+
+
+def _natural(text: str) -> int:
+    """A whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
 
 
 def _target(command: argparse.ArgumentParser) -> None:

@@ -59,8 +59,11 @@ def cmd_recommend(args: argparse.Namespace) -> int:
             "limit; say how much each device has, e.g. --device-memory 80GB"
         )
     strategies = None
+    if args.search_seconds != 600.0 and not args.longest_sequence:
+        raise ConfigError("--search-seconds bounds --longest-sequence's search: give "
+                          "--longest-sequence too, or drop it")  # fmt: skip
     if args.strategies is not None:
-        strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+        strategies = _named_once([s.strip() for s in args.strategies.split(",") if s.strip()])
         for name in strategies or [""]:
             get_strategy(name)  # an unknown (or no) name fails here, before anything compiles
     from shardplug.units import size
@@ -97,8 +100,19 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     return 0
 
 
+def _named_once(strategies: list[str]) -> list[str]:
+    """``--strategies``, refused where it names one twice."""
+    twice = sorted({s for s in strategies if strategies.count(s) > 1})
+    if twice:
+        raise ConfigError(f"--strategies names {twice[0]} twice: name each once")
+    return strategies
+
+
 def _bench_plan(args: argparse.Namespace, config: RunConfig, strategies: list[str]) -> int:
     """``bench --plan --target GPU``: the strategies' steps and their twins' predicted."""
+    if args.plan and (args.steps != 20 or args.rounds != 7):
+        raise ConfigError("bench --plan runs nothing, so it takes no --steps or --rounds: "
+                          "drop them, or drop --plan to time the steps")  # fmt: skip
     if args.target is None or not args.plan:
         raise ConfigError(
             "bench --plan predicts a GPU's steps from the programs compiled for it, and --target "
@@ -235,7 +249,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from shardplug.core.registry import get_strategy
 
     config = RunConfig.of(args)
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    strategies = _named_once([s.strip() for s in args.strategies.split(",") if s.strip()])
     if not strategies:
         raise ConfigError("--strategies names no strategy: give e.g. dp,fsdp")
     for name in strategies:

@@ -131,6 +131,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     command = list(args.command_args)
     if command and command[0] == "--":
         command = command[1:]
+    if args.min_nprocs is not None and not args.restarts:
+        raise ConfigError("--min-nprocs says how few processes a restarted job may go on "
+                          "with: give --restarts N too")  # fmt: skip
     return launch(args.nprocs, args.devices_per_proc, command, restarts=args.restarts,
                   min_nprocs=args.min_nprocs)  # fmt: skip
 

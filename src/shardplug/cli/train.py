@@ -119,11 +119,12 @@ def _replanned(config: RunConfig, exc: BatchError) -> Exception:
     devices = ran.get("devices")
     found = re.search(r"over the (\d+) devices", str(exc))
     where = f"the {found.group(1)} devices of this run" if found else "this run's devices"
+    counts = [str(n) for n in range(1, min(batch, 64) + 1) if batch % n == 0]
     return ConfigError(
         f"--resume: the checkpoint's global batch of {batch} (its --batch-size, which a "
-        f"resumed run keeps) does not split over {where}: resume on --devices {devices} as "
-        f"it ran, or give a --batch-size that splits (each step then reads other samples, "
-        f"and the losses part from the uninterrupted run's)"
+        f"resumed run keeps: its data position counts batches) does not split over {where}: "
+        f"resume on --devices {devices} as it ran, or on a count that divides {batch} "
+        f"({', '.join(counts)})"
     )
 
 

@@ -182,10 +182,11 @@ def compile_noting(trainer: Any, batch: Any) -> list[str]:
     if activations_on_host(trainer.jaxpr):
         if not (copies or written):  # the policy's moves were dropped
             raise ConfigError(_NO_REMAT.format(device.device_kind))
+        how = (f"{written} slice write(s) and {read} read(s) in the layer loops' bodies"
+               if written else "copies")  # one layer: a copy each way
         notes.append(
             f"--remat offload: the GPU's program writes each layer's input to host memory and "
-            f"reads it back for the backward pass, over PCIe ({written} slice write(s) and "
-            f"{read} read(s) in the layer loops' bodies)"
+            f"reads it back for the backward pass, over PCIe ({how})"
         )
     if copies:
         notes.append(

@@ -469,7 +469,20 @@ def predict_step(program: Any, chip: Chip | str | None = None) -> StepTime:
     from shardplug.core.chips import CHIPS
     from shardplug.errors import ConfigError
 
+    if not isinstance(program, str) and not hasattr(program, "runtime_executable"):
+        what = type(program).__name__
+        raise ConfigError(
+            f"predict_step: give a compiled program (jax.jit(f).lower(...).compile(), or "
+            f"trainer.compiled) or its HLO text, not a {what}"
+            + (": compile it first" if hasattr(program, "compile") else "")
+        )
+    if chip is not None and not isinstance(chip, str | Chip):
+        raise ConfigError(f"predict_step: chip is a GPU's name ('h100') or a Chip, not "
+                          f"{chip!r}")  # fmt: skip
     text = program if isinstance(program, str) else program_text(program)
+    if "ENTRY" not in text or "HloModule" not in text:
+        raise ConfigError("predict_step: the text is no compiled program's HLO (it has no "
+                          "HloModule and ENTRY computation)")  # fmt: skip
     if chip is None and not isinstance(program, str):
         chip = _chip_of_compiled(program)
     if isinstance(chip, str):
