@@ -252,7 +252,8 @@ def test_recommend_compares_strategies_of_its_own_and_takes_no_strategy_option(c
 def test_a_resume_reads_the_run_the_checkpoint_holds():
     from pathlib import Path
 
-    from shardplug.cli.config import RunConfig, resumed
+    from shardplug.cli.config import RunConfig
+    from shardplug.cli.resume import resumed
     from shardplug.errors import ConfigError
 
     old = resumed(RunConfig(), {"task": "shardplug.tasks:digits", "seed": 3})  # before the rename

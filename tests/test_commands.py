@@ -14,7 +14,9 @@ from shardplug.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+PLUGIN = importlib.util.find_spec("jax_plugins") is not None and (
+    importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+)
 
 #: commands (by a fragment of their text) that are not run, and why
 NOT_RUN = {

@@ -169,7 +169,7 @@ def test_bad_compositions_raise_typed_errors(kwargs, error, message):
     [
         (["--strategy", "fsdp+zero"], "unknown parallelism 'zero'"),
         (["--strategy", "dp+pmap"], "'pmap' is a whole strategy"),
-        (["--strategy", "fsdp+tp", "--mesh", "fsdp=2,model=2"], "has 4 devices but the run"),
+        (["--strategy", "fsdp+tp", "--mesh", "fsdp=3,model=2"], "has 6 devices but the run"),
         (["--strategy", "fsdp+tp", "--mesh", "fsdp=4,tp=2"], "--axis-name ROLE=tp"),
         (["--strategy", "fsdp+tp", "--axis-name", "model"], "is not ROLE=NAME"),
     ],

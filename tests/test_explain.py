@@ -452,7 +452,7 @@ def test_the_longest_sequence_search_brackets_the_limit(monkeypatch):
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
-    import shardplug.recommend as rec
+    import shardplug.longest as rec
 
     memory = 10**9
     meshes = {"fsdp": {"fsdp": 8}, "fsdp+cp": {"fsdp": 4, "context": 2}}
@@ -500,7 +500,7 @@ def test_plot_paths_are_made_or_refused_before_the_work(tmp_path, capsys):
 
 
 def test_the_longest_sequence_says_its_cap_and_refuses_what_it_cannot_plan(capsys):
-    from shardplug.recommend import longest_sequences
+    from shardplug.longest import longest_sequences
 
     model = shardplug.get_model("transformer")
 

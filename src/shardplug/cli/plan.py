@@ -120,7 +120,7 @@ def _bench_plan(args: argparse.Namespace, config: RunConfig, strategies: list[st
             "on this machine"
         )
     task, devices = _prepare_for(args, config)
-    from shardplug.bench import plan
+    from shardplug.bench_plan import plan
     from shardplug.views import render_bench_plan
 
     console = _console()
@@ -150,7 +150,7 @@ def _prepare_for(args: argparse.Namespace, config: RunConfig) -> tuple[Any, list
 def _longest(config: RunConfig, planned: Callable, batch: Any, memory: int,
              strategies: list[str], seconds: float) -> dict[str, Any]:  # fmt: skip
     """``recommend --longest-sequence``: the longest sequence each strategy fits."""
-    from shardplug.recommend import longest_sequences
+    from shardplug.longest import longest_sequences
 
     if config.batch_size is not None:
         raise ConfigError(

@@ -8,17 +8,9 @@ import sys
 import time
 from typing import Any
 
-from shardplug.cli.config import (
-    RunConfig,
-    on_its_devices,
-    ran_on,
-    read_first,
-    resumed,
-    saved_run,
-    strategy_of,
-    trainer_for,
-)
+from shardplug.cli.config import RunConfig, read_first, strategy_of, trainer_for
 from shardplug.cli.outputs import logged, plot, summary
+from shardplug.cli.resume import on_its_devices, ran_on, resumed, saved_run
 from shardplug.cli.tasks import task_of
 from shardplug.cli.watch import check_memory, quiet_orbax
 from shardplug.errors import BatchError, ConfigError

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
-from shardplug.core.hlo import _ARRAY, _BYTES, Instruction, computations
+from shardplug.core.hlo import _ARRAY, _BYTES, Instruction, _group_size, computations
 
 #: an instruction's result shape: the text between ``=`` and its opcode
 _RESULT = re.compile(r"=\s*(.*?)\s+[a-z][\w\-]*\(")
@@ -87,3 +88,37 @@ class Program:
     def operand_bytes(self, computation: str, i: Instruction) -> int:
         """The bytes of everything ``i`` reads, whole."""
         return sum(nbytes(self.shape(computation, o)) for o in i.operands)
+
+
+def first_group(line: str, everyone: int) -> list[int]:
+    """The first group of a collective's ``replica_groups``, its partition indices."""
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if iota:
+        groups, size = int(iota.group(1)), int(iota.group(2))
+        shape = [int(x) for x in iota.group(3).split(",")]
+        perm = [int(x) for x in iota.group(4).split(",")] if iota.group(4) else None
+        ids = list(range(math.prod(shape)))
+        if perm:
+            import numpy as np
+
+            ids = list(np.arange(math.prod(shape)).reshape(shape).transpose(perm).reshape(-1))
+        del groups
+        return [int(x) for x in ids[:size]]
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if listed:
+        return [int(x) for x in listed.group(1).split(",") if x]
+    size = _group_size(line, everyone)
+    return list(range(size))
+
+
+def program_text(compiled: Any) -> str:
+    """A compiled program's HLO text with its constants whole: which branch a pipeline's
+    tick takes is read from its schedule's tables, which ``as_text()`` elides."""
+    try:
+        from jax._src.lib import hlo
+
+        options = hlo.HloPrintOptions()
+        options.print_large_constants = True
+        return compiled.runtime_executable().hlo_modules()[0].to_string(options)
+    except (ImportError, AttributeError, IndexError, TypeError):  # another JAX: as printed
+        return compiled.as_text()

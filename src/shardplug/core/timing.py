@@ -41,15 +41,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import re
 from typing import Any
 
 from shardplug.core.branches import Evaluator, Loop
 from shardplug.core.chips import Chip, calibrated, chip_of
-from shardplug.core.hlo import Instruction, _group_size, wire_bytes
+from shardplug.core.hlo import Instruction, wire_bytes
 from shardplug.core.kernel_time import FREE, Kernels
-from shardplug.core.program import Program, in_host_memory, result
+from shardplug.core.program import (
+    Program,
+    first_group,
+    in_host_memory,
+    program_text,
+    result,
+)
 from shardplug.core.program import nbytes as size_of
 
 
@@ -396,7 +401,7 @@ class _Predictor:
 
     def _group(self, i: Instruction) -> list[int]:
         """One group of a collective's devices (the first), by partition index."""
-        return _first_group(i.text, self.program.devices)
+        return first_group(i.text, self.program.devices)
 
     def _crosses_hosts(self, i: Instruction, kind: str) -> bool:
         if kind == "collective-permute":
@@ -432,28 +437,6 @@ class _Predictor:
         if kind in _COLLECTIVES and not i.opcode.endswith("-start") and i.opcode == kind:
             self.parts[f"{kind} ({link})"].add(times, 0.0, nbytes, seconds)
         return seconds
-
-    # kernels -----------------------------------------------------------------------
-
-def _first_group(line: str, everyone: int) -> list[int]:
-    """The first group of a collective's ``replica_groups``, its partition indices."""
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if iota:
-        groups, size = int(iota.group(1)), int(iota.group(2))
-        shape = [int(x) for x in iota.group(3).split(",")]
-        perm = [int(x) for x in iota.group(4).split(",")] if iota.group(4) else None
-        ids = list(range(math.prod(shape)))
-        if perm:
-            import numpy as np
-
-            ids = list(np.arange(math.prod(shape)).reshape(shape).transpose(perm).reshape(-1))
-        del groups
-        return [int(x) for x in ids[:size]]
-    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    if listed:
-        return [int(x) for x in listed.group(1).split(",") if x]
-    size = _group_size(line, everyone)
-    return list(range(size))
 
 
 def predict_step(program: Any, chip: Chip | str | None = None) -> StepTime:
@@ -502,20 +485,8 @@ def predict_step(program: Any, chip: Chip | str | None = None) -> StepTime:
                     predictor.largest(_LARGEST))  # fmt: skip
 
 
-def program_text(compiled: Any) -> str:
-    """A compiled program's HLO text with its constants whole: which branch a pipeline's
-    tick takes is read from its schedule's tables, which ``as_text()`` elides."""
-    try:
-        from jax._src.lib import hlo
-
-        options = hlo.HloPrintOptions()
-        options.print_large_constants = True
-        return compiled.runtime_executable().hlo_modules()[0].to_string(options)
-    except (ImportError, AttributeError, IndexError, TypeError):  # another JAX: as printed
-        return compiled.as_text()
-
-
 def _chip_of_compiled(compiled: Any) -> Chip | None:
+    """The GPU a compiled program is for, where shardplug knows it."""
     try:
         devices = compiled.input_shardings[0]
         import jax
@@ -524,4 +495,3 @@ def _chip_of_compiled(compiled: Any) -> Chip | None:
     except Exception:  # no shardings to read: the caller says the chip
         return None
     return chip_of(device)
-

@@ -232,6 +232,7 @@ class PipelineParallel:
             replicas=plan.replicas,
             replica_size=manual,
             remat=self.remat,
+            in_place=not _on_cpu(mesh),
         )  # fmt: skip
 
     @hookimpl

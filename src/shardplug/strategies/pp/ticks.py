@@ -57,6 +57,7 @@ from shardplug.strategies.pp.region import (
     read_slot,
     sent,
     write_if_slot,
+    write_slot,
     zeros,
 )
 from shardplug.strategies.pp.stages import leaf_microbatches
@@ -89,6 +90,7 @@ def scheduled_grads(
     replicas: tuple[str, ...] = (),
     replica_size: int = 1,
     remat: bool = False,
+    in_place: bool = True,
 ) -> Any:
     """``((loss, (metrics, model_state)), grads)`` for the step, by ``table`` (see the
     module), the gradient with respect to ``params``.
@@ -100,9 +102,12 @@ def scheduled_grads(
     :param replicas: batch axes no parameter is split over, manual in the stages (each
         device its own rows); ``replica_size``: their devices.
     :param remat: keep only each layer's input from F, its activations recomputed in B.
+    :param in_place: each layer's residuals written into their slot as the layer runs (a
+        GPU's engine); else a chunk's stacked and copied into the slot whole (CPU devices').
     """
     ticks = _Ticks(table, forward, params, model_state, batch, rng, axis=axis,
-                   replicas=replicas, replica_size=replica_size, remat=remat)  # fmt: skip
+                   replicas=replicas, replica_size=replica_size, remat=remat,
+                   in_place=in_place)  # fmt: skip
     state, state_spec = ticks.buffers()
     region = ticks.region(state_spec)
     top, weighted = ticks.totals()
@@ -121,8 +126,9 @@ class _Ticks:
 
     def __init__(self, table: Table, forward: Callable[..., Any], params: Any, model_state: Any,
                  batch: Any, rng: Any, *, axis: str, replicas: tuple[str, ...],
-                 replica_size: int, remat: bool) -> None:  # fmt: skip
+                 replica_size: int, remat: bool, in_place: bool = True) -> None:  # fmt: skip
         n_stages, n_local, n_micro = table.stages, table.chunks, table.microbatches
+        self.in_place = in_place
         self.table, self.rng, self.axis, self.replicas = table, rng, axis, replicas
         self.n_stages, self.n_local, self.n_micro = n_stages, n_local, n_micro
         self.replica_size = replica_size
@@ -275,10 +281,18 @@ class _Ticks:
         # Each layer's residuals are written into the slot as the layer runs, and read from it
         # a layer at a time (a chunk's stack copied whole into a slot and out of it again
         # moved each residual three more times: 1.17x accumulation's step on one H100)
+        # a moment longer on CPU devices, where the in-place engine's passes met pp's sends in
+        # a different order on each device of JAX 0.10's XLA:CPU and waited for each other
+        # until it aborted (its ticks copy a chunk's stack into a slot and out of it)
+        in_place = self.in_place
+
         def fwd(res):
             inbox = read_slot(st["inbox"], me["inbox"])
             start = self.message(x_in) if self.has_aux else x_in
             msg = jax.tree.map(lambda a, b: jnp.where(me["first"] > 0, a, b), start, inbox)
+            if not in_place:
+                out, new = chunk.forward(local, me["chunk"], msg, stage, mine)
+                return write_slot(res, me["residual"], new), out
             return chunk.forward(local, me["chunk"], msg, stage, mine,
                                  into=Slot(res, me["residual"]))[::-1]  # fmt: skip
 
@@ -287,6 +301,10 @@ class _Ticks:
 
         def bwd(stash):
             g_msg = read_slot(st["grad"], me["grad"])
+            if not in_place:
+                res = read_slot(st["res"], me["residual"])
+                out, new = chunk.input_grad(local, me["chunk"], g_msg, res, stage)
+                return write_slot(stash, me["stash"], new), out
             out, new = chunk.input_grad(local, me["chunk"], g_msg, Slot(st["res"], me["residual"]),
                                         stage, into=Slot(stash, me["stash"]))  # fmt: skip
             return new, out
@@ -295,7 +313,8 @@ class _Ticks:
             return list(stash), zeros(msg_local)
 
         def wgt(acc):
-            res, stash = Slot(st["res"], me["residual"]), Slot(st["stash"], me["stash"])
+            slot = Slot if in_place else read_slot
+            res, stash = slot(st["res"], me["residual"]), slot(st["stash"], me["stash"])
             gw = chunk.weight_grad(local, me["chunk"], res, stash, self.g_like)
             acc, start = list(acc), me["chunk"] * per_chunk
             for i, g in zip(self.cut.view, gw, strict=True):  # (replica 1, layers, ...) each
