@@ -41,7 +41,7 @@ def measure(sequences: list[int], devices: int, steps: int, rounds: int,
     import numpy as np
 
     import shardplug
-    from shardplug.core.hlo import collectives
+    from shardplug.core.compiled.hlo import collectives
     from shardplug.strategies.cp.ulysses import group_size
 
     model = shardplug.get_model("transformer")

@@ -6,7 +6,7 @@ iteration and a kernel cost beyond their work, a collective's latency between si
 devices), makes them a :class:`shardplug.Chip`, then, for the reference models under
 several strategies, predicts each compiled step with :func:`shardplug.predict_step` and
 measures it (median of interleaved rounds), and prints the errors. The same method as on
-a GPU (:mod:`shardplug.core.timing`): only the figures differ. Simulated CPU devices take
+a GPU (:mod:`shardplug.core.compiled.timing`): only the figures differ. Simulated CPU devices take
 turns on the machine's cores, so a step of N devices is predicted as N of its per-device
 programs run one after another (``Chip.shared_by``).
 
@@ -60,7 +60,7 @@ def measure_chip() -> Any:
     from jax import lax
 
     import shardplug
-    from shardplug.core.chips import Chip
+    from shardplug.core.compiled.chips import Chip
 
     n = 1024
     a = jnp.ones((n, n), jnp.float32)

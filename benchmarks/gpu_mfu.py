@@ -13,9 +13,9 @@ decoder-only transformer two ways in one process, in interleaved rounds:
   step that donates its state, as Flax's documentation writes it.
 
 It prints one JSON object: per-step time of each and their ratio, tokens/s, model TFLOP/s
-(MaxText's count, :mod:`shardplug.flops`) and MFU over the chip's dense bfloat16 peak
+(MaxText's count, :mod:`shardplug.core.flops`) and MFU over the chip's dense bfloat16 peak
 (989.4 TFLOP/s for H100 SXM and H200; ``--peak-tflops`` for others), hardware TFLOP/s (the
-traced step's own count, :func:`shardplug.flops.step_flops`, recomputation and the fused
+traced step's own count, :func:`shardplug.core.flops.step_flops`, recomputation and the fused
 attention kernel included), the share of matrix-product FLOPs in bfloat16, and the peak
 memory that ``explain`` predicts (the compiled step's memory analysis) next to the one the
 GPU measured (``peak_bytes_in_use``, read before the hand-written loop allocates).
@@ -124,7 +124,7 @@ def _remat(block: Any, policy: str) -> Any:
     import jax
     from flax import nnx
 
-    from shardplug.core.remat import named_input, saveable
+    from shardplug.core.operations.remat import named_input, saveable
 
     if policy == "none":
         return block
@@ -168,7 +168,7 @@ def task(name: str = "125m", batch: int | None = None, remat: str = "none") -> A
     import itertools
 
     import shardplug
-    from shardplug.flops import TransformerShape
+    from shardplug.core.flops import TransformerShape
 
     size = SIZES[name]
     batch = batch or size.batch
@@ -240,7 +240,7 @@ def hand_written(size: Size, batch: int, remat: str, seed: int = 0,
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed)
 
     state, example = jax.tree.map(on, (state, example))
-    from shardplug.core.targets import as_present
+    from shardplug.core.compiled.targets import as_present
 
     with as_present(device):
         return step, state, step.trace(state, example)
@@ -251,11 +251,11 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     import jax
 
     import shardplug
-    from shardplug.explain import backend_memory, explain, memory_limit_note
+    from shardplug.planning.explain import backend_memory, explain, memory_limit_note
 
     devices = 1
     if args.target:  # compiled on this CPU machine for a GPU not here
-        from shardplug.core.targets import memory_of, target_devices
+        from shardplug.core.compiled.targets import memory_of, target_devices
 
         devices = target_devices(args.target, 1)
     device = jax.devices()[0] if devices == 1 else devices[0]
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.target and not args.plan:
         parser.error("--target plans for a GPU that is not here: give --plan too")
     if args.target:
-        from shardplug.core.targets import on_cpu_alone
+        from shardplug.core.compiled.targets import on_cpu_alone
 
         on_cpu_alone()  # before JAX starts its backends
     if args.plan:
@@ -350,8 +350,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import jax
 
     import shardplug
-    from shardplug.explain import peak_bytes
-    from shardplug.flops import TransformerShape, product_dtypes, step_flops
+    from shardplug.planning.explain import peak_bytes
+    from shardplug.core.flops import TransformerShape, product_dtypes, step_flops
 
     size = SIZES[args.size]
     batch = args.batch or size.batch
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = trainer.mesh.devices.flat[0]
     measured = (device.memory_stats() or {}).get("peak_bytes_in_use")
     predicted = peak_bytes(trainer.compiled.memory_analysis())
-    from shardplug.core.chips import chip_of
+    from shardplug.core.compiled.chips import chip_of
 
     chip = chip_of(device)  # a GPU shardplug predicts: the step's time from its own program
     predicted_step = shardplug.predict_step(trainer.compiled, chip).seconds if chip else None

@@ -4,7 +4,7 @@ The reference transformer with ``--experts`` (default 8) experts of top-``--top-
 on ``--devices`` (8) simulated CPU devices, once under ``dp`` (every device holds every
 expert) and once under ``ep`` (``expert`` = devices: each holds one): per-device parameter,
 optimizer-state and peak bytes of the compiled step (nothing allocated), and step times in
-interleaved rounds through ``shardplug.bench`` (which also times each against its
+interleaved rounds through ``shardplug.planning.bench`` (which also times each against its
 hand-written twin, ``jax.jit`` with the same shardings and the same exchange, and checks the
 losses equal); ep's compiled collectives are compared with its twin's. Ratios ep / dp.
 
@@ -32,9 +32,9 @@ import json
 
 def measure(devices: int, options: dict, steps: int, rounds: int) -> dict:
     import shardplug
-    from shardplug.bench import bench, hand_written
-    from shardplug.core.hlo import collectives
-    from shardplug.explain import explain
+    from shardplug.core.compiled.hlo import collectives
+    from shardplug.planning.bench import bench, hand_written
+    from shardplug.planning.explain import explain
 
     model = shardplug.get_model("transformer")
     batch = next(model.batches(model.batch_size, 0))

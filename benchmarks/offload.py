@@ -9,7 +9,7 @@ copied in for the update); ``offload update=host`` (the update computed on the h
 twin written by hand in plain JAX (``jax.jit`` with the same shardings and memory kinds,
 ``jax.device_put`` to the devices where the state is used, the whole optimizer state at once
 as MaxText does where shardplug brings it a parameter's at a time, and
-``compute_on("device_host")`` for the host's update: ``shardplug.bench.hand_written``), and
+``compute_on("device_host")`` for the host's update: ``shardplug.planning.bench.hand_written``), and
 against the run without offload.
 The compiled step's argument bytes per device, by memory, are read from its entry layout.
 
@@ -60,8 +60,8 @@ def measure(rounds: int, steps: int, layers: int = 8) -> dict[str, Any]:
     import jax
 
     import shardplug
-    from shardplug.bench import hand_written
     from shardplug.core.memory import entry_bytes
+    from shardplug.planning.bench import hand_written
 
     model = shardplug.get_model("transformer")
     task = model.task("nnx", layers=layers)

@@ -10,7 +10,7 @@ device at ``--sequence`` (default 512), batch 8, documents of lognormal lengths 
 time over interleaved rounds, and the targets each step counts (``loss_mask``), reported as
 real tokens a second and as the packed step's time over the padded one's (what the segment
 mask costs). On a GPU (``--precision bf16``) the packed rows take Pallas' flash kernel
-(``shardplug.core.flash``) and the padded ones cuDNN's fused attention; before the flash
+(``shardplug.core.operations.flash``) and the padded ones cuDNN's fused attention; before the flash
 kernel, an H100 measured the packed step at 14.5x the padded one at sequence 4096, on XLA's
 masked attention.
 

@@ -43,9 +43,9 @@ def main() -> None:
     import optax
 
     import shardplug
-    from shardplug.bench import bench
-    from shardplug.explain import explain
-    from shardplug.views import size
+    from shardplug.planning.bench import bench
+    from shardplug.planning.explain import explain
+    from shardplug.planning.views import size
 
     model = shardplug.get_model("transformer")
 

@@ -263,7 +263,7 @@ SCHEDULE_ROWS = {  # name: pp options
 
 
 def schedules(rounds: int, steps: int, rows: int = 4) -> dict[str, Any]:
-    from shardplug.explain import explain
+    from shardplug.planning.explain import explain
     from shardplug.strategies.pp.stages import Pipeline
 
     model = __import__("shardplug").get_model("transformer")

@@ -42,7 +42,7 @@ def _gpt(addons: tuple = (), options: dict | None = None, remat: str = "none",
         import gpu_mfu
 
         import shardplug
-        from shardplug.core.targets import compile_noting, target_devices
+        from shardplug.core.compiled.targets import compile_noting, target_devices
 
         t = gpu_mfu.task("1b", 16, remat)
         if lora is not None:
@@ -66,7 +66,7 @@ def _packing(packed: bool) -> Callable[[], Any]:
         import packing
 
         from shardplug import pretrained
-        from shardplug.core.targets import compile_noting, target_devices
+        from shardplug.core.compiled.targets import compile_noting, target_devices
 
         config = json.loads((ROOT / "tests" / "fixtures" / "hf" / "llama" / "config.json")
                             .read_text())  # fmt: skip
@@ -93,7 +93,7 @@ def _llama(size: dict[str, int], batch: int, devices: int, strategy: Any, mesh: 
         import pipeline_engine
 
         import shardplug
-        from shardplug.core.targets import compile_noting, target_devices
+        from shardplug.core.compiled.targets import compile_noting, target_devices
 
         llama = pipeline_engine.llama_example()
         config = dataclasses.replace(llama.Config(), **size, batch=batch, remat="none")
@@ -116,7 +116,7 @@ def _llama7b(strategy: str, mesh: str | None) -> Callable[[], Any]:
         import pipeline_engine
 
         import shardplug
-        from shardplug.core.targets import compile_noting, target_devices
+        from shardplug.core.compiled.targets import compile_noting, target_devices
 
         task = pipeline_engine.llama_example().llama2_7b()
         trainer = task.trainer(strategy=shardplug.get_strategy(strategy),
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         parser.error(f"--cases: no case {unknown[0]!r}; choose from {', '.join(CASES)}")
     wanted = set(names) | {CASES[n][1] for n in names if CASES[n][1]}
-    from shardplug.core.targets import on_cpu_alone
+    from shardplug.core.compiled.targets import on_cpu_alone
 
     on_cpu_alone()  # before JAX starts its backends
     import jax

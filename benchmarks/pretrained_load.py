@@ -67,9 +67,9 @@ CHILD = r"""
 import json, sys, time, pathlib
 import jax
 if len(sys.argv) > 3:  # process i of n, port: a multi-process job, 8 devices over all of them
-    import shardplug.distributed
+    import shardplug.running.distributed
     i, n, port = map(int, sys.argv[3].split("/"))
-    shardplug.distributed.initialize(f"127.0.0.1:{port}", n, i, local_cpu_devices=8 // n)
+    shardplug.running.distributed.initialize(f"127.0.0.1:{port}", n, i, local_cpu_devices=8 // n)
 else:
     jax.config.update("jax_num_cpu_devices", 8)
 

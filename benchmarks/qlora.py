@@ -70,7 +70,7 @@ def main() -> None:
 
 
 def _quantized(x):
-    from shardplug.quantize import Quantized
+    from shardplug.finetuning.quantize import Quantized
 
     return isinstance(x, Quantized)
 

@@ -41,8 +41,8 @@ def measured(size: str, addons: list[str], options: dict[str, Any]) -> int | Non
 
 def predict(case: str) -> dict[str, Any]:
     import shardplug
-    from shardplug.core.targets import host_copies, target_devices
-    from shardplug.explain import explain
+    from shardplug.core.compiled.targets import host_copies, target_devices
+    from shardplug.planning.explain import explain
 
     sys.path.insert(0, str(HERE))
     import gpu_mfu
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--cases: no case {unknown[0]!r}; choose from {', '.join(CASES)}")
     if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
         parser.error(f"--out {args.out}: give a file in an existing folder")
-    from shardplug.core.targets import on_cpu_alone
+    from shardplug.core.compiled.targets import on_cpu_alone
 
     on_cpu_alone()  # before JAX starts its backends
     import jax

@@ -44,7 +44,7 @@ def _gpt(record: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     import gpu_mfu
 
     import shardplug
-    from shardplug.core.targets import as_present, compile_noting, target_devices
+    from shardplug.core.compiled.targets import as_present, compile_noting, target_devices
 
     size = gpu_mfu.SIZES[record["size"]]
     batch, remat = record["batch"], record.get("remat", "none")
@@ -121,7 +121,7 @@ def _engine(record: dict[str, Any], contender: str) -> Callable[[], Any]:
         import pipeline_engine
 
         import shardplug
-        from shardplug.core.targets import compile_noting, target_devices
+        from shardplug.core.compiled.targets import compile_noting, target_devices
 
         llama = pipeline_engine.llama_example()
         config = dataclasses.replace(llama.Config(), **pipeline_engine.SIZES[record["size"]],
@@ -145,7 +145,7 @@ def _engine(record: dict[str, Any], contender: str) -> Callable[[], Any]:
 def fit(texts: dict[str, str], measured: dict[str, float]) -> dict[str, float]:
     """Each constant of :data:`FIT` solved on its one point (the others held), in turns until
     they settle: the predicted seconds fall as an efficiency rises, so a bisection finds it."""
-    from shardplug.core.timing import CHIPS, predict
+    from shardplug.core.compiled.timing import CHIPS, predict
 
     constants = {name: getattr(CHIPS["h100"], name) for name in FIT}
     for _ in range(4):
@@ -167,12 +167,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
         parser.error(f"--out {args.out}: give a file in an existing folder")
-    from shardplug.core.targets import on_cpu_alone
+    from shardplug.core.compiled.targets import on_cpu_alone
 
     on_cpu_alone()  # before JAX starts its backends
     import jax
 
-    from shardplug.core.timing import CHIPS, predict, program_text
+    from shardplug.core.compiled.timing import CHIPS, predict, program_text
 
     found = points()
     frozen = {p["point"]: p["frozen"] for p in found if p.get("frozen")}

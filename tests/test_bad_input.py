@@ -282,7 +282,7 @@ def test_jaxs_cuda_plugin_without_cuda_is_quiet_without_a_gpu(monkeypatch):
 
 
 def test_the_longest_sequence_search_ends_at_the_positions_and_the_time():
-    from shardplug.longest import longest_sequences
+    from shardplug.planning.longest import longest_sequences
 
     class Planned:  # a step whose peak is its sequence in bytes; compiling takes no time
         def __init__(self, n):
@@ -296,7 +296,7 @@ def test_the_longest_sequence_search_ends_at_the_positions_and_the_time():
         planned.append(length)
         return Planned(length), {"tokens": np.zeros((1, length), np.int32)}
 
-    import shardplug.recommend as recommend
+    import shardplug.planning.recommend as recommend
 
     real = recommend.explain
     recommend.explain = lambda trainer, batch, device_memory: types.SimpleNamespace(

@@ -8,8 +8,8 @@ import pytest
 from helpers import reference_trainer
 
 import shardplug
-from shardplug.bench import hand_written
-from shardplug.core.hlo import collectives
+from shardplug.core.compiled.hlo import collectives
+from shardplug.planning.bench import hand_written
 
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\(")
 

@@ -23,7 +23,7 @@ def test_gpu_mfu_script_runs_its_smoke_size(capsys):
     result = load("gpu_mfu").main(["--size", "smoke", "--steps", "2", "--rounds", "2"])
     assert result["params"] > 0 and np.isfinite(result["loss"]) and result["precision"] == "bf16"
     assert '"ratio"' in capsys.readouterr().out
-    from shardplug.flops import TransformerShape
+    from shardplug.core.flops import TransformerShape
 
     assert (
         result["model_flops_per_token"]

@@ -14,8 +14,8 @@ import pytest
 from helpers import reference_trainer, said
 
 import shardplug
-from shardplug.checkpoint import Checkpoints
 from shardplug.cli import main
+from shardplug.running.checkpoint import Checkpoints
 
 SUBPROCESS_ENV = {
     **os.environ,
@@ -222,7 +222,7 @@ def test_an_unreadable_checkpoint_is_not_damage_and_is_left_alone(tmp_path, monk
     """Permission denied or an I/O error is trouble, not damage: restore stops naming the file
     and the real cause, and moves nothing (before, it set the newest checkpoint aside and
     quietly resumed from an older one). Simulated: the suite runs as root, which reads all."""
-    from shardplug import checkpoint_checks as checkpoint
+    from shardplug.running import checkpoint_checks as checkpoint
 
     saved_run(tmp_path, steps=4)
     files = sorted(p for p in (tmp_path / "4").rglob("*") if p.is_file())
@@ -551,7 +551,7 @@ import optax
 from flax import nnx
 
 import shardplug
-from shardplug.data import Batches
+from shardplug.running.data import Batches
 
 
 def loss_fn(model, batch):

@@ -106,7 +106,7 @@ def test_a_capability_of_its_own(plugins):
 
 def test_explain_states_the_order_the_ranks_give():
     """fsdp+cp+tp: the mesh fsdp, context, model (outermost first), claims the reverse."""
-    from shardplug.explain import explain
+    from shardplug.planning.explain import explain
 
     model = shardplug.get_model("transformer")
     trainer = model.task("nnx").trainer(strategy="fsdp+cp+tp", allocate=False)

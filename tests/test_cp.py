@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from rich.console import Console
 
 import shardplug
-from shardplug.core.hlo import collectives
+from shardplug.core.compiled.hlo import collectives
 from shardplug.testing.conformance import _losses, one_device_losses
 
 STEPS = 3
@@ -266,7 +266,7 @@ def test_a_llama_with_rope_at_1024_trains_like_one_device(name, mesh):
 def test_explain_shows_cp_share_and_takes_the_ring_for_no_pipeline():
     """explain of dp+cp: no pipeline; the sequence's split and the ring's share of the step's
     traffic (its permutes: the HLO test's count and bytes)."""
-    from shardplug.explain import explain
+    from shardplug.planning.explain import explain
 
     model, trainer = _transformer_trainer("dp+cp", "data=2,context=4")
     report = explain(trainer, next(model.batches(model.batch_size, 0)))
@@ -296,7 +296,7 @@ def test_recommend_finds_the_longest_sequence_cp_fits(capsys):
     192, nothing allocated): 256 is over 3 MB a device, 128 fits, and the gap is closed to
     the quarter of the start; the table shows the bracket."""
     from shardplug.cli import main
-    from shardplug.views import render_longest
+    from shardplug.planning.views import render_longest
 
     args = ["recommend", "--longest-sequence", "--strategies", "cp", "--sequence", "256"]
     assert main([*args, "--device-memory", "3MB", "--json"]) == 0
@@ -315,8 +315,8 @@ def test_cp_that_divides_nothing_is_refused_alike_in_train_explain_and_recommend
     """Hand-written attention fed tokens[:, :-1] of 33 (Gemma's form): the batch's sequence
     does not split over context and nothing else would, so cp and dp+cp are refused in one
     line, by the trainer, by explain and by recommend (which takes dp)."""
-    from shardplug.explain import explain
-    from shardplug.recommend import recommend
+    from shardplug.planning.explain import explain
+    from shardplug.planning.recommend import recommend
 
     batch = {"tokens": np.random.default_rng(0).integers(0, 64, (16, 33)).astype(np.int32)}
 

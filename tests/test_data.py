@@ -1,4 +1,5 @@
-"""shardplug.data: Grain batches, split by process, and resumed exactly from a checkpoint."""
+"""shardplug.running.data: Grain batches, split by process, and resumed exactly from a
+checkpoint."""
 
 import hashlib
 import itertools
@@ -10,8 +11,8 @@ from test_distributed import launch, rows
 
 import shardplug
 from shardplug.builtin_tasks import digits
-from shardplug.data import Batches
 from shardplug.errors import CheckpointError, ConfigError
+from shardplug.running.data import Batches
 
 RECORDS = [{"x": np.full(3, i, np.float32), "id": np.int32(i)} for i in range(40)]
 
@@ -42,7 +43,7 @@ def test_read_ahead_is_bounded_by_bytes_and_planning_reads_batch_zero_alone(monk
     first batch 38 s late behind them. Read-ahead now holds at most 256 MB (16 small
     batches), and planning's first batch is read with no iterator at all."""
     from shardplug.cli.config import read_first
-    from shardplug.data import READ_AHEAD_BYTES
+    from shardplug.running.data import READ_AHEAD_BYTES
 
     small = Batches(RECORDS, 8, seed=1)
     assert small._read_options().prefetch_buffer_size == 16

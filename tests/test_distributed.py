@@ -49,7 +49,7 @@ def test_gloo_lines_written_at_once_by_two_threads_are_not_relayed():
     import io
     import threading
 
-    from shardplug.launch import _stream
+    from shardplug.running.launch import _stream
 
     lines = [
         "[Gloo] Rank 0 is connected to [Gloo] Rank 13 is connected to 3 peer ranks. Expected "
@@ -308,7 +308,7 @@ def test_a_failed_worker_ends_the_job_within_seconds(name, why, tmp_path, monkey
 def test_a_worker_that_exits_early_without_a_word_ends_the_job(tmp_path):
     """Process 1 exits with 0 at batch 3 while process 0 waits for it in a collective: the
     launcher gives the others EARLY_EXIT_S, then stops them, blaming process 1."""
-    from shardplug.launch import EARLY_EXIT_S
+    from shardplug.running.launch import EARLY_EXIT_S
 
     task = tmp_path / "failing.py"
     task.write_text(FAILING_TASK)
@@ -326,11 +326,11 @@ def test_a_worker_that_exits_early_without_a_word_ends_the_job(tmp_path):
 def test_a_coordinator_nobody_serves_is_announced_then_given_up():
     """Process 1 of a job whose process 0 never started: after JOIN_NOTICE_S a line names the
     address it waits for; at the join timeout it fails naming it (it was silent for 90 s+)."""
-    from shardplug.launch import free_port
+    from shardplug.running.launch import free_port
 
     port = free_port()
     code = (
-        "from shardplug.distributed import initialize\n"
+        "from shardplug.running.distributed import initialize\n"
         f"initialize('127.0.0.1:{port}', 2, 1, local_cpu_devices=1, join_timeout_s=8)"
     )
     start = time.monotonic()
@@ -367,7 +367,7 @@ def test_on_a_gpu_machine_each_worker_gets_its_block_of_gpus(monkeypatch):
     GPUs, CPU devices as before; a count that does not split is one line."""
     from shardplug.core.devices import nvidia_gpus
     from shardplug.errors import ConfigError
-    from shardplug.launch import gpu_blocks, worker_command
+    from shardplug.running.launch import gpu_blocks, worker_command
 
     assert gpu_blocks(2, 8) == ["0,1,2,3", "4,5,6,7"] and gpu_blocks(2, 0) is None
     with pytest.raises(ConfigError, match="--nprocs 3 does not split this machine's 8 GPUs"):

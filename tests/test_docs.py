@@ -50,14 +50,16 @@ assert not failed, failed
 
 
 def test_every_dotted_name_the_pages_write_works_after_import_shardplug():
-    """``shardplug.stack.scan``, ``shardplug.data.Batches``, ``shardplug.core.hlo...``: as the
-    README and docs write them, after a plain ``import shardplug`` in a fresh interpreter."""
+    """``shardplug.stack.scan``, ``shardplug.running.data.Batches``,
+    ``shardplug.core.compiled.hlo...``: as the README and docs write them, after a plain
+    ``import shardplug`` in a fresh interpreter."""
     names = set()
     for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
         names |= set(re.findall(r"\bshardplug(?:\.[A-Za-z_]\w*)+", page.read_text()))
     names -= GROUPS
-    assert {"shardplug.stack", "shardplug.moe.routed_experts", "shardplug.core.hlo.partitioned_hlo",
-            "shardplug.plugin.RANK", "shardplug.data.Batches"} <= names  # fmt: skip
+    assert {"shardplug.stack", "shardplug.moe.routed_experts",
+            "shardplug.core.compiled.hlo.partitioned_hlo", "shardplug.plugin.RANK",
+            "shardplug.running.data.Batches"} <= names  # fmt: skip
     code = [sys.executable, "-c", DOTTED, *sorted(names)]
     done = subprocess.run(code, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -8,7 +8,7 @@ import pytest
 
 import shardplug
 from shardplug import moe
-from shardplug.core.hlo import collectives
+from shardplug.core.compiled.hlo import collectives
 from shardplug.core.sharding import leaf_paths
 from shardplug.testing.conformance import _losses, one_device_losses
 
@@ -126,7 +126,7 @@ def test_explain_reduces_the_experts_over_data_only_and_never_gathers_them():
     """dp+ep: the experts stay split where they are used, so the textbook has no all-gather
     or reduce-scatter, only the gradients' all-reduce over data (the experts' too: each is
     held by two data replicas); the compiled all-reduces are that plus the rows' statistics."""
-    from shardplug.explain import explain
+    from shardplug.planning.explain import explain
 
     model = shardplug.get_model("transformer")
     trainer = model.task("nnx", **MOE).trainer(

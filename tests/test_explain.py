@@ -12,9 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 import shardplug
 from shardplug.cli import main
-from shardplug.core.hlo import collectives, wire_bytes
+from shardplug.core.compiled.hlo import collectives, wire_bytes
 from shardplug.errors import ConfigError
-from shardplug.explain import explain
+from shardplug.planning.explain import explain
 
 KEYS = {"params_bytes", "opt_state_bytes", "grads_bytes", "temp_bytes"}
 
@@ -158,7 +158,7 @@ def test_explain_bad_input_is_one_line(capsys):
 def test_on_one_device_recommend_takes_the_plainest_step(make_trainer):
     """Nothing is sent on one device: a pipeline's microbatches lower the peak but only slow
     the step, so the plain step wins, and the reason says why."""
-    from shardplug.recommend import recommend
+    from shardplug.planning.recommend import recommend
 
     batch = next(iter(shardplug.get_model("transformer").batches(batch_size=8, seed=0)))
 
@@ -178,7 +178,7 @@ def test_recommend_never_picks_a_strategy_that_divides_nothing_and_breaks_ties_p
     split and would run the whole step on every device; pmap sends what dp sends."""
     from flax import nnx
 
-    from shardplug.recommend import recommend
+    from shardplug.planning.recommend import recommend
 
     class Plain(nnx.Module):
         def __init__(self, rngs):
@@ -217,7 +217,7 @@ def test_a_tied_embedding_is_gradients_not_activations_and_dp_is_recommended():
     compare with the gradient reduced once: dp and pmap tie, and the plainer step wins."""
     from flax import nnx
 
-    from shardplug.recommend import recommend
+    from shardplug.planning.recommend import recommend
 
     class Tied(nnx.Module):
         def __init__(self, rngs):
@@ -269,7 +269,7 @@ def test_recommend_follows_the_memory(capsys):
 
     from rich.console import Console
 
-    from shardplug.views import render_recommend
+    from shardplug.planning.views import render_recommend
 
     console = Console(width=250, record=True, file=io.StringIO())
     render_recommend(roomy, console, "mlp")  # every ep composition refused: one row
@@ -307,14 +307,14 @@ def test_bench_compares_with_hand_written_jax(tmp_path, capsys):
 
 
 def test_the_baseline_refuses_models_with_state():
-    from shardplug.bench import bench
+    from shardplug.planning.bench import bench
 
     with pytest.raises(ConfigError, match="without model state; 'cnn' has batch statistics"):
         bench(["dp"], "cnn", steps=1, rounds=1)
 
 
 def test_bench_needs_a_hand_written_twin(monkeypatch):
-    from shardplug.bench import bench
+    from shardplug.planning.bench import bench
     from shardplug.strategies.pmap import PerDeviceProgram
 
     with pytest.raises(shardplug.UnknownStrategyError, match="unknown strategy 'mine'"):
@@ -325,8 +325,8 @@ def test_bench_needs_a_hand_written_twin(monkeypatch):
 
 
 def test_explain_groups_parameters_that_share_a_layout_unless_all(capsys):
-    from shardplug.explain import ParamReport
-    from shardplug.views import groups
+    from shardplug.planning.explain import ParamReport
+    from shardplug.planning.views import groups
 
     def report(path, spec="P('fsdp')"):
         return ParamReport(path, (64, 64), "float32", spec, 2048, False, None)
@@ -351,8 +351,8 @@ def test_explain_groups_the_numbered_blocks_of_a_linen_list_as_an_nnx_list():
     import flax.linen as linen
     from flax import nnx
 
-    from shardplug.explain import ParamReport
-    from shardplug.views import groups
+    from shardplug.planning.explain import ParamReport
+    from shardplug.planning.views import groups
 
     class LinenBlocks(linen.Module):
         def setup(self):
@@ -452,7 +452,7 @@ def test_the_longest_sequence_search_brackets_the_limit(monkeypatch):
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
-    import shardplug.longest as rec
+    import shardplug.planning.longest as rec
 
     memory = 10**9
     meshes = {"fsdp": {"fsdp": 8}, "fsdp+cp": {"fsdp": 4, "context": 2}}
@@ -500,7 +500,7 @@ def test_plot_paths_are_made_or_refused_before_the_work(tmp_path, capsys):
 
 
 def test_the_longest_sequence_says_its_cap_and_refuses_what_it_cannot_plan(capsys):
-    from shardplug.longest import longest_sequences
+    from shardplug.planning.longest import longest_sequences
 
     model = shardplug.get_model("transformer")
 

@@ -160,7 +160,7 @@ def test_attention_on_explicitly_sharded_inputs_is_xlas():
 
 
 def test_explain_says_the_mode_and_who_placed_each_parameter():
-    from shardplug.explain import explain
+    from shardplug.planning.explain import explain
 
     adapter = shardplug.from_nnx(lambda rngs: em.DotReluDot(16, rngs))
     trainer = shardplug.Trainer(

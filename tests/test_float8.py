@@ -1,4 +1,5 @@
-"""float8 matrix products (``shardplug.float8``): e4m3 forward, e5m2 gradients, scaled per
+"""float8 matrix products (``shardplug.finetuning.float8``): e4m3 forward, e5m2 gradients, scaled
+per
 tensor or per row, against float32 within float8's error; zeros, outliers and NaN."""
 
 import jax
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 from shardplug.errors import ConfigError
-from shardplug.float8 import float8_dot_general, relative_error
+from shardplug.finetuning.float8 import float8_dot_general, relative_error
 
 KEYS = jax.random.split(jax.random.key(0), 3)
 MATMUL = (((1,), (0,)), ((), ()))

@@ -8,7 +8,7 @@ import pytest
 import shardplug
 from shardplug.cli import main
 from shardplug.errors import ConfigError, StrategyOptionError
-from shardplug.flops import product_dtypes
+from shardplug.core.flops import product_dtypes
 
 pytestmark = pytest.mark.filterwarnings("ignore:float8 on cpu")
 

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from shardplug.flops import TransformerShape
+from shardplug.core.flops import TransformerShape
 
 
 def test_the_input_embedding_is_not_counted_and_causal_attention_is_halved():
@@ -26,7 +26,7 @@ def test_model_flops_are_one_count_for_one_model_and_batch_under_every_strategy(
     pipeline's idle ticks and microbatch work made pp+dp's "model FLOPs" 3.3x dp's.
     :func:`model_flops` counts the model alone: 3 x its forward pass, under no strategy."""
     import shardplug
-    from shardplug.flops import model_flops, step_flops
+    from shardplug.core.flops import model_flops, step_flops
 
     model = shardplug.get_model("transformer")
     batch = next(iter(model.batches(batch_size=16, seed=0)))

@@ -15,7 +15,7 @@ import pytest
 from helpers import reference_trainer
 
 import shardplug
-from shardplug.core.hlo import collectives, partitioned_hlo
+from shardplug.core.compiled.hlo import collectives, partitioned_hlo
 from shardplug.testing import conformance
 
 STRATEGIES = ["dp", "fsdp", "2d", "pmap"]

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import shardplug
-from shardplug.core import hlo
+from shardplug.core.compiled import hlo
 
 KINDS = "all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute"
 

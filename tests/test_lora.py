@@ -1,4 +1,5 @@
-"""LoRA (``shardplug.lora``, ``train --lora RANK``): the base frozen (no gradient computed or
+"""LoRA (``shardplug.finetuning.lora``, ``train --lora RANK``): the base frozen (no gradient
+computed or
 sent, no optimizer state), the first step's loss the base model's exactly, the adapters laid
 out like their weights, the same training as one device under every layout and framework,
 and bad input in one line."""
@@ -19,9 +20,9 @@ import shardplug
 from shardplug.cli import main
 from shardplug.core.sharding import leaf_paths
 from shardplug.errors import ConfigError
-from shardplug.explain import explain
-from shardplug.lora import LoraAdapter
-from shardplug.lora import with_lora as lora
+from shardplug.finetuning.lora import LoraAdapter
+from shardplug.finetuning.lora import with_lora as lora
+from shardplug.planning.explain import explain
 
 STEPS = 3
 RANK = 4

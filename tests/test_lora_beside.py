@@ -1,4 +1,5 @@
-"""LoRA's adapters run beside the frozen weight (``shardplug.core.beside``): a step computes
+"""LoRA's adapters run beside the frozen weight (``shardplug.core.operations.beside``): a step
+computes
 ``x W + s (x L) R``, never the frozen weight's gradient, and trains as the merged weight
 ``x (W + s L R)`` did, in every framework."""
 
@@ -16,12 +17,12 @@ import optax
 import pytest
 
 import shardplug
-from shardplug.core.beside import merged_products
+from shardplug.core.operations.beside import merged_products
 from shardplug.core.sharding import leaf_paths
 from shardplug.errors import ShardplugWarning
-from shardplug.flops import _products, step_flops
+from shardplug.finetuning.lora import with_lora
 from shardplug.loop import program
-from shardplug.lora import with_lora
+from shardplug.core.flops import _products, step_flops
 
 RANK = 4
 STEPS = 3

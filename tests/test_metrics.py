@@ -10,8 +10,8 @@ import pytest
 
 import shardplug
 from shardplug.cli import main
-from shardplug.flops import step_flops
 from shardplug.loop.metrics import StepFacts, peak_tflops
+from shardplug.core.flops import step_flops
 
 TRANSFORMER = shardplug.get_model("transformer")
 
@@ -91,7 +91,7 @@ def test_tensorboard_event_files_read_back_with_tensorboards_reader(tmp_path):
 
 
 def test_a_planning_trainer_allocates_nothing_and_explains_like_a_real_one():
-    from shardplug.explain import explain
+    from shardplug.planning.explain import explain
 
     def trainer(allocate):
         return shardplug.Trainer(
@@ -116,7 +116,7 @@ def test_a_planning_trainer_allocates_nothing_and_explains_like_a_real_one():
 def test_a_llama_shaped_task_plans_its_bytes_by_the_textbook():
     from pathlib import Path
 
-    from shardplug.explain import explain
+    from shardplug.planning.explain import explain
 
     path = Path(__file__).resolve().parent.parent / "examples" / "tasks" / "llama.py"
     task = shardplug.load_task(f"{path}:tiny")

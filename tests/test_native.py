@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardplug.native import remat_note, sort, sorted_stderr
+from shardplug.running.native import remat_note, sort, sorted_stderr
 
 #: XLA's line, as the partitioner writes it (jax 0.10, CPU)
 REMAT = (
@@ -46,7 +46,7 @@ def test_each_line_is_sorted_and_the_spmd_line_is_said_in_one():
 
 
 def test_launch_says_the_spmd_line_once_for_the_job_and_drops_absls_notice():
-    from shardplug.launch import _stream
+    from shardplug.running.launch import _stream
 
     lock, explained, outs = threading.Lock(), set(), []
     for rank in (0, 1):
@@ -63,8 +63,8 @@ def test_launch_says_the_spmd_line_once_for_the_job_and_drops_absls_notice():
 def compiled_afresh(monkeypatch):
     """The tests' persistent compilation cache off (a program loaded from it is not
     partitioned again, so XLA says nothing), nothing said yet, every line not asked for."""
-    from shardplug import native
     from shardplug.core.cache import uncached
+    from shardplug.running import native
 
     monkeypatch.setattr(native, "_EXPLAINED", set())
     monkeypatch.delenv("SHARDPLUG_TRACEBACK", raising=False)
@@ -94,7 +94,7 @@ def test_explain_says_xlas_spmd_line_in_shardplugs_words(capfd, compiled_afresh)
     from flax import nnx
 
     import shardplug
-    from shardplug.explain import explain
+    from shardplug.planning.explain import explain
 
     class Moves(nnx.Module):  # jax-ml/jax#21562's constraints, on a (data, model) mesh
         def __init__(self, rngs):

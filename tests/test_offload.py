@@ -22,7 +22,7 @@ from shardplug.cli import main
 from shardplug.core import memory
 from shardplug.core.sharding import to_named
 from shardplug.errors import ConfigError, PluginError
-from shardplug.explain import explain
+from shardplug.planning.explain import explain
 from shardplug.strategies.offload import Offload
 
 STEPS = 3
@@ -268,7 +268,7 @@ def test_bench_times_offload_against_its_hand_written_twin():
     """``bench --strategies fsdp+offload``: an add-on named in the composition, its twin in
     plain JAX (memory kinds in the shardings, ``device_put`` where the state is used), the
     same losses."""
-    from shardplug.bench import bench
+    from shardplug.planning.bench import bench
 
     report = bench(["fsdp+offload"], devices=2, steps=2, rounds=1, model_options={"layers": 2})
     assert report["max_loss_diff"] == {"fsdp+offload": 0.0}

@@ -13,10 +13,10 @@ import optax
 import pytest
 
 import shardplug
-from shardplug.checkpoint import Checkpoints
 from shardplug.cli import main
 from shardplug.errors import ConfigError
-from shardplug.optim import Optimizer
+from shardplug.running.checkpoint import Checkpoints
+from shardplug.running.optim import Optimizer
 
 
 def optimizer_line(err):

@@ -162,7 +162,7 @@ def test_the_rings_ids_go_round_with_their_keys_gradients_too(causal, balance, l
 
     import jax.numpy as jnp
 
-    from shardplug.core.attention import with_segments
+    from shardplug.core.operations.attention import with_segments
     from shardplug.strategies.cp.ring import gathered_attention, ring_attention
 
     auto = (jax.sharding.AxisType.Auto,)
@@ -301,7 +301,7 @@ def test_the_fused_kernel_keeps_documents_apart_as_xlas_masked_attention_does(sp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from shardplug.core import flash
+    from shardplug.core.operations import flash
 
     batch, length, heads, dim = 8, 256, 4, 32
     keys = jax.random.split(jax.random.key(0), 3)
@@ -348,14 +348,14 @@ def test_the_fused_kernel_keeps_documents_apart_as_xlas_masked_attention_does(sp
 def test_the_pair_kernels_tiles_are_powers_of_two_that_divide_the_block():
     """Triton takes tiles of a power of two: a ring's dealt half-block of 96 positions
     (sequence 768 over 4 devices) runs in tiles of 32, of 48 in tiles of 16."""
-    from shardplug.core.flash_pairs import _tile
+    from shardplug.core.operations.flash_pairs import _tile
 
     assert [_tile(n, 64) for n in (96, 48, 80, 128, 1024, 16)] == [32, 16, 16, 64, 64, 16]
     assert _tile(96, 128) == 32
 
 
 def test_what_the_fused_kernel_cannot_take_is_said():
-    from shardplug.core import flash
+    from shardplug.core.operations import flash
 
     def shaped(*shape):
         return jax.ShapeDtypeStruct(shape, np.float32)

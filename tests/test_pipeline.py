@@ -13,7 +13,7 @@ import pytest
 import shardplug
 from shardplug.cli import main
 from shardplug.errors import ConfigError, MeshError
-from shardplug.explain import explain
+from shardplug.planning.explain import explain
 from shardplug.strategies.pp.stages import Pipeline, circular_order
 
 STEPS = 3
@@ -201,7 +201,7 @@ def test_the_schedule_returns_each_layers_aux_summed_over_microbatches_in_layer_
     from jax.sharding import PartitionSpec as P
 
     from shardplug.core import ops
-    from shardplug.core.layer_stack import run_stack
+    from shardplug.core.operations.layer_stack import run_stack
     from shardplug.strategies.pp.stages import stack_operation
 
     def block(w, h):

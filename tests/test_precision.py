@@ -19,7 +19,7 @@ from flax import nnx
 from test_outside_models import LinenCNN, NnxCNN, images, vectors
 
 import shardplug
-from shardplug.flops import product_dtypes
+from shardplug.core.flops import product_dtypes
 
 VOCAB, WIDTH, SEQ, ROWS = 64, 32, 16, 8
 PRODUCT = re.compile(
@@ -158,7 +158,7 @@ def test_a_layer_built_in_float32_stays_float32_and_is_named():
     assert 0.0 < dtypes.share("float32") < 0.5
     assert dtypes.float32_sites[0][0].startswith("test_precision.py:")  # the model's own line
 
-    from shardplug.explain import explain
+    from shardplug.planning.explain import explain
 
     report = explain(trainer, TOKENS)
     assert report.precision["compute"] == "bfloat16"

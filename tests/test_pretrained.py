@@ -289,8 +289,8 @@ def test_a_dtype_it_cannot_cast_to_is_refused_and_bfloat16_is_kept_as_asked():
 
 def test_the_command_line_fine_tunes_exports_and_refuses_shape_flags(capsys, tmp_path,
                                                                       monkeypatch):  # fmt: skip
-    from shardplug.checkpoint import Checkpoints
     from shardplug.cli import main
+    from shardplug.running.checkpoint import Checkpoints
 
     reads, read = [], Checkpoints.read_arrays
 

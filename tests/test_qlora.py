@@ -16,10 +16,10 @@ import shardplug
 from shardplug.cli import main
 from shardplug.core.sharding import leaf_paths
 from shardplug.errors import ConfigError
-from shardplug.explain import explain
-from shardplug.lora import LoraAdapter
-from shardplug.lora import with_lora as lora
-from shardplug.quantize import BLOCK, QTYPES, Quantized, quantized
+from shardplug.finetuning.lora import LoraAdapter
+from shardplug.finetuning.lora import with_lora as lora
+from shardplug.finetuning.quantize import BLOCK, QTYPES, Quantized, quantized
+from shardplug.planning.explain import explain
 
 STEPS = 2
 RANK = 4

@@ -20,7 +20,7 @@ import shardplug
 from shardplug import stack
 from shardplug.cli import main
 from shardplug.errors import ConfigError, StrategyOptionError
-from shardplug.explain import explain
+from shardplug.planning.explain import explain
 from shardplug.plugin import Schedule, looped, tabulate, v_shape
 from shardplug.strategies.pp import backward
 from shardplug.strategies.pp.schedules import (
@@ -478,7 +478,7 @@ def test_explain_prints_the_schedule(capsys):
 def test_the_pytest_plugin_and_recommend_read_the_schedules_from_the_registry(monkeypatch):
     """A schedule added to pp's registry is in the pytest plugin's matrix, and recommend
     plans under it unless it needs chunks of its own (repeats)."""
-    from shardplug.recommend import planned_schedules
+    from shardplug.planning.recommend import planned_schedules
     from shardplug.strategies.pp import schedules
     from shardplug.testing.pytest_plugin import installed_schedules
 
@@ -495,7 +495,7 @@ def test_the_pytest_plugin_and_recommend_read_the_schedules_from_the_registry(mo
 
 
 def test_recommend_picks_a_schedule_as_well_as_a_composition():
-    from shardplug.recommend import recommend
+    from shardplug.planning.recommend import recommend
 
     model = shardplug.get_model("transformer")
     task = model.task("nnx", layers=8)

@@ -12,9 +12,9 @@ import pytest
 
 import shardplug
 from shardplug.cli import main
-from shardplug.core.targets import TARGETS, find_target, host_copies, target_devices
+from shardplug.core.compiled.targets import TARGETS, find_target, host_copies, target_devices
 from shardplug.errors import ConfigError
-from shardplug.explain import explain
+from shardplug.planning.explain import explain
 
 PLUGIN = importlib.util.find_spec("jax_plugins") is not None and (
     importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
@@ -319,13 +319,13 @@ def test_remat_offload_compiles_for_a_gpu_not_here_and_its_moves_cross_pcie():
 def test_float8_products_are_float8_gemms_in_the_h100_program():
     """A float8 product and its two gradients compile to GEMMs of float8 operands; the
     pattern that casts float8 back to bfloat16 before the product (dequantize, then
-    multiply) becomes a bfloat16 GEMM: the trap shardplug.float8 never writes."""
+    multiply) becomes a bfloat16 GEMM: the trap shardplug.finetuning.float8 never writes."""
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
     from shardplug.core.cache import uncached
-    from shardplug.core.targets import as_present
-    from shardplug.float8 import float8_dot_general, gemms
+    from shardplug.core.compiled.targets import as_present
+    from shardplug.finetuning.float8 import float8_dot_general, gemms
 
     device = target_devices("h100", 1)[0]
     place = SingleDeviceSharding(device)
@@ -367,8 +367,8 @@ def test_the_pair_kernel_compiles_for_an_h100_on_blocks_of_any_multiple_of_16():
     from jax.sharding import PartitionSpec as P
 
     from shardplug.core.cache import uncached
-    from shardplug.core.flash_pairs import pair_attention
-    from shardplug.core.targets import as_present
+    from shardplug.core.compiled.targets import as_present
+    from shardplug.core.operations.flash_pairs import pair_attention
 
     devices = target_devices("h100", 1)
     mesh = jax.sharding.Mesh(np.array(devices), ("x",))
@@ -397,7 +397,7 @@ def test_the_float8_addons_step_runs_its_targets_as_float8_gemms_in_the_h100_pro
     output head's three (not a target) bfloat16."""
     from collections import Counter
 
-    from shardplug.float8 import gemms
+    from shardplug.finetuning.float8 import gemms
 
     task = shardplug.get_model("transformer").task("nnx")
     batch = next(iter(task.batches()))

@@ -229,7 +229,7 @@ def test_a_grain_state_from_another_data_set_is_refused_on_resume(tmp_path, caps
         tmp_path / "t.py",
         TASK_HEADER
         + """
-from shardplug.data import Batches
+from shardplug.running.data import Batches
 
 def records(seed):
     x = np.random.default_rng(seed).normal(size=(256, 4)).astype(np.float32)

@@ -13,8 +13,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import shardplug
-from shardplug.core.chips import CALIBRATION, CHIPS, Chip, calibrated
-from shardplug.core.timing import program_text
+from shardplug.core.compiled.chips import CALIBRATION, CHIPS, Chip, calibrated
+from shardplug.core.compiled.timing import program_text
 from shardplug.errors import ConfigError
 
 #: a chip whose arithmetic is easy: 1 TFLOP/s of f32 products, nothing else costs
@@ -109,7 +109,7 @@ def test_groups_across_hosts_go_over_the_network():
 def test_a_tuned_product_runs_in_waves_of_tiles():
     """A product whose tiles fill the chip's cores once takes one wave; one tile more, and
     the autotuner's best tile decides: never less than the ideal, never more than two waves."""
-    from shardplug.core.kernel_time import Kernels
+    from shardplug.core.compiled.kernel_time import Kernels
 
     chip = dataclasses.replace(calibrated("h100"), launch_seconds=0.0)
     predictor = Kernels(None, chip)

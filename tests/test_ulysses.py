@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardplug
-from shardplug.core.attention import with_segments
+from shardplug.core.operations.attention import with_segments
 from shardplug.errors import ConfigError
-from shardplug.explain import explain
+from shardplug.planning.explain import explain
 from shardplug.strategies.cp.ulysses import group_size, kv_repeats, ulysses_attention
 from shardplug.testing.conformance import _losses, one_device_losses
 
@@ -198,7 +198,7 @@ def test_recommend_chooses_among_cps_schemes_and_says_why(mesh, name, want):
     """Of the schemes that fit, the fewest bytes: the all-to-all where the 4 heads divide the
     context axis (the hybrid, the same program, ties: the first named); where they do not (8
     devices), it is said why not, and the hybrid (groups of 4, a ring of 2) sends least."""
-    from shardplug.recommend import recommend
+    from shardplug.planning.recommend import recommend
 
     model = shardplug.get_model("transformer")
     batch = next(model.batches(model.batch_size, 0))

@@ -18,7 +18,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import shardplug
-from shardplug.core.hlo import collectives
+from shardplug.core.compiled.hlo import collectives
 from shardplug.strategies.cp.ring import ring_attention
 
 STEPS = 2
@@ -181,7 +181,7 @@ def test_flax_gemma_on_explicit_axes_keeps_its_own_placement(strategy, mesh, fsd
     """Every parameter stored (and its optimizer state) exactly as the model annotates it,
     the losses of the example's own loop on a (fsdp=4, tp=2) explicit mesh (it was refused:
     fsdp would have gathered what the model uses split), and explain says "model"."""
-    from shardplug.explain import explain
+    from shardplug.planning.explain import explain
 
     trainer = _gemma_trainer(strategy, mesh, fsdp, axis_names={"model": "tp"} if "tp" in
                              strategy else None)  # fmt: skip
@@ -223,7 +223,7 @@ def test_hand_written_experts_under_ep_train_right_and_are_said(capsys):
     """GShard's dense dispatch and combine, experts annotated 'expert': dp+ep stores them a
     quarter per device and trains like one device, but the compiler gathers them whole and
     nothing moves by all-to-all: one warning says so, and explain shows it."""
-    from shardplug.explain import explain
+    from shardplug.planning.explain import explain
 
     def trainer(strategy, devices, mesh=None, allocate=True):
         adapter = shardplug.from_nnx(lambda rngs: switch.SwitchLM(rngs))

@@ -25,7 +25,7 @@ from flax import nnx
 
 import shardplug
 from shardplug import moe, stack
-from shardplug.flops import TransformerShape
+from shardplug.core.flops import TransformerShape
 
 
 @dataclasses.dataclass(frozen=True)

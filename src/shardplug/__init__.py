@@ -3,7 +3,7 @@
 Every public name is listed once, in ``_EXPORTS`` below, with the module it lives in
 (``__all__`` is derived from it). They load on first use, so that importing the package (as
 the pytest plugin does, before JAX may start) imports no JAX; so do the submodules
-(``shardplug.stack.scan``, ``shardplug.data.Batches`` after a plain ``import shardplug``).
+(``shardplug.stack.scan``, ``shardplug.running.data.Batches`` after a plain ``import shardplug``).
 Plugin authors import from :mod:`shardplug.plugin`.
 """
 
@@ -12,16 +12,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from shardplug import _moved
 from shardplug._lazy import submodule
+
+_moved.install()  # the module paths that moved still import, warning once
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "shardplug.core.attention": ("attention",),
+    "shardplug.core.operations.attention": ("attention",),
     "shardplug.core.context": ("batch_axis_name", "compute_dtype", "constrain", "sharding_of"),
     "shardplug.core.devices": ("select_devices", "simulate_cpu_devices"),
-    "shardplug.core.timing": ("StepTime", "predict_step"),
-    "shardplug.core.chips": ("Chip",),
+    "shardplug.core.compiled.timing": ("StepTime", "predict_step"),
+    "shardplug.core.compiled.chips": ("Chip",),
     "shardplug.core.hookspecs": ("hookimpl", "hookspec"),
     "shardplug.core.mesh": ("parse_mesh",),
     "shardplug.core.strategy": ("Strategy", "StrategyInfo", "StrategyOption"),
@@ -29,11 +32,11 @@ _EXPORTS = {
     "shardplug.core.means": ("Mean",),
     "shardplug.core.step": ("TrainState",),
     "shardplug.trainer": ("Trainer",),
-    "shardplug.optim": ("Optimizer",),
-    "shardplug.lora": ("LoraAdapter", "with_lora"),
+    "shardplug.running.optim": ("Optimizer",),
+    "shardplug.finetuning.lora": ("LoraAdapter", "with_lora"),
     "shardplug.task": ("Task", "load_task"),
-    "shardplug.data": ("Batches",),
-    "shardplug.export": ("export_checkpoint", "load_exported", "load_model"),
+    "shardplug.running.data": ("Batches",),
+    "shardplug.running.export": ("export_checkpoint", "load_exported", "load_model"),
     "shardplug.errors": (
         "BatchError",
         "CheckpointError",

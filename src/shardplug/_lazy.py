@@ -1,5 +1,6 @@
 """Submodules loaded on first use, so that ``import shardplug`` is enough to reach any of
-them by its dotted name (``shardplug.stack.scan``, ``shardplug.core.hlo``) as the README and
+them by its dotted name (``shardplug.stack.scan``, ``shardplug.core.compiled.hlo``) as the README
+and
 docs write them, while importing a package imports none (and no JAX) until one is asked for.
 A package does so in its ``__getattr__`` (PEP 562), asked only for names it does not have."""
 

@@ -16,9 +16,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from shardplug.data import Batches
 from shardplug.errors import TaskError
 from shardplug.models import from_nnx, get_model
+from shardplug.running.data import Batches
 from shardplug.task import Task
 
 HELD_OUT = 320  # five evaluation batches of 64

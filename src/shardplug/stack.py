@@ -44,8 +44,8 @@ import jax
 from flax import nnx
 
 from shardplug.core import ops
-from shardplug.core.layer_stack import LAYERS, check_rows, run_stack
-from shardplug.core.remat import REMAT_POLICIES
+from shardplug.core.operations.layer_stack import LAYERS, check_rows, run_stack
+from shardplug.core.operations.remat import REMAT_POLICIES
 from shardplug.errors import ConfigError
 
 __all__ = ["LAYERS", "REMAT_POLICIES", "LinenLayers", "apply", "equinox_layers",

@@ -37,7 +37,7 @@ class Task:
         ``explain`` then never allocates a parameter.
     :param loss_fn: ``loss_fn(model, batch)``, as for :class:`shardplug.Trainer`.
     :param optimizer: an optax transformation.
-    :param data: the training batches: a :class:`shardplug.data.Batches` (resumes exactly,
+    :param data: the training batches: a :class:`shardplug.running.data.Batches` (resumes exactly,
         from the state saved in each checkpoint), or any iterable of global batches, or a
         function returning one (resumed by skipping the batches already trained on, so it
         must give the same batches each time it is iterated).
@@ -46,7 +46,7 @@ class Task:
     :param eval_steps: how many evaluation batches to read (needed for an endless one; a
         source without a length is otherwise read to at most 1,000 batches).
     :param name: what the command line calls it.
-    :param flops_per_sample: training FLOPs of one sample (:mod:`shardplug.flops`), for
+    :param flops_per_sample: training FLOPs of one sample (:mod:`shardplug.core.flops`), for
         ``model_tflops`` and MFU by the textbook count; the compiled step's count otherwise.
     """
 

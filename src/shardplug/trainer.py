@@ -18,7 +18,6 @@ from shardplug.core.registry import Strategy, resolve_strategy
 from shardplug.core.state import create_state
 from shardplug.core.step import LossFn, TrainState, step_key
 from shardplug.errors import ConfigError
-from shardplug.flops import warn_if_float32
 from shardplug.layout import Layout
 from shardplug.loop import feed
 from shardplug.loop import program as programs
@@ -28,6 +27,7 @@ from shardplug.loop.program import Program, RunState
 from shardplug.loop.run import compiled_on_first, run, say_devices
 from shardplug.loop.saving import RunCheckpoints, run_meta
 from shardplug.models.adapter import Adapter, check_parts
+from shardplug.core.flops import warn_if_float32
 from shardplug.settings import Settings, reads
 
 
@@ -51,7 +51,7 @@ class Trainer:
         composition's axes renamed as the model names them, e.g. ``{"model": "tp"}``.
     :param allocate: False plans without allocating: the state is only shapes and shardings
         (``jax.ShapeDtypeStruct``), so the step can be compiled and explained
-        (:func:`shardplug.explain.explain`) for a model larger than this machine's memory.
+        (:func:`shardplug.planning.explain.explain`) for a model larger than this machine's memory.
     :param precision: ``"auto"`` (the default): ``"bf16"`` where the devices have bfloat16
         matrix units (a TPU, an NVIDIA GPU from the A100 on), ``"float32"`` elsewhere;
         ``trainer.precision`` and ``trainer.precision_reason`` say which and why.
@@ -220,7 +220,7 @@ class Trainer:
 
         :param batches: an iterable of batches (pytrees of arrays); ``steps`` of them are
             consumed. In a multi-process run each process passes its own block of rows
-            (:func:`shardplug.distributed.process_rows`), and the global batch is assembled
+            (:func:`shardplug.running.distributed.process_rows`), and the global batch is assembled
             from the processes' blocks. Training stops early, with a warning, if it runs
             out. After :meth:`restore`, pass the batches from :attr:`step` on.
         :param callback: called with the new history rows each time the loop reads metrics.

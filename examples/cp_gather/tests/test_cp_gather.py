@@ -8,8 +8,8 @@ import sys
 from jax.sharding import PartitionSpec as P
 
 import shardplug
-from shardplug.core.hlo import collectives
-from shardplug.explain import explain
+from shardplug.core.compiled.hlo import collectives
+from shardplug.planning.explain import explain
 from shardplug.testing import StrategyConformance
 
 

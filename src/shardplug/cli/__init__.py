@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit:
         return int(exit.code or 0)
     _quiet_cuda_plugin()
-    from shardplug.distributed import joined, leave
+    from shardplug.running.distributed import joined, leave
 
     errors: list[str] = []
     try:

@@ -63,10 +63,10 @@ class RunConfig(Declared):
         return {k: getattr(self, k) for k in SIZES if getattr(self, k) is not None}
 
     def optim(self, lr: float | None = None) -> Any:
-        """The :class:`shardplug.optim.Optimizer` the flags name, the model's defaults where
+        """The :class:`shardplug.running.optim.Optimizer` the flags name, the model's defaults where
         they say nothing (a reference model's ``lr``); a decaying schedule ending at
         ``--steps`` unless ``--decay-steps`` says otherwise."""
-        from shardplug.optim import Optimizer
+        from shardplug.running.optim import Optimizer
 
         pretrained = self.init_from is not None
         schedule = self.schedule or "constant"
@@ -275,9 +275,9 @@ def _mesh_devices(mesh: str, strategy: Any) -> int | None:
 
 def read_first(data: Any, limit_s: float | None = None) -> Any:
     """The first batch of ``data`` (None if it has none), the wait announced and bounded;
-    a :class:`shardplug.data.Batches`'s read alone, with no read-ahead beside it."""
-    from shardplug.data import Batches
+    a :class:`shardplug.running.data.Batches`'s read alone, with no read-ahead beside it."""
     from shardplug.loop.waits import DataWait
+    from shardplug.running.data import Batches
 
     with DataWait(limit_s) as wait, wait.on("the first batch"):
         return data.first() if isinstance(data, Batches) else next(iter(data), None)

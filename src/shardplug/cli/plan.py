@@ -23,8 +23,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     config = RunConfig.of(args)
     strategy = strategy_of(config)  # an unknown name or option is one line, before anything
     task, devices = _prepare_for(args, config)
-    from shardplug.explain import explain
-    from shardplug.views import plot, render
+    from shardplug.planning.explain import explain
+    from shardplug.planning.views import plot, render
 
     trainer = trainer_for(config, task, strategy, allocate=False, devices=devices)
     batch = plan_batch(task)
@@ -45,11 +45,11 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     task, devices = _prepare_for(args, config)
     import jax
 
+    from shardplug.core.compiled.targets import memory_of
     from shardplug.core.devices import select_devices
     from shardplug.core.registry import get_strategy
-    from shardplug.core.targets import memory_of
-    from shardplug.explain import backend_memory
-    from shardplug.recommend import candidates, recommend
+    from shardplug.planning.explain import backend_memory
+    from shardplug.planning.recommend import candidates, recommend
 
     devices = devices or select_devices(config.devices)
     memory = args.device_memory or memory_of(devices[0]) or backend_memory(devices[0])
@@ -66,8 +66,8 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         strategies = _named_once([s.strip() for s in args.strategies.split(",") if s.strip()])
         for name in strategies or [""]:
             get_strategy(name)  # an unknown (or no) name fails here, before anything compiles
-    from shardplug.units import size
-    from shardplug.views import render_longest, render_recommend
+    from shardplug.core.units import size
+    from shardplug.planning.views import render_longest, render_recommend
 
     title = f"{task.name} ({task.adapter.framework}) on {len(devices)} devices of {size(memory)}"
     if args.target is not None:
@@ -90,7 +90,9 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         result = recommend(planned, memory, strategies, progress=progress)
     rows = result["strategies"]
     if rows and all("error" in r for r in rows):  # the task's fault, not the devices'
-        plain = next((r for r in rows if r["strategy"] == "dp"), rows[0])  # the task's own
+        errors = [r["error"] for r in rows]  # the task's own: the error most of them met
+        common = max(errors, key=errors.count)
+        plain = next(r for r in rows if r["error"] == common)
         raise ConfigError(f"recommend: every strategy was refused this task ({len(rows)}); "
                           f"{plain['strategy']}: {plain['error']}")  # fmt: skip
     if args.json:
@@ -120,8 +122,8 @@ def _bench_plan(args: argparse.Namespace, config: RunConfig, strategies: list[st
             "on this machine"
         )
     task, devices = _prepare_for(args, config)
-    from shardplug.bench_plan import plan
-    from shardplug.views import render_bench_plan
+    from shardplug.planning.bench_plan import plan
+    from shardplug.planning.views import render_bench_plan
 
     console = _console()
     quiet = args.json
@@ -139,7 +141,7 @@ def _prepare_for(args: argparse.Namespace, config: RunConfig) -> tuple[Any, list
     machine (None: this machine's own)."""
     if args.target is None:
         return _prepare(config), None
-    from shardplug.core.targets import find_target, on_cpu_alone, target_devices
+    from shardplug.core.compiled.targets import find_target, on_cpu_alone, target_devices
 
     find_target(args.target)  # a typo is one line, before anything
     on_cpu_alone()  # before the task starts JAX's backends
@@ -150,7 +152,7 @@ def _prepare_for(args: argparse.Namespace, config: RunConfig) -> tuple[Any, list
 def _longest(config: RunConfig, planned: Callable, batch: Any, memory: int,
              strategies: list[str], seconds: float) -> dict[str, Any]:  # fmt: skip
     """``recommend --longest-sequence``: the longest sequence each strategy fits."""
-    from shardplug.longest import longest_sequences
+    from shardplug.planning.longest import longest_sequences
 
     if config.batch_size is not None:
         raise ConfigError(
@@ -257,8 +259,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plan or args.target is not None:
         return _bench_plan(args, config, strategies)
     task = _prepare(config)
-    from shardplug.bench import bench
-    from shardplug.views import plot_bench, render_bench
+    from shardplug.planning.bench import bench
+    from shardplug.planning.views import plot_bench, render_bench
 
     console = _console()
     quiet = args.json

@@ -17,7 +17,7 @@ from shardplug.errors import CheckpointError, ConfigError
 
 def saved_run(config: RunConfig) -> dict[str, Any]:
     """Check the checkpoint flags; the saved run's configuration on ``--resume`` (else {})."""
-    from shardplug.checkpoint import saved_config
+    from shardplug.running.checkpoint import saved_config
 
     directory = config.checkpoint_dir
     if directory is None:
@@ -59,7 +59,7 @@ def saved_run(config: RunConfig) -> dict[str, Any]:
 
 def _complete_of(config: RunConfig) -> list[tuple[Path, int]]:
     """Every complete checkpoint of either tier, as ``(folder, step)``, newest first."""
-    from shardplug.checkpoint import complete_steps
+    from shardplug.running.checkpoint import complete_steps
 
     found = [(folder, step) for folder in (config.checkpoint_dir, config.local_checkpoint_dir)
              if folder is not None for step in complete_steps(folder)]  # fmt: skip
@@ -75,7 +75,7 @@ def _newest_of(config: RunConfig) -> tuple[Path, int] | None:
 def ran_on(config: RunConfig) -> dict[str, Any]:
     """On ``--resume``: what the newest checkpoint's run ran on (its devices, mesh and
     strategy), else {}."""
-    from shardplug.checkpoint import saved_layout
+    from shardplug.running.checkpoint import saved_layout
 
     if not config.resume or config.checkpoint_dir is None:
         return {}

@@ -228,7 +228,7 @@ class Declared:
     clip_norm: float | None = setting(
         "--clip-norm", part="optimizer", section=_OPTIM, type=float, metavar="C",
         tags=("knob",), help="clip each step's gradient to this global norm")
-    # low-rank adapters on the frozen model (shardplug.lora)
+    # low-rank adapters on the frozen model (shardplug.finetuning.lora)
     lora: int | None = setting(
         "--lora", part="lora", section=_LORA, type=_INT, metavar="RANK", tags=("lora",),
         help="train low-rank adapters of this rank on the frozen model, not the model "
@@ -395,7 +395,7 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
                                                **meta["argparse"])  # fmt: skip
 
 
-#: the optimizer's knobs besides ``lr`` (:class:`shardplug.optim.Optimizer`'s fields)
+#: the optimizer's knobs besides ``lr`` (:class:`shardplug.running.optim.Optimizer`'s fields)
 KNOBS = tagged("knob")
 #: the adapters' flags: any run may take them, a resumed run keeps them
 LORA = tagged("lora")

@@ -34,7 +34,7 @@ def task_of(config: RunConfig, sequence: int | None = None,
         return what._replace(task=_lora_from(config, what))
     if config.lora is None:
         return what
-    from shardplug.lora import with_lora
+    from shardplug.finetuning.lora import with_lora
 
     made = with_lora(what.task, config.lora, alpha=config.lora_alpha, targets=config.lora_targets,
                      quantize=config.lora_quantize, dropout=config.lora_dropout or 0.0)  # fmt: skip
@@ -46,7 +46,7 @@ def _lora_from(config: RunConfig, what: What) -> Any:
     import jax
 
     from shardplug.core.sharding import leaf_paths
-    from shardplug.lora import with_lora
+    from shardplug.finetuning.lora import with_lora
     from shardplug.pretrained import decoder_name, peft
 
     rank, alpha, factors = peft.read(config.lora_from, what.pretrained.config)

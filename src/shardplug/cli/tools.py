@@ -126,7 +126,7 @@ def aligned(found: dict[str, str]) -> str:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from shardplug.launch import launch
+    from shardplug.running.launch import launch
 
     command = list(args.command_args)
     if command and command[0] == "--":
@@ -140,7 +140,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     quiet_orbax()
-    from shardplug.export import export_checkpoint, load_exported, load_model
+    from shardplug.running.export import export_checkpoint, load_exported, load_model
     from shardplug.task import load_task
 
     if args.format == "hf":
@@ -183,8 +183,8 @@ def _export_hf(args: argparse.Namespace) -> int:
 
 def _export_peft(args: argparse.Namespace) -> int:
     """``export --format peft``: a LoRA run's adapters alone, as PEFT writes them."""
-    from shardplug.checkpoint import Checkpoints
     from shardplug.pretrained import decoder_name, peft, read_config
+    from shardplug.running.checkpoint import Checkpoints
 
     checkpoints = Checkpoints(args.checkpoint_dir, read_only=True)
     step, meta = checkpoints.read_meta_of(args.step)

@@ -24,7 +24,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     quiet_orbax()
     what = task_of(config)  # after the devices: a task file may use JAX as it is imported
     task = what.task
-    from shardplug.distributed import is_primary
+    from shardplug.running.distributed import is_primary
 
     primary = is_primary()  # process 0 alone writes metrics, progress and the summary
     if config.eval_every is not None and task.eval_data is None:
@@ -121,7 +121,7 @@ def _replanned(config: RunConfig, exc: BatchError) -> Exception:
 
 
 def _said_read(config: RunConfig, tensors: Any, trainer: Any, seconds: float) -> None:
-    from shardplug.units import size
+    from shardplug.core.units import size
 
     print(
         f"shardplug: read {size(tensors.bytes_read)} of the {size(tensors.nbytes)} in "
@@ -158,14 +158,14 @@ def _own_rows(batch: Any) -> Any:
 
     if _processes() == 1:
         return batch
-    from shardplug.distributed import process_rows
+    from shardplug.running.distributed import process_rows
 
     rows = process_rows(int(jax.tree.leaves(batch)[0].shape[0]))
     return jax.tree.map(lambda x: x[rows], batch)
 
 
 def _process_share(data: Any) -> Any:
-    """Batches as this process feeds them: a ``shardplug.data.Batches`` (or any data with
+    """Batches as this process feeds them: a ``shardplug.running.data.Batches`` (or any data with
     Grain's state) reads its own rows; of any other data each process takes its rows."""
     if _processes() == 1 or data is None or _reads_own_rows(data):
         return data
@@ -189,7 +189,7 @@ def _join_or_simulate(args: RunConfig) -> None:
         simulate_cpu_devices(args.devices)
         return
     from shardplug.core.devices import SIMULATED
-    from shardplug.distributed import initialize
+    from shardplug.running.distributed import initialize
 
     if args.distributed:
         initialize()

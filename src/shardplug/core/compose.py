@@ -37,8 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardplug.core import declared, fallbacks, hookspecs, ops
 from shardplug.core.hookspecs import Axis, hookimpl
-from shardplug.core.layer_stack import LAYERS
 from shardplug.core.mesh import build_mesh, is_explicit
+from shardplug.core.operations.layer_stack import LAYERS
 from shardplug.core.sharding import lay_out, lay_out_hint, leaf_paths, mesh_axes
 from shardplug.errors import (
     CompositionError,
@@ -431,7 +431,7 @@ class CompositionPlugin:
     def layer_gathers(self, params: Any, mesh: Any) -> dict[int, P]:
         """The layer stacks' leaves of ``params`` to gather one layer at a time, by id, with
         their layout where the step uses them (for
-        :func:`shardplug.core.layer_gather.layer_specs`)."""
+        :func:`shardplug.core.operations.layer_gather.layer_specs`)."""
         leaves, treedef = jax.tree.flatten(params)
         used_specs = self.used_specs(params, mesh)
         if used_specs is None:

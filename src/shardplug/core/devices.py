@@ -93,5 +93,5 @@ def cpu_only_note() -> str:
 
 def is_compile_only(device: Any) -> bool:
     """Whether ``device`` is a GPU compiled for and not present (``explain --target``'s,
-    :func:`shardplug.core.targets.target_devices`)."""
+    :func:`shardplug.core.compiled.targets.target_devices`)."""
     return device.platform == "gpu" and device not in jax.devices()

@@ -85,7 +85,7 @@ from typing import Any
 
 import pluggy
 
-from shardplug.core.facts import Explained, StepFacts
+from shardplug.core.compiled.facts import Explained, StepFacts
 from shardplug.core.ops import Operations
 
 PROJECT = "shardplug"
@@ -330,7 +330,8 @@ def held_weights(params: Any, mesh: Any) -> list[Any] | None:
     Each weight named is *held*: marked where the model reads it (a layer stack's a layer at
     a time, inside its loop), and the step's forward pass is rewritten so that each
     ``dot_general`` by it runs the rule registered for its :class:`shardplug.plugin.Hold`'s
-    ``kind`` (``shardplug.core.held.RULES``); anything else reads the weight as it is (said
+    ``kind`` (``shardplug.core.operations.held.RULES``); anything else reads the weight as it is
+    (said
     once). Evaluation, checkpoints and the stored parameters are unchanged.
 
     :param params: the parameters as the step's forward pass reads them (gathered, cast).
@@ -698,7 +699,7 @@ def check_program(axis: str, mesh: Any, hlo: str) -> None:
 def explain_step(axis: str, mesh: Any, step: StepFacts) -> Explained | None:
     """Describe this parallelism's share of a compiled step, for ``shardplug explain``.
 
-    Called by :func:`shardplug.explain.explain` after the step is compiled (its operations
+    Called by :func:`shardplug.planning.explain.explain` after the step is compiled (its operations
     traced), once per parallelism of the composition.
 
     :param axis: this parallelism's mesh axis, as the run names it.

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from shardplug.core.hlo import _BYTES
+from shardplug.core.compiled.hlo import _BYTES
 from shardplug.core.sharding import leaf_paths
 from shardplug.errors import ConfigError, PluginError
 

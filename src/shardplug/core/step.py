@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from shardplug.core import beside, means, memory, ops
+from shardplug.core import means, memory, ops
 from shardplug.core.context import batch_axis_name, computing_in, manual_axes
-from shardplug.core.held import held, said_outside_stacks
-from shardplug.core.layer_gather import layer_specs
 from shardplug.core.mesh import is_explicit
+from shardplug.core.operations import beside
+from shardplug.core.operations.held import held, said_outside_stacks
+from shardplug.core.operations.layer_gather import layer_specs
 from shardplug.core.precision import PRECISIONS as PRECISIONS  # where explain reads it
 from shardplug.core.precision import Precision
 from shardplug.core.precision import cast_floats as _cast_floats

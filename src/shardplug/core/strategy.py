@@ -290,7 +290,7 @@ class Strategy:
     def held_weights(self, params: Any, mesh: Any) -> list[Any] | None:
         """Every plugin's ``held_weights`` answer, checked and merged: one ``Hold`` or None
         per leaf; None where no weight is held."""
-        from shardplug.core.held import Hold
+        from shardplug.core.operations.held import Hold
 
         count = len(jax.tree.leaves(params))
         merged: list[Any] = [None] * count

@@ -43,7 +43,7 @@ def periodic(eval_data: Any, eval_every: int | None, eval_steps: int | None,
 
 ONE_SHOT = (
     "eval_data is a one-shot iterator (a generator?), used up by the first evaluation: pass "
-    "a list, a shardplug.data.Batches, or a function returning a fresh iterable (with "
+    "a list, a shardplug.running.data.Batches, or a function returning a fresh iterable (with "
     "eval_steps if it is endless)"
 )
 

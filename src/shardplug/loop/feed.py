@@ -10,8 +10,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardplug.core.sharding import leading_axes
-from shardplug.distributed import process_rows
 from shardplug.errors import BatchError
+from shardplug.running.distributed import process_rows
 
 
 def signature(batch: Any) -> tuple[Any, list[tuple[tuple[int, ...], Any]]]:

@@ -2,18 +2,18 @@
 
 Read once per compiled step (:class:`StepFacts`) and per logged window (:func:`device_rows`):
 
-- ``step_tflops``: the step's FLOPs (:func:`shardplug.flops.step_flops`, every matrix
+- ``step_tflops``: the step's FLOPs (:func:`shardplug.core.flops.step_flops`, every matrix
   product the traced step runs, loops and recomputation counted) per second, all devices;
 - ``model_tflops``: the model's FLOPs by the textbook count (a task's ``flops_per_sample``)
   per second, or without one 3 x its forward pass's matrix products traced on no strategy
-  (:func:`shardplug.flops.model_flops`: one count for one model and batch under every
+  (:func:`shardplug.core.flops.model_flops`: one count for one model and batch under every
   strategy, where the step's counts a pipeline's extra work); ``mfu``: that over the
   devices' peak (known accelerators' bfloat16 peak, or ``peak_tflops`` given);
 - ``memory_in_use`` and ``memory_peak``: bytes on the fullest device, from the backend's
   memory statistics where it keeps them (GPU, TPU), else from the compiled step's memory
   analysis (its resident arguments, and arguments + outputs + temporaries);
 - ``comm_share``: the share of the step's bytes that are communication: bytes each device
-  sends in collectives (ring algorithms, :mod:`shardplug.core.hlo`) over those plus the
+  sends in collectives (ring algorithms, :mod:`shardplug.core.compiled.hlo`) over those plus the
   bytes it reads and writes in memory (XLA's cost analysis, scaled up by the factor XLA's
   count of FLOPs falls short of the step's, since XLA counts a loop's body once).
 """
@@ -26,9 +26,9 @@ from typing import Any
 
 import jax
 
-from shardplug.core.hlo import collectives
+from shardplug.core.compiled.hlo import collectives
 from shardplug.core.memory import entry_bytes, peak_bytes
-from shardplug.flops import step_flops
+from shardplug.core.flops import step_flops
 
 #: dense bfloat16 peak TFLOP/s per device, by a substring of ``device.device_kind``
 PEAK_TFLOPS = {

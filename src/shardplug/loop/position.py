@@ -15,7 +15,7 @@ SKIP = "skip"
 
 def stateful(iterator: Any) -> bool:
     """Whether ``iterator`` can say where it is and go back there (Grain's iterators,
-    :class:`shardplug.data.Batches`'): ``get_state()`` and ``set_state(state)``."""
+    :class:`shardplug.running.data.Batches`'): ``get_state()`` and ``set_state(state)``."""
     return callable(getattr(iterator, "get_state", None)) and callable(
         getattr(iterator, "set_state", None)
     )

@@ -18,9 +18,10 @@ from typing import Any, NamedTuple
 
 import jax
 
-from shardplug.core import attention, cache, memory, ops
+from shardplug.core import cache, memory, ops
 from shardplug.core.compose import implemented
 from shardplug.core.means import divides_by_data
+from shardplug.core.operations import attention
 from shardplug.core.sharding import leaf_paths
 from shardplug.core.step import (
     key_impl,
@@ -31,8 +32,8 @@ from shardplug.core.step import (
     wrap_keys,
 )
 from shardplug.errors import ConfigError, PluginError, ShardplugError, TraceAgain, unsay
-from shardplug.flops import forward_flops
 from shardplug.loop import feed
+from shardplug.core.flops import forward_flops
 
 
 class Program(NamedTuple):
@@ -41,7 +42,7 @@ class Program(NamedTuple):
     compiled: Any  # jax.stages.Compiled: (leaves, batch) -> (leaves, metrics)
     batch_shardings: Any
     signature: Any  # the batches' structure, shapes and dtypes (loop.feed.signature)
-    jaxpr: Any  # the traced step, for its FLOP count (shardplug.flops.step_flops)
+    jaxpr: Any  # the traced step, for its FLOP count (shardplug.core.flops.step_flops)
     model_flops: float | None = None  # the model's per step, the same under every strategy
 
 

@@ -1,6 +1,6 @@
 """A run's checkpoints: its state saved with what resuming needs, and restored onto any layout.
 
-:class:`RunCheckpoints` wraps the checkpoint store (``shardplug.checkpoint.Checkpoints``, or
+:class:`RunCheckpoints` wraps the checkpoint store (``shardplug.running.checkpoint.Checkpoints``, or
 anything with its ``save``, ``restore``, ``path`` and ``wait``) for one run: the loop saves
 through it, and the trainer restores through it. Parameters that are not finite are never
 saved.
@@ -47,7 +47,7 @@ def frozen_names(adapter: Any, state: Any) -> set[str]:
     mask = None if adapter is None else adapter.trainable(state.params)
     if mask is None:
         return set()
-    from shardplug.checkpoint import state_leaves
+    from shardplug.running.checkpoint import state_leaves
 
     names = [n for n in state_leaves(state)[0] if n.startswith("params/")]
     return {n for n, t in zip(names, jax.tree.leaves(mask), strict=True) if not t}
@@ -77,7 +77,7 @@ class RunCheckpoints:
         keeping the newest), or None without a directory."""
         if settings.checkpoint_dir is None:
             return None
-        from shardplug.checkpoint import Checkpoints
+        from shardplug.running.checkpoint import Checkpoints
 
         local = None
         if settings.local_checkpoint_dir is not None:

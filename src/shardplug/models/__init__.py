@@ -20,15 +20,15 @@ import optax
 from flax import nnx
 
 from shardplug import moe
-from shardplug.core.attention import packed_inputs
-from shardplug.core.remat import REMAT_POLICIES
+from shardplug.core.operations.attention import packed_inputs
+from shardplug.core.operations.remat import REMAT_POLICIES
 from shardplug.errors import ConfigError, UnknownModelError
-from shardplug.flops import TransformerShape
 from shardplug.models import equinox_models, linen_models, nnx_models, synthetic
 from shardplug.models.adapter import Adapter, Rules, apply_rules
 from shardplug.models.equinox_adapter import from_equinox
 from shardplug.models.linen_adapter import from_linen
 from shardplug.models.nnx_adapter import from_nnx
+from shardplug.core.flops import TransformerShape
 
 ADAPTERS = ("nnx", "linen", "equinox")
 
@@ -97,7 +97,7 @@ class ReferenceModel:
         return synthetic.SEQ_LEN if "sequence" in self.options else None
 
     def flops_per_sample(self, **options: Any) -> float | None:
-        """Training FLOPs of one sample as MFU counts them (:mod:`shardplug.flops`): the
+        """Training FLOPs of one sample as MFU counts them (:mod:`shardplug.core.flops`): the
         transformer's; None for the models that are not transformers."""
         if self.name != "transformer":
             return None
@@ -121,9 +121,9 @@ class ReferenceModel:
     ) -> Any:
         """This model as a :class:`shardplug.Task`: Adam at ``learning_rate`` (or
         ``optimizer``, an optax transformation: :meth:`shardplug.Optimizer.build`), and its
-        synthetic data through Grain (:class:`shardplug.data.Batches`, the same batches as
+        synthetic data through Grain (:class:`shardplug.running.data.Batches`, the same batches as
         :attr:`batches`), with four held-out batches of another seed."""
-        from shardplug.data import Batches
+        from shardplug.running.data import Batches
         from shardplug.task import Task
 
         size = batch_size or self.batch_size

@@ -54,7 +54,7 @@ class Adapter(abc.ABC):
 
     def trainable(self, params: Any) -> Any | None:
         """Which parameters train: a tree of bools like ``params`` (a frozen one gets no
-        gradient and no optimizer state: see :mod:`shardplug.lora`), or None for all."""
+        gradient and no optimizer state: see :mod:`shardplug.finetuning.lora`), or None for all."""
         return None
 
     @abc.abstractmethod

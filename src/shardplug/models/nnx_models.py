@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardplug import moe, stack
-from shardplug.core.attention import attention as fused_attention
 from shardplug.core.context import batch_axis_name
+from shardplug.core.operations.attention import attention as fused_attention
 from shardplug.models import synthetic
 from shardplug.models.layers import dropout
 

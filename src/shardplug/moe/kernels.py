@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core import beside
 from shardplug.core.mesh import is_explicit
+from shardplug.core.operations import beside
 from shardplug.core.sharding import lay_out
 from shardplug.errors import ConfigError
 
@@ -176,7 +176,7 @@ def over_batch(batch: tuple[str, ...]) -> Callable:
 
 
 def _beside(eqn, ins, at):
-    """A grouped product by a made weight (LoRA's, :mod:`shardplug.core.beside`): ``x W``
+    """A grouped product by a made weight (LoRA's, :mod:`shardplug.core.operations.beside`): ``x W``
     plus ``(x L) R``, each a grouped product over the same groups; None (merged) where the
     weight is not the stored ``(experts, in, out)``."""
     x, w, groups = ins

@@ -38,7 +38,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P
 
 from shardplug.core import means
-from shardplug.core.attention import attention, attention_kernel
+from shardplug.core.compiled.facts import Explained, StepFacts
+from shardplug.core.compiled.hlo import Instruction, Varying, computations, reached, source_of
 from shardplug.core.compose import Composed
 from shardplug.core.context import (
     batch_axes,
@@ -52,13 +53,12 @@ from shardplug.core.context import (
     sharding_of,
 )
 from shardplug.core.declared import Capability
-from shardplug.core.facts import Explained, StepFacts
-from shardplug.core.held import RULES as HELD_RULES
-from shardplug.core.held import Hold
-from shardplug.core.hlo import Instruction, Varying, computations, reached, source_of
 from shardplug.core.hookspecs import Axis, hookimpl, hookspec
-from shardplug.core.layer_stack import LAYERS, split_aux
 from shardplug.core.mesh import build_mesh, describe, is_explicit, parse_mesh
+from shardplug.core.operations.attention import attention, attention_kernel
+from shardplug.core.operations.held import RULES as HELD_RULES
+from shardplug.core.operations.held import Hold
+from shardplug.core.operations.layer_stack import LAYERS, split_aux
 from shardplug.core.ops import Attention, Experts, LayerStack, Operations
 from shardplug.core.ops import override as override_operation
 from shardplug.core.sharding import (

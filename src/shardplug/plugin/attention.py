@@ -34,8 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from shardplug.core.attention import with_segments
-from shardplug.core.flash_pairs import fused_here, pair_attention
+from shardplug.core.operations.attention import with_segments
+from shardplug.core.operations.flash_pairs import fused_here, pair_attention
 
 __all__ = ["Folded", "Softmax", "fold", "fold_end", "fold_start", "fused_here", "pad_sequence",
            "pair_attention", "softmax_end", "softmax_join", "softmax_meet", "softmax_rows",

@@ -36,8 +36,8 @@ import numpy as np
 import optax
 
 from shardplug import moe
-from shardplug.core.attention import packed_inputs
 from shardplug.core.means import Mean
+from shardplug.core.operations.attention import packed_inputs
 from shardplug.core.sharding import leaf_paths
 from shardplug.errors import ConfigError, PretrainedError
 from shardplug.models import check_adapter
@@ -183,9 +183,9 @@ class Pretrained:
         1024, at most the model's positions). Without, on the reference transformer's
         synthetic token chain (64 tokens of the vocabulary; its loss can fall to 0.90 nats).
         """
-        from shardplug.data import Batches
-        from shardplug.flops import TransformerShape
         from shardplug.models import synthetic
+        from shardplug.core.flops import TransformerShape
+        from shardplug.running.data import Batches
         from shardplug.task import Task
 
         c = self.config
@@ -321,7 +321,7 @@ def export_checkpoint(checkpoint_dir: str | pathlib.Path, directory: str | pathl
     the few a fused tensor holds, such as Phi-3's q, k and v). A run that trained low-rank
     adapters (``--lora``) is written with them merged into its weights (``merge``, which it
     needs). Returns the step written and the family's config."""
-    from shardplug.checkpoint import Checkpoints
+    from shardplug.running.checkpoint import Checkpoints
 
     checkpoints = Checkpoints(checkpoint_dir, read_only=True)
     step, meta = checkpoints.read_meta_of(step)

@@ -81,8 +81,8 @@ class Lazy:
     def _from_base(self) -> np.ndarray:
         """The frozen weight read from the pretrained checkpoint again (quantized and
         dequantized as the run's was), refused where it is not the one the run trained on."""
-        from shardplug.checkpoint import fingerprints
-        from shardplug.quantize import quantized
+        from shardplug.finetuning.quantize import quantized
+        from shardplug.running.checkpoint import fingerprints
 
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         weight = self.base._leaf(self.decoder_name, one)
@@ -105,7 +105,7 @@ class Lazy:
     def _dequantized(self) -> np.ndarray:
         """A QLoRA base weight, dequantized (a 4-bit one's packed dimension: its input's last,
         the second last of its factor ``L``)."""
-        from shardplug.quantize import Quantized
+        from shardplug.finetuning.quantize import Quantized
 
         names = [self.name + "/values", self.name + "/scale", *self.factors]
         got = self.checkpoints.read_arrays(self.step, names)[1]
@@ -118,8 +118,9 @@ class Lazy:
 
 
 def merge(weight: np.ndarray, left: np.ndarray, right: np.ndarray, scale: float) -> np.ndarray:
-    """``weight + scale L @ R`` (:mod:`shardplug.lora`'s factors), in float32, cast back."""
-    from shardplug.core.beside import low_rank_delta
+    """``weight + scale L @ R`` (:mod:`shardplug.finetuning.lora`'s factors), in float32, cast
+    back."""
+    from shardplug.core.operations.beside import low_rank_delta
 
     lead = right.ndim - 1 - (weight.ndim - (left.ndim - 1))
     f32 = np.float32

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardplug import moe, stack
-from shardplug.core.attention import attention
+from shardplug.core.operations.attention import attention
 from shardplug.pretrained.config import DecoderConfig
 
 Table = dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]

@@ -1,5 +1,6 @@
 """Low-rank adapters in PEFT's format, as PEFT's ``save_pretrained`` writes them
-(``adapter_config.json`` and ``adapter_model.safetensors``): read into :mod:`shardplug.lora`'s
+(``adapter_config.json`` and ``adapter_model.safetensors``): read into
+:mod:`shardplug.finetuning.lora`'s
 factors (``train --lora-from DIR``) and a run's adapters written back (``export --format
 peft``), so PEFT and transformers load them.
 

@@ -11,7 +11,7 @@ itself: a target that begins a new document (predicted from the end of the one b
 not count (``loss_mask``), each token carries its document's id (``segment_ids``) so that
 attention reaches no other document, and its position within its document (``positions``),
 from which the model's positions restart at each document. The rows
-are a Grain ``MapDataset``, shuffled per epoch by :class:`shardplug.data.Batches`, whose
+are a Grain ``MapDataset``, shuffled per epoch by :class:`shardplug.running.data.Batches`, whose
 position goes into every checkpoint: a resumed run reads the rows the uninterrupted one
 would have. The whole corpus is tokenized when the run starts and held as int32 ids
 (4 bytes a token) on each host.

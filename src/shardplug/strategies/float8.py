@@ -14,7 +14,7 @@ whose products run in float8 (``targets``, a pattern searched in each parameter'
 default every matrix, or stack of them, but embeddings, positions, the output head, norms,
 routers, a mixture's experts and convolutions' kernels), and core's rewrite of the step's
 forward pass runs each ``dot_general`` by them as
-:func:`shardplug.float8.float8_dot_general`, in NNX, Linen and Equinox alike, a layer
+:func:`shardplug.finetuning.float8.float8_dot_general`, in NNX, Linen and Equinox alike, a layer
 stack's a layer at a time inside its loop (under ``--remat`` and pp's schedules too).
 Attention's own products (scores, values) are not a weight's, and stay as they are. The
 master weights, gradients and optimizer state stay as they were; evaluation multiplies as
@@ -33,8 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from shardplug.float8 import FLOAT8_DEVICES, SCALINGS, float8_dot_general
-from shardplug.lora import NOT_TARGETS
+from shardplug.finetuning.float8 import FLOAT8_DEVICES, SCALINGS, float8_dot_general
+from shardplug.finetuning.lora import NOT_TARGETS
 from shardplug.plugin import (
     HELD_RULES,
     ConfigError,

@@ -18,8 +18,8 @@ import numpy as np
 from flax import nnx
 
 from shardplug import moe, stack
-from shardplug.core.attention import attention
 from shardplug.core.context import sharding_of
+from shardplug.core.operations.attention import attention
 
 DEPTH, HIDDEN, LAYERS, ROWS, LENGTH, HEADS = 16, 64, 8, 16, 16, 4
 EXPERTS, TOP_K = 4, 2
