@@ -350,8 +350,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import jax
 
     import shardplug
-    from shardplug.planning.explain import peak_bytes
     from shardplug.core.flops import TransformerShape, product_dtypes, step_flops
+    from shardplug.planning.explain import peak_bytes
 
     size = SIZES[args.size]
     batch = args.batch or size.batch

@@ -243,3 +243,28 @@ def test_a_moved_module_still_imports_by_its_old_path_warning_once():
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.split()[-1]) >= 40
+
+
+def test_no_strategy_is_named_outside_its_plugin():
+    """Nothing under src/ but the plugins picks a strategy by its name, the command line
+    included: the default, bench's and the conformance suite's one-device reference are the
+    plainest strategy found by what it does (``plain_strategy``). Read with ast: a string
+    of the code that is a built-in's name or a composition of them; docstrings and help
+    text may name them. ``plugin/`` states the axes' ranks once (RANK names the fsdp axis)."""
+    from shardplug.core.registry import plain_strategy
+
+    named = re.compile(r"(" + "|".join(map(re.escape, BUILT_IN)) + r")(\+(" +
+                       "|".join(map(re.escape, BUILT_IN)) + r"))*")  # fmt: skip
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        name = str(path.relative_to(SRC))
+        if name.startswith(("strategies/", "plugin/")):
+            continue
+        tree = ast.parse(path.read_text())
+        text = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}  # docstrings
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and id(node) not in text and named.fullmatch(node.value)):  # fmt: skip
+                found.append(f"{name}:{node.lineno}: {node.value!r}")
+    assert not found, "\n".join(found)
+    assert plain_strategy() == "dp"  # found by what it does: its one hook, a batch axis

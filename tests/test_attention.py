@@ -9,10 +9,10 @@ import pytest
 
 import shardplug
 import shardplug.errors
+from shardplug.core.flops import step_flops
 from shardplug.core.operations import attention as attention_module
 from shardplug.core.operations.attention import choose
 from shardplug.core.ops import Operations, supplying
-from shardplug.core.flops import step_flops
 
 B, T, N, H = 2, 32, 4, 16
 

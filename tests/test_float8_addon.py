@@ -7,8 +7,8 @@ import pytest
 
 import shardplug
 from shardplug.cli import main
-from shardplug.errors import ConfigError, StrategyOptionError
 from shardplug.core.flops import product_dtypes
+from shardplug.errors import ConfigError, StrategyOptionError
 
 pytestmark = pytest.mark.filterwarnings("ignore:float8 on cpu")
 

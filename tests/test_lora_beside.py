@@ -17,12 +17,12 @@ import optax
 import pytest
 
 import shardplug
+from shardplug.core.flops import _products, step_flops
 from shardplug.core.operations.beside import merged_products
 from shardplug.core.sharding import leaf_paths
 from shardplug.errors import ShardplugWarning
 from shardplug.finetuning.lora import with_lora
 from shardplug.loop import program
-from shardplug.core.flops import _products, step_flops
 
 RANK = 4
 STEPS = 3

@@ -10,8 +10,8 @@ import pytest
 
 import shardplug
 from shardplug.cli import main
-from shardplug.loop.metrics import StepFacts, peak_tflops
 from shardplug.core.flops import step_flops
+from shardplug.loop.metrics import StepFacts, peak_tflops
 
 TRANSFORMER = shardplug.get_model("transformer")
 

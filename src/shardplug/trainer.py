@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import optax
 
+from shardplug.core.flops import warn_if_float32
 from shardplug.core.precision import auto_precision
 from shardplug.core.registry import Strategy, resolve_strategy
 from shardplug.core.state import create_state
@@ -27,7 +28,6 @@ from shardplug.loop.program import Program, RunState
 from shardplug.loop.run import compiled_on_first, run, say_devices
 from shardplug.loop.saving import RunCheckpoints, run_meta
 from shardplug.models.adapter import Adapter, check_parts
-from shardplug.core.flops import warn_if_float32
 from shardplug.settings import Settings, reads
 
 
@@ -44,7 +44,9 @@ class Trainer:
         Equinox's ``eqx.nn.State``, in which case it returns ``(loss, metrics, new_state)``).
     :param optimizer: any optax transformation; its state is sharded like the parameters.
     :param strategy: a strategy name (``"dp"``, ``"fsdp"``, ``"2d"``, ``"pmap"`` or an
-        installed plugin's) or a :class:`Strategy` from :func:`shardplug.get_strategy`.
+        installed plugin's) or a :class:`Strategy` from :func:`shardplug.get_strategy`;
+        None (the default): the plainest installed, data parallelism
+        (:func:`shardplug.core.registry.plain_strategy`).
     :param devices: how many of the default backend's devices to use (all for None), or the
         devices themselves; ``mesh``: the axis sizes, ``"data=2,model=4"`` or a dict (None:
         the strategy's; a composition sizes the axes left out); ``axis_names``: a
@@ -64,7 +66,7 @@ class Trainer:
 
     def __init__(
         self, adapter: Adapter, *, loss_fn: LossFn, optimizer: optax.GradientTransformation,
-        strategy: str | Strategy = "dp", devices: int | Sequence[Any] | None = None,
+        strategy: str | Strategy | None = None, devices: int | Sequence[Any] | None = None,
         mesh: str | Mapping[str, int] | None = None,
         axis_names: Mapping[str, str] | None = None, allocate: bool = True,
         settings: Settings | None = None, **how: Any,

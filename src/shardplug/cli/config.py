@@ -179,11 +179,11 @@ def strategy_of(config: RunConfig, name: str | None = None,
     r"""The :class:`~shardplug.core.registry.Strategy` of the command line: ``--strategy``
     with its ``-o`` options, or ``name`` (a candidate to compare) with ``options``; each
     with the ``--addon``\s and ``--axis-name``\s. An unknown name or option is one line."""
-    from shardplug.core.registry import get_strategy
+    from shardplug.core.registry import get_strategy, plain_strategy
 
     if name is None:
-        name = config.strategy
-        options = parse_options(config.strategy, config.option, config.addon)
+        name = config.strategy or plain_strategy()
+        options = parse_options(name, config.option, config.addon)
     return get_strategy(name, addons=list(config.addon), axis_names=axis_names(config.axis_name),
                         **(options or {}))  # fmt: skip
 

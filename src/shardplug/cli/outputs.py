@@ -92,7 +92,8 @@ def summary(config: RunConfig, task: Any, trainer: Any, history: list[dict[str, 
                          f"run (this run ran {start}-{end - 1}; --profile-steps)")  # fmt: skip
     addons = f" + {', '.join(config.addon)}" if config.addon else ""
     return (
-        f"shardplug: trained {task.name} ({task.adapter.framework}) with {config.strategy}"
+        f"shardplug: trained {task.name} ({task.adapter.framework}) with "
+        f"{config.strategy or trainer.strategy.info.name}"
         f"{addons} on {trainer.mesh.size} {device} devices{in_processes} "
         f"({describe(trainer.mesh)}, {trainer.axis_types} axes), "
         f"batch {samples}{extras}: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} "

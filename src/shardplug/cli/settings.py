@@ -255,9 +255,10 @@ class Declared:
         help="the weights with adapters: a pattern searched in each parameter's path "
         "(default: every matrix but embeddings, positions, the output head and norms)")
     # how: the strategy and the devices
-    strategy: str = setting(
-        "--strategy", part="strategy", default="dp",
-        help="a strategy or parallelisms joined by '+', e.g. fsdp+tp (default: dp)")
+    strategy: str | None = setting(
+        "--strategy", part="strategy",
+        help="a strategy or parallelisms joined by '+', e.g. fsdp+tp (default: the plainest, "
+        "data parallelism)")
     option: tuple[str, ...] = setting(
         "-o", "--option", part="strategy", default=(), action="append", metavar="KEY=VALUE",
         help="a strategy option, e.g. -o min_size=0 for fsdp (repeatable)")

@@ -26,8 +26,8 @@ def check_memory(trainer: Any) -> None:
     """Refuse, in one line, a step whose compiled peak does not fit: on simulated CPU
     devices (which share the host's memory) all this process's devices against what the
     host has available; on an accelerator each device's peak against its memory."""
-    from shardplug.planning.explain import backend_memory, peak_bytes
     from shardplug.core.units import size
+    from shardplug.planning.explain import backend_memory, peak_bytes
 
     analysis = trainer.compiled.memory_analysis() if trainer.compiled is not None else None
     on_cpu = trainer.mesh.local_devices[0].platform == "cpu"  # host memory is the devices'

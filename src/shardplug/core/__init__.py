@@ -1,10 +1,10 @@
 """The host: the contract (``hookspecs``, ``declared``, ``ops``, ``context``, ``means``), the
 step (``step``, ``update``, ``state``, ``shard_grads``, ``precision``, ``memory``), the
 registry and composition of plugins (``registry``, ``strategy``, ``compose``,
-``fallbacks``), meshes and shardings (``mesh``, ``sharding``, ``devices``, ``cache``), the one FLOP count
-(``flops``) and the units every layer prints in (``units``); in
-its folders, the operations the step computes (``operations/``) and the readers of a
-compiled step (``compiled/``).
+``fallbacks``), meshes and shardings (``mesh``, ``sharding``, ``devices``, ``cache``), the
+one FLOP count (``flops``) and the units every layer prints in (``units``); in its
+folders, the operations the step computes (``operations/``) and the readers of a compiled
+step (``compiled/``).
 
 Imports nothing above it (the import-linter contracts in pyproject.toml)."""
 

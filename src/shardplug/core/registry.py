@@ -261,9 +261,37 @@ def split_addons(name: str) -> tuple[str, list[str]]:
     return ("+".join(rest), named) if named else (name, [])
 
 
-def resolve_strategy(strategy: str | Strategy, axis_names: Mapping[str, str] | None) -> Strategy:
-    """A strategy given by name (with ``axis_names``) or already made (by :func:`get_strategy`,
-    which takes the axis names itself)."""
+def plain_strategy() -> str:
+    """The name of the plainest installed strategy: the parallelism whose one hook is its
+    axis, and that axis splits the batch (every device holds the whole model and a slice of
+    the batch: data parallelism), found by what it does, never by its name; a built-in's
+    before a third party's. It is the default strategy, and the reference a conformance
+    suite and ``bench`` compare with.
+
+    :raises PluginError: no installed strategy is one (the built-ins not installed).
+    """
+    for info in list_strategies():
+        if info.kind != "parallelism" or info.hooks != ("parallel_axis",):
+            continue
+        _, plugin = _lookup(GROUP, info.name, "strategy")
+        try:
+            axis = _instantiate(info, plugin, {}).parallel_axis()
+        except ShardplugError:
+            continue
+        if getattr(axis, "batch", False):
+            return info.name
+    raise PluginError(
+        "no installed strategy splits the batch alone (data parallelism, one of shardplug's "
+        "built-ins): reinstall shardplug"
+    )
+
+
+def resolve_strategy(strategy: str | Strategy | None,
+                     axis_names: Mapping[str, str] | None) -> Strategy:  # fmt: skip
+    """A strategy given by name (with ``axis_names``), already made (by :func:`get_strategy`,
+    which takes the axis names itself), or None: the plainest (:func:`plain_strategy`)."""
+    if strategy is None:
+        strategy = plain_strategy()
     if isinstance(strategy, str):
         return get_strategy(strategy, axis_names=axis_names)
     if not isinstance(strategy, Strategy):

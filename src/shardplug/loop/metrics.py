@@ -27,8 +27,8 @@ from typing import Any
 import jax
 
 from shardplug.core.compiled.hlo import collectives
-from shardplug.core.memory import entry_bytes, peak_bytes
 from shardplug.core.flops import step_flops
+from shardplug.core.memory import entry_bytes, peak_bytes
 
 #: dense bfloat16 peak TFLOP/s per device, by a substring of ``device.device_kind``
 PEAK_TFLOPS = {

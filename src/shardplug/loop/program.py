@@ -20,6 +20,7 @@ import jax
 
 from shardplug.core import cache, memory, ops
 from shardplug.core.compose import implemented
+from shardplug.core.flops import forward_flops
 from shardplug.core.means import divides_by_data
 from shardplug.core.operations import attention
 from shardplug.core.sharding import leaf_paths
@@ -33,7 +34,6 @@ from shardplug.core.step import (
 )
 from shardplug.errors import ConfigError, PluginError, ShardplugError, TraceAgain, unsay
 from shardplug.loop import feed
-from shardplug.core.flops import forward_flops
 
 
 class Program(NamedTuple):

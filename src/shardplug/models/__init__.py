@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 
 from shardplug import moe
+from shardplug.core.flops import TransformerShape
 from shardplug.core.operations.attention import packed_inputs
 from shardplug.core.operations.remat import REMAT_POLICIES
 from shardplug.errors import ConfigError, UnknownModelError
@@ -28,7 +29,6 @@ from shardplug.models.adapter import Adapter, Rules, apply_rules
 from shardplug.models.equinox_adapter import from_equinox
 from shardplug.models.linen_adapter import from_linen
 from shardplug.models.nnx_adapter import from_nnx
-from shardplug.core.flops import TransformerShape
 
 ADAPTERS = ("nnx", "linen", "equinox")
 

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from shardplug.core.declared import declared
 from shardplug.core.memory import any_off, on_host, peak_bytes
 from shardplug.core.operations.layer_gather import layer_specs
-from shardplug.core.registry import get_strategy
+from shardplug.core.registry import get_strategy, plain_strategy
 from shardplug.errors import ConfigError
 from shardplug.loop.feed import global_struct
 from shardplug.trainer import Trainer
@@ -270,7 +270,8 @@ class _NnxJit(_Contender):
         )
         compile_seconds = time.perf_counter() - start
         self.result = Result(
-            name, "dp", "nnx.jit", int(mesh.size), compile_seconds, [], samples, tokens, None, []
+            name, template.strategy.info.name, "nnx.jit", int(mesh.size), compile_seconds, [],
+            samples, tokens, None, []
         )
 
     def _put(self, batch):
@@ -397,12 +398,15 @@ def _compile_contenders(
         contenders.append(_HandWritten(name, "hand-written", t, task, first, samples, tokens,
                                        strategy))  # fmt: skip
     # Flax's own loop trains an NNX module whole: not a model wrapped in adapters (LoRA)
-    if task.adapter.framework == "nnx" and hasattr(task.adapter, "graphdef") and "dp" in strategies:
+    plain = plain_strategy()  # data parallelism: what Flax's own loop and one device do
+    nnx_module = task.adapter.framework == "nnx" and hasattr(task.adapter, "graphdef")
+    if nnx_module and plain in strategies:
         say("compiling the nnx.jit loop")
-        contenders.append(_NnxJit("dp as nnx.jit", trainers["dp"], task, first, samples, tokens))
+        contenders.append(_NnxJit(f"{plain} as nnx.jit", trainers[plain], task, first, samples,
+                                  tokens))  # fmt: skip
     say("compiling one device")
     contenders.append(
-        _HandWritten("one device", "one device", trainer("dp", 1), task, first, samples, tokens)
+        _HandWritten("one device", "one device", trainer(plain, 1), task, first, samples, tokens)
     )
     return contenders
 
@@ -445,8 +449,9 @@ def _compare(strategies: Sequence[str], contenders: Sequence[_Contender]) -> dic
         a, b = np.asarray(mine.losses), np.asarray(hand.losses)
         diffs[strategy] = float(np.max(np.abs(a - b) / np.abs(b)))
     nnx_ratio = None
-    if ("nnx.jit", "dp") in by:
-        nnx_ratio = _paired(by["shardplug", "dp"], by["nnx.jit", "dp"])
+    plain = plain_strategy()
+    if ("nnx.jit", plain) in by:
+        nnx_ratio = _paired(by["shardplug", plain], by["nnx.jit", plain])
     return {
         "ratios": ratios,
         "nnx_jit_ratio": nnx_ratio,

@@ -22,6 +22,7 @@ from shardplug.core.compiled.hlo import collectives
 from shardplug.core.compiled.targets import compile_noting, memory_of
 from shardplug.core.compose import order
 from shardplug.core.devices import is_compile_only
+from shardplug.core.flops import float32_note, product_dtypes
 from shardplug.core.memory import peak_bytes
 from shardplug.core.sharding import leading_axes, leaf_paths, mesh_axes
 from shardplug.core.step import PRECISIONS
@@ -35,7 +36,6 @@ from shardplug.planning.explain_memory import (  # fmt: skip
     shard_bytes,
 )
 from shardplug.planning.explain_time import predicted
-from shardplug.core.flops import float32_note, product_dtypes
 from shardplug.running.native import sorted_stderr
 
 

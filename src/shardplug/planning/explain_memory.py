@@ -22,8 +22,8 @@ from shardplug.core.memory import (  # fmt: skip
     off_devices,
     peak_bytes,
 )
-from shardplug.loop.feed import global_struct
 from shardplug.core.units import size
+from shardplug.loop.feed import global_struct
 
 
 def _bytes(shape: tuple[int, ...], dtype: Any) -> int:

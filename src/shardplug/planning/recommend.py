@@ -40,10 +40,10 @@ from collections.abc import Callable
 from typing import Any
 
 from shardplug.core.registry import list_strategies
+from shardplug.core.units import size
 from shardplug.errors import ShardplugError
 from shardplug.planning.explain import explain
 from shardplug.planning.longest import longest_sequences  # its home before: kept importable here
-from shardplug.core.units import size
 
 
 def candidates() -> list[str]:

@@ -183,8 +183,8 @@ class Pretrained:
         1024, at most the model's positions). Without, on the reference transformer's
         synthetic token chain (64 tokens of the vocabulary; its loss can fall to 0.90 nats).
         """
-        from shardplug.models import synthetic
         from shardplug.core.flops import TransformerShape
+        from shardplug.models import synthetic
         from shardplug.running.data import Batches
         from shardplug.task import Task
 

@@ -50,8 +50,9 @@ RTOL = {"mlp": 1e-5, "classifier": 1e-5, "transformer": 1e-4, "cnn": 1e-4}
 def one_device_losses(
     adapter: str, model_name: str, steps: int, seed: int, model_options: tuple = ()
 ) -> tuple[float, ...]:
-    """The reference trajectory: the same model and data on a single device."""
-    return tuple(_losses("dp", {}, adapter, model_name, steps, seed, devices=1, mesh=None,
+    """The reference trajectory: the same model and data on a single device (the default
+    strategy, the plainest: nothing split on one device)."""
+    return tuple(_losses(None, {}, adapter, model_name, steps, seed, devices=1, mesh=None,
                          model_options=dict(model_options)))  # fmt: skip
 
 
@@ -102,7 +103,7 @@ def _explicit_losses(strategy, devices, mesh, steps, seed, experts=False) -> lis
 
 @functools.cache
 def _explicit_one_device(steps: int, seed: int, experts: bool = False) -> tuple[float, ...]:
-    return tuple(_explicit_losses("dp", 1, None, steps, seed, experts))
+    return tuple(_explicit_losses(None, 1, None, steps, seed, experts))
 
 
 class StrategyConformance:
@@ -281,7 +282,7 @@ class StrategyConformance:
             return [r["loss"] for r in trainer.fit(batches, steps=4)]
 
         got = losses(self._strategy(), self.devices, self.mesh)
-        np.testing.assert_allclose(got, losses("dp", 1, None), rtol=1e-5)
+        np.testing.assert_allclose(got, losses(None, 1, None), rtol=1e-5)
 
     def test_keeps_the_state_where_offload_places_it(self) -> None:
         """With the built-in ``offload`` add-on (the optimizer state in host memory), the
