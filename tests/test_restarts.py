@@ -10,7 +10,7 @@ import sys
 import pytest
 
 TASK = """
-import os, signal
+import os, signal, time
 import jax, optax, shardplug
 
 model = shardplug.get_model("transformer")
@@ -25,6 +25,8 @@ def data():
                 open(marker, "w").close()
                 if how == "raise":
                     raise RuntimeError("chaos")
+                if how == "stall":  # hung: in its data here, as in a collective or the runtime
+                    time.sleep(3600)
                 os.kill(os.getpid(), getattr(signal, how))
         yield batch
 
@@ -38,7 +40,8 @@ def _launch(folder, nprocs, kills, steps, restarts, every=("--checkpoint-every",
     env = {**os.environ, "CHAOS_KILLS": kills, "CHAOS_DIR": str(folder), "JAX_PLATFORMS": "cpu"}
     env.pop("SHARDPLUG_RESTART", None)
     command = [sys.executable, "-m", "shardplug", "launch", "--nprocs", str(nprocs),
-               "--devices-per-proc", str(4 // nprocs), "--restarts", str(restarts), "--",
+               "--devices-per-proc", str(4 // nprocs), "--restarts", str(restarts),
+               "--stall-seconds", "8", "--",
                "train", "--task", f"{folder}/task.py:task", "--steps", str(steps),
                "--checkpoint-dir", str(folder / "ckpt"), *every,
                "--metrics-out", str(folder / "m.jsonl"), "--quiet"]  # fmt: skip
@@ -73,10 +76,40 @@ def test_a_killed_worker_restarts_the_job_from_its_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("nprocs", [2])
 def test_chaos_of_every_kind(tmp_path, nprocs):
-    kills = "3:1:SIGKILL,6:0:SIGTERM,9:1:raise,12:0:SIGKILL,15:1:SIGTERM,17:0:raise"
-    said = _chaos(tmp_path, nprocs, kills, 20)
+    kills = ("3:1:SIGKILL,6:0:SIGTERM,9:1:raise,11:0:stall,13:0:SIGKILL,15:1:SIGTERM,"
+             "17:0:raise,19:1:stall")  # fmt: skip
+    said = _chaos(tmp_path, nprocs, kills, 22)
     assert any("killed by SIGKILL" in s for s in said)
     assert any("exited with code 1" in s for s in said)  # the raised error
+    assert sum("stalled" in s for s in said) == 2, said  # the stalled one named, not a follower
+
+
+def test_a_stalled_worker_is_the_one_whose_heartbeat_stopped_first(tmp_path):
+    """The launcher's judgement, without a job: a worker stalls once its beat is older than
+    the limit, the oldest named (the others stop beating a step or two after it, waiting for
+    it in a collective), a worker not yet beating (compiling) never."""
+    import time
+
+    from shardplug.running.restarts import Beats
+
+    beats = Beats(5.0)
+    try:
+        beats.start()
+        now = time.time()
+        for rank, (age, step) in enumerate([(1.0, 40), (9.0, 37), (7.0, 38)]):
+            path = beats.folder / str(rank)
+            path.write_text(f"{step:<20}")
+            os.utime(path, (now - age, now - age))
+        assert beats.stalled([0, 1, 2, 3]) == (1, 37)  # rank 3: no beat yet
+        assert beats.stalled([0, 3]) is None
+        assert os.environ["SHARDPLUG_HEARTBEAT"] == str(beats.folder)
+        beats.start()  # a new start forgets the old beats
+        assert beats.stalled([0, 1, 2]) is None
+    finally:
+        import shutil
+
+        shutil.rmtree(beats.folder)
+        os.environ.pop("SHARDPLUG_HEARTBEAT", None)
 
 
 def test_a_lost_host_leaves_fewer_processes_that_grow_back_when_told(tmp_path):

@@ -115,6 +115,11 @@ def _launch_command(sub: Any) -> None:
                         "saved between is taken as lost, and the job goes on without it, down "
                         "to K processes, re-planned as a --resume onto fewer devices; SIGUSR1 "
                         "to the launcher brings them back")  # fmt: skip
+    launch.add_argument("--stall-seconds", type=_positive(float), default=None, metavar="S",
+                        help="a worker that dispatches no step for S seconds (after its first) "
+                        "has stalled: every worker is stopped, and with --restarts starts "
+                        "again; longer than the slowest evaluation or checkpoint save "
+                        "(default: no limit)")  # fmt: skip
     launch.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- train ...")
 
 

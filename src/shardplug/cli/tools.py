@@ -135,7 +135,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise ConfigError("--min-nprocs says how few processes a restarted job may go on "
                           "with: give --restarts N too")  # fmt: skip
     return launch(args.nprocs, args.devices_per_proc, command, restarts=args.restarts,
-                  min_nprocs=args.min_nprocs)  # fmt: skip
+                  min_nprocs=args.min_nprocs, stall_seconds=args.stall_seconds)  # fmt: skip
 
 
 def cmd_export(args: argparse.Namespace) -> int:

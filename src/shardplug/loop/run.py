@@ -22,7 +22,7 @@ from shardplug.errors import (
     ShardplugWarning,
     TrainingInterrupted,  # fmt: skip
 )
-from shardplug.loop import feed
+from shardplug.loop import feed, heartbeat
 from shardplug.loop.metrics import StepFacts, device_rows, peak_tflops
 from shardplug.loop.profile import Trace
 from shardplug.loop.program import Program, RunState, place
@@ -94,8 +94,10 @@ def run(
         loop.wait = wait
         try:
             loop.take_steps(stop)
+            heartbeat.end()  # what follows (the last rows, a save) is no step: not watched
             loop.finish(stop)
         finally:
+            heartbeat.end()
             loop.trace.close(state.leaves)
             if checkpoints is not None:
                 checkpoints.wait()
@@ -188,6 +190,7 @@ class _Run:
         else:
             state.leaves, metrics = self.program.compiled(state.leaves, batch)
         state.step += 1
+        heartbeat.beat(state.step)
         self.pending.append(metrics)
         self.in_flight.append(metrics["loss"])
 

@@ -14,17 +14,19 @@ import contextlib
 import ctypes
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import IO
 
 from shardplug.errors import ConfigError
 from shardplug.running import native
+from shardplug.running.restarts import STALLED, Beats, Restarts, _how
 
 GRACE_S = 60.0  # how long workers asked to stop (Ctrl-C) get to agree, save and exit
 FAILED_GRACE_S = 5.0  # after a worker failed, the others only wait in collectives
@@ -127,7 +129,8 @@ def gpu_blocks(nprocs: int, gpus: int) -> list[str] | None:
 
 
 def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str], *,
-           restarts: int = 0, min_nprocs: int | None = None) -> int:  # fmt: skip
+           restarts: int = 0, min_nprocs: int | None = None,
+           stall_seconds: float | None = None) -> int:  # fmt: skip
     """Run the job; returns the exit code (0 when every worker succeeded).
 
     On a machine with NVIDIA GPUs each worker gets an equal block of them
@@ -140,143 +143,30 @@ def launch(nprocs: int, devices_per_proc: int, train_args: Sequence[str], *,
         with no checkpoint saved between is taken as lost (its host gone), and the job
         resumes without it, re-planned as ``--resume`` onto fewer devices is; SIGUSR1 to the
         launcher brings the lost ones back.
+    :param stall_seconds: a worker whose heartbeat (a step dispatched) stops this long, after
+        its first, has stalled (hung in a collective, its data or the runtime): every worker
+        is stopped, as when one fails, and the job restarts where restarts remain
+        (:class:`~shardplug.running.restarts.Beats`).
     """
     check_train_args(train_args)
     plan = Restarts(train_args, nprocs, restarts, min_nprocs)
-    while True:
-        code, failed = _job(plan.nprocs, devices_per_proc, plan.args(), plan)
-        if not plan.again(code, failed):
-            return code
-
-
-class Restarts:
-    """What a launch does when its job fails: which processes start again, from where, and
-    what it says. A job restarts when it failed (not when stopped by a signal or ended well),
-    restarts remain, and it keeps checkpoints; every worker resumes from the newest complete
-    checkpoint (``--resume`` added once one exists)."""
-
-    def __init__(self, train_args: Sequence[str], nprocs: int, restarts: int,
-                 min_nprocs: int | None):  # fmt: skip
-        if restarts < 0:
-            raise ConfigError(f"--restarts {restarts}: give 0 or more")
-        if min_nprocs is not None and not 1 <= min_nprocs <= nprocs:
-            raise ConfigError(f"--min-nprocs {min_nprocs}: give 1 to --nprocs ({nprocs})")
-        self.train_args, self.full = list(train_args), nprocs
-        self.nprocs, self.left, self.min_nprocs = nprocs, restarts, min_nprocs or nprocs
-        self.restart = 0
-        self.folder = _value(self.train_args, "--checkpoint-dir")
-        self.local = _value(self.train_args, "--local-checkpoint-dir")
-        self.metrics = _value(self.train_args, "--metrics-out")
-        if restarts and self.folder is None:
-            raise ConfigError("--restarts resumes from the job's checkpoints: give the train "
-                              "command a --checkpoint-dir (and --checkpoint-every)")  # fmt: skip
-        self.failures: list[tuple[int, int | None]] = []  # (rank, newest step when it failed)
-        self.grow = False
-        if min_nprocs is not None and min_nprocs < nprocs:
-            signal.signal(signal.SIGUSR1, self._grow)
-
-        self.stop: Callable[[int, object], None] | None = None  # asks this start to stop
-
-    def _grow(self, signum: int, frame: object) -> None:
-        """SIGUSR1: every process back. The running workers are asked to stop (they save,
-        as on SIGTERM), and the job starts again on all of them."""
-        if self.nprocs < self.full and not self.grow and self.stop is not None:
-            self.grow = True
-            self.stop(signal.SIGTERM, None)
-
-    def args(self) -> list[str]:
-        """The train command of this start: ``--resume`` once a checkpoint exists."""
-        if self.restart and self._newest() is not None and "--resume" not in self.train_args:
-            return [*self.train_args, "--resume"]
-        return list(self.train_args)
-
-    def _newest(self) -> int | None:
-        from pathlib import Path
-
-        from shardplug.running.checkpoint import complete_steps
-
-        steps = [s for f in (self.folder, self.local) if f for s in complete_steps(Path(f))]
-        return max(steps) if steps else None
-
-    def again(self, code: int, failed: tuple[int, int] | None) -> bool:
-        """Whether the job starts again, said in one line; adjusts who starts."""
-        if self.grow and self.nprocs < self.full:  # told to grow back: not a failure
-            self.nprocs, self.grow = self.full, False
-            self.restart += 1
-            print(f"shardplug: restart {self.restart}: back to {self.full} processes, every "
-                  f"worker from the checkpoint of step {self._newest()}", file=sys.stderr,
-                  flush=True)  # fmt: skip
-            os.environ["SHARDPLUG_RESTART"] = str(self.restart)
-            return True
-        if code == 0 or failed is None or self.left <= 0:
-            return False
-        rank, exit_code = failed
-        if exit_code == 2:  # bad input: the same again would fail the same way
-            return False
-        newest = self._newest()
-        self.failures.append((rank, newest))
-        reached = _last_step(self.metrics)
-        at = f" at step {reached}" if reached is not None else ""
-        if newest is None:
-            where = "from the start (no checkpoint was complete)"
-        else:
-            redone = ""
-            if reached is not None and reached > newest:
-                redone = (f": step {reached} is trained again" if reached == newest + 1 else
-                          f": steps {newest + 1}-{reached} are trained again")  # fmt: skip
-            where = f"from the checkpoint of step {newest}{redone}"
-        self.left -= 1
-        self.restart += 1
-        lost = self._lost(rank, newest)
-        if lost:
-            self.nprocs -= 1
-            going = "1 process goes" if self.nprocs == 1 else f"{self.nprocs} processes go"
-            where += (f"; process {rank} failed twice with no checkpoint saved between, so its "
-                      f"host is taken as lost: {going} on (SIGUSR1 to the launcher brings it "
-                      f"back)")  # fmt: skip
-        print(f"shardplug: restart {self.restart}: process {rank} {_how(exit_code)}{at}; "
-              f"every worker starts again {where}", file=sys.stderr, flush=True)  # fmt: skip
-        os.environ["SHARDPLUG_RESTART"] = str(self.restart)
-        return True
-
-    def _lost(self, rank: int, newest: int | None) -> bool:
-        if self.nprocs <= self.min_nprocs or len(self.failures) < 2:
-            return False
-        (before, saved_before), (now, saved_now) = self.failures[-2:]
-        return before == now == rank and saved_before == saved_now
-
-
-def _value(args: Sequence[str], flag: str) -> str | None:
-    """The value of ``flag`` among a command's arguments (``--flag V`` or ``--flag=V``)."""
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
-def _last_step(metrics: str | None) -> int | None:
-    """The last step a run's --metrics-out logged (None without one)."""
-    import json
-
-    if metrics is None:
-        return None
+    beats = Beats(stall_seconds) if stall_seconds is not None else None
     try:
-        with open(metrics) as file:
-            lines = file.read().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return None
+        while True:
+            if beats is not None:
+                beats.start()
+            code, failed = _job(plan.nprocs, devices_per_proc, plan.args(), plan, beats)
+            if not plan.again(code, failed):
+                return code
+    finally:
+        if beats is not None:
+            shutil.rmtree(beats.folder, ignore_errors=True)
+            os.environ.pop("SHARDPLUG_HEARTBEAT", None)
 
 
 def _job(nprocs: int, devices_per_proc: int, train_args: Sequence[str],
-         plan: Restarts | None = None) -> tuple[int, tuple[int, int] | None]:  # fmt: skip
+         plan: Restarts | None = None,
+         beats: Beats | None = None) -> tuple[int, tuple[int, int] | None]:  # fmt: skip
     """One start of every worker, supervised to its end: the exit code and the worker that
     failed (None where none did, or a signal stopped them)."""
     from shardplug.core.devices import nvidia_gpus
@@ -305,7 +195,7 @@ def _job(nprocs: int, devices_per_proc: int, train_args: Sequence[str],
     if plan is not None:
         plan.stop = forward
     try:
-        failed = _supervise(workers, exits, signalled, followed, lock)
+        failed = _supervise(workers, exits, signalled, followed, lock, beats)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -376,13 +266,25 @@ def _supervise(
     signalled: list[tuple[int, float]],
     followed: set[int],
     lock: threading.Lock,
+    beats: Beats | None = None,
 ) -> tuple[int, int] | None:
-    """Wait for every worker to exit, stopping the others when one fails or ends early and
-    killing them all once a signal's grace is over; returns the worker named as the cause."""
+    """Wait for every worker to exit, stopping the others when one fails, ends early or
+    stalls (``beats``), and killing them all once a signal's grace is over; returns the
+    worker named as the cause."""
     failed: tuple[int, int] | None = None  # the first worker to fail, once the others stop
     ended_well: float | None = None  # when the first worker exited with 0
     first_bad: float | None = None  # when the first worker exited with an error
+    checked = time.monotonic()
     while True:
+        if beats is not None and failed is None and not signalled and not exits and (
+                time.monotonic() > checked + 1.0):  # fmt: skip
+            checked = time.monotonic()
+            stuck = beats.stalled([r for r, p in enumerate(workers) if p.poll() is None])
+            if stuck is not None:
+                failed = (stuck[0], STALLED)
+                after = f" after step {stuck[1]}" if stuck[1] is not None else ""
+                _stop(workers, lock, f"process {stuck[0]} stalled: no step for "
+                      f"{beats.seconds:g} s{after}: stopping every process")  # fmt: skip
         # A failure is named before the loop may end: the others can exit within one tick
         # of the first, and the message must not depend on that race.
         done = len(exits) == len(workers)
@@ -433,15 +335,6 @@ def _exit_code(
         print(f"shardplug: error: process {rank} {_how(code)}{stopped}", file=sys.stderr)
         return EXIT_WORKER_FAILED
     return 0
-
-
-def _how(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def _stop(workers: list[subprocess.Popen], lock: threading.Lock, why: str) -> None:
