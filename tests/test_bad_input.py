@@ -125,7 +125,7 @@ def _api_misuse(case):
 
     return {
         "strategy=3": lambda: trainer(strategy=3),
-        "strategy=None": lambda: trainer(strategy=None),
+        "strategy=[]": lambda: trainer(strategy=[]),
         "strategy=class": lambda: trainer(strategy=shardplug.Trainer),
         "mesh of strings": lambda: trainer(mesh={"data": "2"}),
         "fit(42)": lambda: trainer().fit(42, 1),
@@ -149,7 +149,7 @@ def _api_misuse(case):
 @pytest.mark.parametrize(
     ("case", "message"),
     [("strategy=3", "strategy=3: give a strategy's name"),
-     ("strategy=None", "strategy=None: give a strategy's name"),
+     ("strategy=[]", r"strategy=\[\]: give a strategy's name"),
      ("strategy=class", "give a strategy's name"),
      ("mesh of strings", "mesh={'data': '2'}: give 'data=2,model=4' or a dict"),
      ("fit(42)", r"fit\(batches=42\): give an iterable of batches"),
@@ -296,7 +296,7 @@ def test_the_longest_sequence_search_ends_at_the_positions_and_the_time():
         planned.append(length)
         return Planned(length), {"tokens": np.zeros((1, length), np.int32)}
 
-    import shardplug.planning.recommend as recommend
+    import shardplug.planning.longest as recommend
 
     real = recommend.explain
     recommend.explain = lambda trainer, batch, device_memory: types.SimpleNamespace(

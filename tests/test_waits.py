@@ -110,7 +110,8 @@ def test_a_one_shot_iterator_is_refused_as_evaluation_data(make_trainer):
         shardplug.Task(model.adapter("nnx"), model.loss_fn, optax.adam(1e-3),
                        data=lambda: model.batches(64, 0), eval_data=held_out)  # fmt: skip
     _, trainer = make_trainer("mlp", devices=2)
-    with pytest.raises(shardplug.ConfigError, match=r"pass a list, a shardplug\.data\.Batches"):
+    said = r"pass a list, a shardplug\.running\.data\.Batches"
+    with pytest.raises(shardplug.ConfigError, match=said):
         trainer.fit(model.batches(64, 0), 2, eval_data=held_out, eval_every=1)
 
     # An endless source that can be read again, without eval_steps: capped, and said.

@@ -130,7 +130,7 @@ def attention_kernel(
                                     scale=scale)
     """
     if segment_ids is not None and implementation is None and _platform() == "gpu":
-        from shardplug.core import flash  # documents kept apart by a fused kernel
+        from shardplug.core.operations import flash  # documents kept apart by a fused kernel
 
         why = _refused("flash") or flash.fits(query, key, value) or next(
             (f"it takes no {name} beside them" for name, x in (("bias", bias), ("mask", mask),
