@@ -52,8 +52,9 @@ def _die_with_parent() -> None:  # runs in the child before exec (Linux)
 FOLLOWED = re.compile(r"shardplug: error: process \d+ failed \(")
 #: how long after the first failed exit the launcher waits for the others' before naming one
 #: and stopping them: long enough for each to notice the failure itself (it polls every
-#: 0.25 s) and say so, on a loaded machine too (0.5 s was not, on CI's two busy cores)
-SETTLE_S = 2.0
+#: 0.25 s) and say so, on a loaded machine too (0.5 s was not, on CI's two busy cores, nor
+#: was 2 s once in 8 runs there); workers that exit sooner end the wait sooner
+SETTLE_S = 5.0
 
 
 def _stream(rank: int, pipe: IO[str], out: IO[str], lock: threading.Lock, held: list[str],
