@@ -268,3 +268,15 @@ def test_no_strategy_is_named_outside_its_plugin():
                 found.append(f"{name}:{node.lineno}: {node.value!r}")
     assert not found, "\n".join(found)
     assert plain_strategy() == "dp"  # found by what it does: its one hook, a batch axis
+
+
+def test_an_old_paths_module_keeps_its_own_spec():
+    """After an import by its old path, the module's spec is still its own (``reload`` and
+    ``importlib.util.find_spec`` read it)."""
+    code = ("import importlib, warnings; warnings.simplefilter('ignore'); "
+            "import shardplug.units as old; import shardplug.core.units as new; "
+            "assert old is new and new.__spec__.name == 'shardplug.core.units', new.__spec__; "
+            "importlib.reload(new); print(new.__name__)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "shardplug.core.units", done.stderr

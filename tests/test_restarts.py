@@ -87,7 +87,7 @@ def test_chaos_of_every_kind(tmp_path, nprocs):
 def test_a_stalled_worker_is_the_one_whose_heartbeat_stopped_first(tmp_path):
     """The launcher's judgement, without a job: a worker stalls once its beat is older than
     the limit, the oldest named (the others stop beating a step or two after it, waiting for
-    it in a collective), a worker not yet beating (compiling) never."""
+    it in a collective); while one has no beat (compiling, evaluating, saving) no one is."""
     import time
 
     from shardplug.running.restarts import Beats
@@ -100,8 +100,9 @@ def test_a_stalled_worker_is_the_one_whose_heartbeat_stopped_first(tmp_path):
             path = beats.folder / str(rank)
             path.write_text(f"{step:<20}")
             os.utime(path, (now - age, now - age))
-        assert beats.stalled([0, 1, 2, 3]) == (1, 37)  # rank 3: no beat yet
-        assert beats.stalled([0, 3]) is None
+        assert beats.stalled([0, 1, 2]) == (1, 37)
+        assert beats.stalled([0, 2]) == (2, 38)
+        assert beats.stalled([0, 1, 2, 3]) is None  # rank 3 compiles: the others wait for it
         assert os.environ["SHARDPLUG_HEARTBEAT"] == str(beats.folder)
         beats.start()  # a new start forgets the old beats
         assert beats.stalled([0, 1, 2]) is None

@@ -59,12 +59,13 @@ MOVED = {
     "shardplug.core.rewrite": "shardplug.core.operations.rewrite",
 }
 
-_warned: set[str] = set()
-
-
 class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds an old path (nothing else does, the file having moved) and loads it as the
-    module at its new path."""
+    module at its new path. The import system caches it under the old name too, so it warns
+    once."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, Any] = {}  # the real module's spec, while the alias loads
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name not in MOVED:
@@ -73,18 +74,22 @@ class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec: Any) -> ModuleType:
         new = MOVED[spec.name]
-        if spec.name not in _warned:
-            _warned.add(spec.name)
-            warnings.warn(
-                f"{spec.name} moved to {new}: import it from there (the old path goes in "
-                f"the next release)",
-                FutureWarning,
-                stacklevel=2,
-            )
-        return importlib.import_module(new)
+        warnings.warn(
+            f"{spec.name} moved to {new}: import it from there (the old path goes in the "
+            f"next release)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        module = importlib.import_module(new)
+        self._specs[spec.name] = module.__spec__
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """Nothing: the module was run at its new path."""
+        """Nothing runs (the module ran at its new path); its own spec put back, which the
+        import system replaced by the alias's (``reload`` and ``find_spec`` read it)."""
+        real = self._specs.pop(module.__spec__.name, None)
+        if real is not None:
+            module.__spec__ = real
 
 
 def install() -> None:

@@ -182,7 +182,7 @@ def strategy_of(config: RunConfig, name: str | None = None,
     from shardplug.core.registry import get_strategy, plain_strategy
 
     if name is None:
-        name = config.strategy or plain_strategy()
+        name = config.strategy if config.strategy is not None else plain_strategy()
         options = parse_options(name, config.option, config.addon)
     return get_strategy(name, addons=list(config.addon), axis_names=axis_names(config.axis_name),
                         **(options or {}))  # fmt: skip

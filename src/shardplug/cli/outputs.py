@@ -93,7 +93,7 @@ def summary(config: RunConfig, task: Any, trainer: Any, history: list[dict[str, 
     addons = f" + {', '.join(config.addon)}" if config.addon else ""
     return (
         f"shardplug: trained {task.name} ({task.adapter.framework}) with "
-        f"{config.strategy or trainer.strategy.info.name}"
+        f"{trainer.strategy.info.name if config.strategy is None else config.strategy}"
         f"{addons} on {trainer.mesh.size} {device} devices{in_processes} "
         f"({describe(trainer.mesh)}, {trainer.axis_types} axes), "
         f"batch {samples}{extras}: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} "

@@ -1,8 +1,9 @@
 """A worker's heartbeat for the launcher that watches it (``launch --stall-seconds``): the
 step it dispatched last, written into a file of its own in the folder the launcher names
-(``SHARDPLUG_HEARTBEAT``), as each step is dispatched, and removed when the steps end (the
-last rows and the save after them are no step). A few microseconds a step; nothing where no
-launcher watches."""
+(``SHARDPLUG_HEARTBEAT``), as each step is dispatched. Work that is no step (an evaluation,
+which compiles its own step first, a checkpoint's save, the run's end) removes the file, so
+it is not judged, and writes it again when done. A few microseconds a step;
+nothing where no launcher watches."""
 
 from __future__ import annotations
 
@@ -10,40 +11,40 @@ import contextlib
 import os
 
 _fd: int | None = None
-_folder: str | None = None
+_path: str | None = None
+_failed: str | None = None  # a folder that could not be written: not tried again
 
 
 def beat(step: int) -> None:
     """Say that ``step`` was dispatched (the file's time and its text)."""
-    global _fd, _folder
+    global _fd, _path, _failed
     folder = os.environ.get("SHARDPLUG_HEARTBEAT")
-    if not folder:
+    if not folder or folder == _failed:
         return
-    if _fd is None or folder != _folder:
+    if _fd is None or not _path or os.path.dirname(_path) != folder:
+        end()
         import jax
 
-        _folder = folder
         path = os.path.join(folder, str(jax.process_index()))
         try:
-            _fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            _fd, _path = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644), path
         except OSError:  # the launcher's folder is gone: it no longer watches
-            _fd = None
+            _failed = folder
             return
     try:
         os.pwrite(_fd, f"{step:<20}".encode(), 0)
     except OSError:
-        _fd = None
+        _failed = folder
+        end()
 
 
 def end() -> None:
-    """The steps ended: no beat to watch until the next run's first."""
-    global _fd
-    if _fd is None:
-        return
-    import jax
-
-    os.close(_fd)
-    _fd = None
-    if _folder:
+    """No step for a while (or none again): the beat removed, not to be judged."""
+    global _fd, _path
+    if _fd is not None:
         with contextlib.suppress(OSError):
-            os.unlink(os.path.join(_folder, str(jax.process_index())))
+            os.close(_fd)
+    if _path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(_path)
+    _fd = _path = None

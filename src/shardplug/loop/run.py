@@ -94,7 +94,6 @@ def run(
         loop.wait = wait
         try:
             loop.take_steps(stop)
-            heartbeat.end()  # what follows (the last rows, a save) is no step: not watched
             loop.finish(stop)
         finally:
             heartbeat.end()
@@ -205,12 +204,17 @@ class _Run:
         local = settings.local_checkpoint_every  # the frequent tier's, where not persistent
         local = local is not None and not due and state.step % local == 0
         evaluating = self.evaluate is not None and state.step % self.evaluate[0] == 0
+        aside = evaluating or due or local  # work that is no step: not watched
+        if aside:
+            heartbeat.end()  # an evaluation (its own step compiled first), a save
         if len(self.pending) == settings.log_every or due or local or evaluating:
             self.flush(evaluating)
             stop.agree()  # at the same step in every process
         if due or local:
             self.checkpoints.save(state, local=local)
             self.started = time.perf_counter()  # saving is not a step
+        if aside:
+            heartbeat.beat(state.step)  # watched again, from now
 
     def flush(self, evaluating: bool = False) -> None:
         """Read the pending steps' metrics into rows (with the evaluation's on the last, when
@@ -245,7 +249,8 @@ class _Run:
         """The ending of a run that was not stopped by an error: read the steps not yet read,
         agree on a stop, and save the last step where it is not saved yet."""
         if self.pending:
-            self.flush()
+            self.flush()  # the last steps in flight, watched: a hang in them is a stall
+        heartbeat.end()  # what follows is no step
         stop.agree()
         checkpoints = self.checkpoints  # the last step saved, and into the persistent tier
         if checkpoints is not None and (self.state.saved_step != self.state.step

@@ -36,20 +36,24 @@ class Beats:
 
     def start(self) -> None:
         """A new start: the last start's beats forgotten, the folder named to the workers."""
+        self.folder.mkdir(parents=True, exist_ok=True)  # a cleaner of /tmp may have taken it
         for old in self.folder.iterdir():
             old.unlink(missing_ok=True)
         os.environ[HEARTBEAT] = str(self.folder)
 
     def stalled(self, ranks: Sequence[int]) -> tuple[int, int | None] | None:
         """``(rank, its last step)`` of the worker among ``ranks`` whose beat stopped
-        longest ago, where one is older than the limit; else None."""
+        longest ago, where one is older than the limit and every one of them beats; else
+        None. A worker without a beat is at work that is no step (compiling, reading its
+        first batch, evaluating, saving): while one is, the others wait for it, and no one
+        is judged."""
         now, stale = time.time(), []
         for rank in ranks:
             try:
                 stat = (self.folder / str(rank)).stat()
                 text = (self.folder / str(rank)).read_text().strip()
             except OSError:
-                continue  # no beat yet: compiling, or reading its first batch
+                return None
             if now - stat.st_mtime > self.seconds:
                 stale.append((stat.st_mtime, rank, int(text) if text.isdigit() else None))
         if not stale:
