@@ -30,7 +30,14 @@ WATCH_INTERVAL_S = 0.25
 #: the exit code of a process stopped because another process of its job failed
 EXIT_PEER_FAILED = 1
 
+#: how long a failing process waits for the others to read its failure before it exits
+#: (seconds): its exit closes its links, and a peer blocked in a collective on one would die
+#: in the runtime, unheard, before its watcher had read why
+ACK_TIMEOUT_S = 3.0
+
 _FAILED = "shardplug/failed/"  # the coordination service's key for a process's failure
+_SEEN = "shardplug/seen/"  # a peer's key: it has read a failure and is stopping
+_GONE = "shardplug/gone/"  # a failing process's key: every peer has read it; it exits now
 _joined: list[int] = []  # this process's id, once it has joined a job
 _stop = threading.Event()  # set at exit: the watcher lets go of the coordination service
 
@@ -166,6 +173,9 @@ def _watch_peers() -> None:
                 file=sys.stderr,
                 flush=True,
             )
+            with contextlib.suppress(Exception):  # the failing process waits for this, then
+                _client().key_value_set(f"{_SEEN}{_joined[0]}", key)  # for its own exit
+                _await(_GONE, {int(key.rsplit("/", 1)[-1])}, ACK_TIMEOUT_S + 1)
             os._exit(EXIT_PEER_FAILED)
 
 
@@ -177,12 +187,35 @@ def leave(code: int, why: str = "") -> None:
     exit is skipped: ``jax.distributed``'s shutdown would wait at a barrier for processes
     that are not coming.
     """
-    if code and _joined:
-        with contextlib.suppress(Exception):  # the service is gone: nobody is left to tell
-            _client().key_value_set(f"{_FAILED}{_joined[0]}", why or f"exit code {code}")
     sys.stdout.flush()
     sys.stderr.flush()
+    if code and _joined:
+        import jax
+
+        _stop.set()  # this process is the one failing: its watcher names no one else
+        with contextlib.suppress(Exception):  # the service is gone: nobody is left to tell
+            _client().key_value_set(f"{_FAILED}{_joined[0]}", why or f"exit code {code}")
+            others = set(range(jax.process_count())) - {_joined[0]}
+            _await((_SEEN, _FAILED), others, ACK_TIMEOUT_S)
+            _client().key_value_set(f"{_GONE}{_joined[0]}", "")
     os._exit(code)
+
+
+def _await(prefixes: str | tuple[str, ...], ranks: set[int], timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) until the coordination service holds a key under one of
+    ``prefixes`` for every process in ``ranks``.
+
+    A failing process waits so for every other to have read its failure (or failed itself),
+    and each of them then for it to be gone: whichever process leaves a collective first
+    ends the others' in a runtime abort, and the failing process's exit code and every
+    process's line saying why must come first."""
+    prefixes = (prefixes,) if isinstance(prefixes, str) else prefixes
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        keys = [k for p in prefixes for k, _ in _client().key_value_dir_get(p)]
+        if ranks <= {int(k.rsplit("/", 1)[-1]) for k in keys}:
+            return
+        time.sleep(0.01)
 
 
 def process_rows(global_rows: int) -> slice:
