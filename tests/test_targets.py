@@ -414,6 +414,35 @@ def test_the_float8_addons_step_runs_its_targets_as_float8_gemms_in_the_h100_pro
     assert float8["f8e4m3fn", "f8e4m3fn"] >= 4 and float8["f8e4m3fn", "f8e5m2"] >= 8
 
 
+@pytest.mark.skipif(not PLUGIN, reason="JAX's CUDA plugin is not installed")
+def test_float8s_default_takes_every_linear_layer_of_the_gpt_and_leaves_its_head():
+    """benchmarks/gpu_mfu.py's GPT names its attention's output projection ``out``: chosen by
+    name, float8 left it (and its two gradients) bfloat16. Chosen from the traced step, in
+    the H100 program every block's four linear layers multiply in float8, forward and
+    backward, and the head ``unembed`` (its output the logits the loss reads) in bfloat16."""
+    from collections import Counter
+
+    from shardplug.finetuning.float8 import gemms
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_mfu
+
+    size = gpu_mfu.SIZES["smoke"]
+    task = gpu_mfu.task("smoke")
+    trainer = shardplug.Trainer(task.adapter, loss_fn=task.loss_fn, optimizer=task.optimizer,
+                                strategy=shardplug.get_strategy("dp", addons=["float8"]),
+                                devices=target_devices("h100", 1), allocate=False,
+                                precision="bf16")  # fmt: skip
+    report = explain(trainer, gpu_mfu.batches(size, size.batch, 1)[0])
+    found = Counter(tuple(sorted(d)) for d in gemms(trainer.compiled.as_text()))
+    layers = size.layers
+    assert found["f8e4m3fn", "f8e4m3fn"] == 4 * layers  # qkv, out, up, down: forward
+    assert found["f8e4m3fn", "f8e5m2"] == 8 * layers  # and their two gradients
+    held = report.precision["held"]["float8"]
+    assert sorted({p.split("/")[-2] for p in held}) == ["down", "out", "qkv", "up"]
+    assert not any("unembed" in p or "embed" in p.split("/")[0] for p in held)
+
+
 def _record():
     import json
 

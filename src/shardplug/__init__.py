@@ -30,7 +30,7 @@ _EXPORTS = {
     "shardplug.core.strategy": ("Strategy", "StrategyInfo", "StrategyOption"),
     "shardplug.core.registry": ("get_strategy", "list_addons", "list_strategies"),
     "shardplug.core.means": ("Mean",),
-    "shardplug.core.step": ("TrainState",),
+    "shardplug.core.step": ("TrainState", "weight_roles"),
     "shardplug.trainer": ("Trainer",),
     "shardplug.running.optim": ("Optimizer",),
     "shardplug.finetuning.lora": ("LoraAdapter", "with_lora"),

@@ -95,6 +95,10 @@ class Trainer:
             self.state_shardings, rng, allocate=allocate), build=True)  # fmt: skip
         self._train = self._eval = None  # the training and evaluation Programs, once built
         self._loss_normalised = False  # the loss divides by a count of the batch (compile)
+        #: what each parameter does in the step, by its path (a ``Mapping`` of
+        #: :class:`shardplug.plugin.Role`, read from the traced loss when first asked; None
+        #: before compiling, or for a model that traces only inside a strategy's program)
+        self.roles: Any = None
         self._said = False  # the run's first line, said by the first fit
 
     def allocate(self) -> None:
@@ -172,8 +176,8 @@ class Trainer:
         feed.check_resumed(feed.signature(batch), self.restored_meta)  # a restore came first
         start = time.perf_counter()
         # the model alone, traced: its normaliser and its FLOPs
-        self._loss_normalised, flops = programs.loss_facts(self.adapter, self.loss_fn, batch,
-                                                           self.mesh)  # fmt: skip
+        self._loss_normalised, flops, self.roles = programs.loss_facts(
+            self.adapter, self.loss_fn, batch, self.mesh)  # fmt: skip
         self._train = self._build(batch)
         if self.settings.flops_per_sample is None and flops is not None:
             self._train = self._train._replace(model_flops=flops)
@@ -192,7 +196,7 @@ class Trainer:
         def built() -> Any:
             step_for = programs.step_maker(
                 self.adapter, self.loss_fn, self.optimizer, self.strategy, self.mesh,
-                self.settings, self.state_shardings, self._loss_normalised, train,
+                self.settings, self.state_shardings, self._loss_normalised, train, self.roles,
             )  # fmt: skip
             return how(step_for, batch, strategy=self.strategy, mesh=self.mesh, run=self._run,
                        state_shardings=self.state_shardings,

@@ -323,7 +323,7 @@ def update_memory(mesh: Any) -> str | None:
 
 
 @hookspec
-def held_weights(params: Any, mesh: Any) -> list[Any] | None:
+def held_weights(params: Any, mesh: Any, roles: Any) -> list[Any] | None:
     """Which weights an add-on runs the products of its own way (float8's), asked while
     tracing the training step's forward pass.
 
@@ -336,6 +336,11 @@ def held_weights(params: Any, mesh: Any) -> list[Any] | None:
 
     :param params: the parameters as the step's forward pass reads them (gathered, cast).
     :param mesh: the run's mesh.
+    :param roles: what each parameter does in the step, by its path: a
+        :class:`shardplug.plugin.Role` (``kind``: ``"linear"``, ``"head"``, ``"embedding"``,
+        ``"router"``, ``"grouped"``, ``"convolution"`` or ``"elementwise"``, and why), read
+        from the model's traced loss; None where the model does not trace alone. Choose
+        default targets by it, not by names (float8's: the ``"linear"`` ones).
     :return: one ``Hold`` or None per leaf of ``params`` (``jax.tree.leaves`` order), or
         None: no weight is held (the default). Unlike the other hooks, every plugin's
         answer counts (two add-ons may hold different weights); two holding one weight are

@@ -22,13 +22,14 @@ from shardplug.core.mesh import is_explicit
 from shardplug.core.operations import beside
 from shardplug.core.operations.held import held, said_outside_stacks
 from shardplug.core.operations.layer_gather import layer_specs
+from shardplug.core.operations.roles import Role, roles_in
 from shardplug.core.precision import PRECISIONS as PRECISIONS  # where explain reads it
 from shardplug.core.precision import Precision
 from shardplug.core.precision import cast_floats as _cast_floats
 from shardplug.core.precision import compute_dtype as _compute_dtype
 from shardplug.core.registry import Strategy
 from shardplug.core.shard_grads import per_shard_grads, rows_only
-from shardplug.core.sharding import lay_out
+from shardplug.core.sharding import lay_out, leaf_paths
 from shardplug.core.update import updated
 from shardplug.errors import ConfigError
 
@@ -168,6 +169,7 @@ def make_step(
     loss_normalised: bool = False,
     placed: TrainState | None = None,
     update_on_host: bool = False,
+    roles: Any = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
     """One optimizer step on the global batch: loss, gradients, ``reduce_grads``, update.
 
@@ -201,6 +203,9 @@ def make_step(
     freed its activations); the new values go back through the program's outputs. With
     ``update_on_host`` the update runs in host memory instead, next to the optimizer state
     (:func:`shardplug.core.memory.update_on_host`).
+
+    ``roles``: each parameter's role in the step (:func:`weight_roles`), for an add-on's
+    default targets (the ``held_weights`` hook).
     """
     encodes = strategy.encodes_grads
     # an adapter's merged weights: each shard's gradient contracted to its factors first
@@ -212,7 +217,7 @@ def make_step(
     compute = _compute_dtype(precision)
 
     prepare, forward, value_and_grad = _differentiated(adapter, loss_fn, strategy, mesh,
-                                                       compute)  # fmt: skip
+                                                       compute, roles)  # fmt: skip
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         with means.normalised(loss_normalised):
@@ -251,7 +256,8 @@ def make_step(
 
 
 def _differentiated(adapter: ModelAdapter, loss_fn: LossFn, strategy: Strategy, mesh: Any,
-                    compute: Any) -> tuple[Callable, Callable, Callable]:  # fmt: skip
+                    compute: Any, roles: Any = None,
+                    ) -> tuple[Callable, Callable, Callable]:  # fmt: skip
     """The step's ``prepare`` (the parameters cast to the compute dtype and gathered as the
     strategy says), ``forward`` (the loss of the prepared parameters, its products by an
     adapter's made weights beside them) and ``value_and_grad`` of both."""
@@ -272,8 +278,9 @@ def _differentiated(adapter: ModelAdapter, loss_fn: LossFn, strategy: Strategy, 
         if compute is not None:
             batch = _cast_floats(batch, compute)
         with computing_in(compute), layer_specs(per_layer):
-            holds = strategy.held_weights(params, mesh)  # an add-on's products (float8's)
-            if holds is not None and getattr(adapter, "beside", False):
+            beside_ = getattr(adapter, "beside", False)  # its weights' roles are the base's
+            holds = strategy.held_weights(params, mesh, None if beside_ else roles)  # float8's
+            if holds is not None and beside_:
                 raise ConfigError(
                     f"{next(h.kind for h in holds if h)} runs the products of the model's "
                     f"weights, and adapters on them (LoRA) run beside them: train with one "
@@ -417,6 +424,15 @@ def trace_loss(adapter: Any, loss_fn: LossFn, batch: Any, mesh: Any = None) -> A
         return jax.make_jaxpr(forward)(params, state, shapes)
     with jax.set_mesh(mesh):
         return jax.make_jaxpr(forward)(params, state, shapes)
+
+
+def weight_roles(adapter: Any, loss_fn: LossFn, batch: Any, mesh: Any = None) -> dict[str, Role]:
+    """What each parameter does in the model's loss on ``batch``, by its path: a ``Role(kind,
+    why)`` (:mod:`shardplug.core.operations.roles`: ``"head"``, ``"embedding"``, ``"router"``,
+    ``"grouped"``, ``"convolution"``, ``"linear"`` or ``"elementwise"``), read from the
+    traced loss whatever the parameters are named: LoRA's and float8's default targets."""
+    params, _ = adapter.abstract(jax.random.key(0))
+    return roles_in(trace_loss(adapter, loss_fn, batch, mesh), leaf_paths(params))
 
 
 def make_eval_step(

@@ -287,14 +287,14 @@ class Strategy:
     def gather_params(self, params: Any, mesh: Any) -> Any:
         return self._call("gather_params", params=params, mesh=mesh)
 
-    def held_weights(self, params: Any, mesh: Any) -> list[Any] | None:
+    def held_weights(self, params: Any, mesh: Any, roles: Any = None) -> list[Any] | None:
         """Every plugin's ``held_weights`` answer, checked and merged: one ``Hold`` or None
         per leaf; None where no weight is held."""
         from shardplug.core.operations.held import Hold
 
         count = len(jax.tree.leaves(params))
         merged: list[Any] = [None] * count
-        for answer in self._call("held_weights", params=params, mesh=mesh):
+        for answer in self._call("held_weights", params=params, mesh=mesh, roles=roles):
             if not isinstance(answer, list | tuple) or len(answer) != count or not all(
                     h is None or isinstance(h, Hold) for h in answer):  # fmt: skip
                 raise PluginError(

@@ -37,6 +37,7 @@ import functools
 import inspect
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -45,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardplug.core.operations.beside import Site, mark
 from shardplug.core.operations.layer_stack import LAYERS
+from shardplug.core.operations.roles import ADAPTED
 from shardplug.core.sharding import leaf_paths
 from shardplug.errors import ConfigError
 from shardplug.finetuning.quantize import QTYPES, Quantized, is_quantized, layout, quantized
@@ -68,9 +70,14 @@ class LoraAdapter(Adapter):
         checkpoint's).
     :param rank: each adapter's rank ``r``.
     :param alpha: the adapters' scale is ``alpha / rank`` (default ``rank``: 1).
-    :param targets: a regular expression searched in each parameter's path; default: every
+    :param targets: a regular expression searched in each parameter's path; default: the
+        weights of the linear layers and of a mixture's experts, as ``roles`` says (not the
+        head, embeddings, routers, convolutions, norms); without ``roles``, by name: every
         floating-point matrix but embeddings, positions, the output head, norms and a
-        mixture's router (the attention and MLP projections, each expert's).
+        mixture's router.
+    :param roles: what each of the base's parameters does in the step, by its path
+        (:func:`shardplug.weight_roles`; :func:`with_lora` reads it from the task's first
+        batch).
     :param seed: the seed of ``L``'s initial values (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``).
     :param initial: the factors to start from instead (adapters trained before, such as
         PEFT's: :mod:`shardplug.pretrained.peft`), by their weight's path: ``(L, R)``.
@@ -84,7 +91,8 @@ class LoraAdapter(Adapter):
     def __init__(self, base: Adapter, rank: int, *, alpha: float | None = None,
                  targets: str | None = None, seed: int = 0,
                  initial: dict[str, tuple[Any, Any]] | None = None,
-                 quantize: str | None = None, dropout: float = 0.0):  # fmt: skip
+                 quantize: str | None = None, dropout: float = 0.0,
+                 roles: Mapping[str, Any] | None = None):  # fmt: skip
         if not isinstance(base, Adapter):
             raise ConfigError(f"lora: base must be a shardplug adapter, got {type(base).__name__}")
         if isinstance(base, LoraAdapter):
@@ -103,6 +111,7 @@ class LoraAdapter(Adapter):
                 f"lora: targets {targets!r} is not a regular expression ({e})"
             ) from None
         self.base, self.rank, self.seed, self.initial = base, rank, seed, initial or {}
+        self.roles = roles
         self.quantize = quantize
         if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not (
             0.0 <= dropout < 1.0
@@ -260,8 +269,12 @@ class LoraAdapter(Adapter):
             lead = 0
             while lead < leaf.ndim and names[lead] in STACKED:
                 lead += 1
-            chosen = (self.pattern.search(path) is not None if self.pattern is not None
-                      else NOT_TARGETS.search(path) is None)  # fmt: skip
+            if self.pattern is not None:
+                chosen = self.pattern.search(path) is not None
+            elif self.roles is not None and path in self.roles:
+                chosen = self.roles[path].kind in ADAPTED["lora"]
+            else:
+                chosen = NOT_TARGETS.search(path) is None
             cut = lead + 1
             if lead < leaf.ndim and names[lead] != "embed" and names[leaf.ndim - 1] == "embed":
                 cut = leaf.ndim - 1
@@ -359,6 +372,31 @@ class LoraAdapter(Adapter):
         return {"base": jax.tree.unflatten(tree, leaves), "lora": factors}
 
 
+def _roles(task: Any) -> dict[str, Any] | None:
+    """Each parameter's role in ``task``'s loss on its first batch (for the default
+    targets), or None, said once, where the batch cannot be read without taking it from the
+    run (its data is one iterator) or the model traces only inside a strategy's program."""
+    from shardplug.core.step import weight_roles
+    from shardplug.errors import ShardplugError, warn_once
+
+    fresh = callable(task.data)  # a function gives new batches each call: one can be read
+    data = task.data() if fresh else task.data
+    why = None
+    if not fresh and iter(data) is data:
+        why = "its data is one iterator, whose first batch the run needs"
+    else:
+        try:
+            batch = next(iter(data))
+            return weight_roles(task.adapter, task.loss_fn, batch)
+        except StopIteration:
+            why = "its data holds no batch"
+        except (NameError, ValueError, TypeError, ShardplugError) as exc:
+            why = f"its loss does not trace alone ({type(exc).__name__})"
+    warn_once(f"lora: the default targets are chosen by name ({why}): give targets= (or "
+              "--lora-targets) to choose them")  # fmt: skip
+    return None
+
+
 def _abstract(w: Any) -> Any:
     """A stored base weight as the model takes it: its shape and dtype."""
     return jax.ShapeDtypeStruct(w.shape, w.dtype)
@@ -383,8 +421,10 @@ def with_lora(task: Any, rank: int, *, alpha: float | None = None, targets: str 
 
     import optax
 
+    roles = _roles(task) if targets is None else None
     adapter = LoraAdapter(task.adapter, rank, alpha=alpha, targets=targets, seed=seed,
-                          initial=initial, quantize=quantize, dropout=dropout)  # fmt: skip
+                          initial=initial, quantize=quantize, dropout=dropout,
+                          roles=roles)  # fmt: skip
 
     masked = optax.masked(task.optimizer, adapter.trainable)
     return dataclasses.replace(task, adapter=adapter, optimizer=masked,

@@ -23,6 +23,7 @@ from shardplug.core.compose import implemented
 from shardplug.core.flops import forward_flops
 from shardplug.core.means import divides_by_data
 from shardplug.core.operations import attention
+from shardplug.core.operations.roles import Roles, roles_in
 from shardplug.core.sharding import leaf_paths
 from shardplug.core.step import (
     key_impl,
@@ -251,10 +252,11 @@ def place(program: Program, batch: Any, index: int) -> Any:
     return feed.put(batch, program.batch_shardings)
 
 
-def loss_facts(adapter: Any, loss_fn: Any, batch: Any, mesh: Any) -> tuple[bool, Any]:
+def loss_facts(adapter: Any, loss_fn: Any, batch: Any, mesh: Any) -> tuple[bool, Any, Any]:
     """What the model's loss on ``batch``, traced alone (:func:`trace_loss`, once per
-    compiled step), says: whether it divides by a count taken from the batch, and its
-    forward FLOPs; ``(False, None)`` for a model that traces only inside a strategy's
+    compiled step), says: whether it divides by a count taken from the batch, its forward
+    FLOPs, and each parameter's role (:class:`~shardplug.core.operations.roles.Roles`, read
+    when asked); ``(False, None, None)`` for a model that traces only inside a strategy's
     program (one that reads a per-device program's axis), whose rows then count the
     step's FLOPs."""
     # the model alone, in float32: what it warns (its attention's kernel) is not the run's
@@ -265,13 +267,15 @@ def loss_facts(adapter: Any, loss_fn: Any, batch: Any, mesh: Any) -> tuple[bool,
             traced = None
     unsay(str(w.message) for w in said)  # the step's own trace says what applies to it
     if traced is None:
-        return False, None
-    return divides_by_data(traced.jaxpr, len(jax.tree.leaves(batch))), forward_flops(traced)
+        return False, None, None
+    roles = Roles(lambda: roles_in(traced, leaf_paths(adapter.abstract(jax.random.key(0))[0])))
+    return (divides_by_data(traced.jaxpr, len(jax.tree.leaves(batch))), forward_flops(traced),
+            roles)  # fmt: skip
 
 
 def step_maker(adapter: Any, loss_fn: Any, optimizer: Any, strategy: Any, mesh: Any,
                settings: Any, state_shardings: Any, loss_normalised: bool,
-               train: bool = True) -> Callable[[Any], Callable]:  # fmt: skip
+               train: bool = True, roles: Any = None) -> Callable[[Any], Callable]:  # fmt: skip
     """``step_for(batch_shardings)``: the traced training step (:func:`make_step`) of a
     run's parts and :class:`~shardplug.settings.Settings`, or with ``train=False`` the
     evaluation step, for :func:`build` to compile; ``state_shardings``: where the state
@@ -287,7 +291,7 @@ def step_maker(adapter: Any, loss_fn: Any, optimizer: Any, strategy: Any, mesh: 
             adapter, loss_fn, optimizer, strategy, mesh, param_shardings=param_shardings,
             batch_shardings=batch_shardings, skip_nonfinite=settings.on_nonfinite == "skip",
             grad_accum=settings.grad_accum, precision=settings.precision,
-            loss_normalised=loss_normalised, placed=placed, update_on_host=on_host,
+            loss_normalised=loss_normalised, placed=placed, update_on_host=on_host, roles=roles,
         )  # fmt: skip
 
     return step_for

@@ -329,7 +329,7 @@ def _precision(trainer: Any) -> tuple[dict[str, Any], str | None]:
 def _held_note(trainer: Any, precision: dict[str, Any]) -> str | None:
     """The weights whose products an add-on runs its own way (float8's), named in
     ``precision["held"]`` by kind, and said with their share of the matrix-product FLOPs."""
-    holds = trainer.strategy.held_weights(trainer.state.params, trainer.mesh)
+    holds = trainer.strategy.held_weights(trainer.state.params, trainer.mesh, trainer.roles)
     if not holds:
         return None
     kinds: dict[str, list[str]] = {}
@@ -343,8 +343,24 @@ def _held_note(trainer: Any, precision: dict[str, Any]) -> str | None:
         share = sum(v for k, v in flops.items() if kind in k) / (sum(flops.values()) or 1)
         named = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
         lines.append(f"{kind}: {len(paths)} weights held ({named}); {share:.0%} of the "
-                     f"step's matrix-product FLOPs run in {kind}")  # fmt: skip
+                     f"step's matrix-product FLOPs run in {kind}{_left(trainer.roles, paths)}")
     return "; ".join(lines)
+
+
+def _left(roles: Any, held: list[str]) -> str:
+    """The weights of a product left as they were, and their roles in the step (the head,
+    an embedding, a router, ...: why a default took them not)."""
+    if not roles:
+        return ""
+    left: dict[str, list[str]] = {}
+    for path, role in roles.items():
+        if path not in held and role.kind not in ("linear", "elementwise"):
+            left.setdefault(role.kind, []).append(path)
+    if not left:
+        return ""
+    said = "; ".join(f"{', '.join(p[:3])}{' and more' if len(p) > 3 else ''} ({kind})"
+                     for kind, p in left.items())  # fmt: skip
+    return f"; left as they were, by their use in the traced step: {said}"
 
 
 def _parallelisms_told(trainer: Any, batch: Any, found: list[dict[str, Any]], paths: list[str],

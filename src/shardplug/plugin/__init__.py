@@ -59,6 +59,7 @@ from shardplug.core.operations.attention import attention, attention_kernel
 from shardplug.core.operations.held import RULES as HELD_RULES
 from shardplug.core.operations.held import Hold
 from shardplug.core.operations.layer_stack import LAYERS, split_aux
+from shardplug.core.operations.roles import Role
 from shardplug.core.ops import Attention, Experts, LayerStack, Operations
 from shardplug.core.ops import override as override_operation
 from shardplug.core.sharding import (
@@ -138,6 +139,7 @@ __all__ = [
     "ConfigError",
     "HELD_RULES",
     "Hold",
+    "Role",
     "Experts",
     "Explained",
     "Instruction",

@@ -11,8 +11,9 @@ a checkpoint holds, and torchtitan measured dynamic tensorwise scaling as fast a
 It is an add-on (``--addon float8``): it owns no mesh axis and changes no layout, so it goes
 with every strategy and composition. Through the ``held_weights`` hook it names the weights
 whose products run in float8 (``targets``, a pattern searched in each parameter's path; by
-default every matrix, or stack of them, but embeddings, positions, the output head, norms,
-routers, a mixture's experts and convolutions' kernels), and core's rewrite of the step's
+default the weight of every linear layer, read from the traced step: not the head, whose
+product's output reaches the loss as logits, nor embeddings (gathered), routers, a
+mixture's experts, convolutions' kernels, norms or biases), and core's rewrite of the step's
 forward pass runs each ``dot_general`` by them as
 :func:`shardplug.finetuning.float8.float8_dot_general`, in NNX, Linen and Equinox alike, a layer
 stack's a layer at a time inside its loop (under ``--remat`` and pp's schedules too).
@@ -57,8 +58,7 @@ _NOT_TARGETS = re.compile(f"{NOT_TARGETS.pattern}|expert|conv", re.IGNORECASE)
 class Float8:
     """The linear layers' matrix products in float8: e4m3 forward, e5m2 gradients, scaled
     per tensor or per row (``scaling``); ``targets``: a pattern searched in each parameter's
-    path (default: every matrix but embeddings, positions, the head, norms, routers,
-    biases and scales)."""
+    path (default: every linear layer's weight, read from the traced step)."""
 
     description = "the linear layers' matrix products in float8 (e4m3 forward, e5m2 backward)"
 
@@ -73,18 +73,23 @@ class Float8:
             raise StrategyOptionError(f"float8 option targets {targets!r}: {exc}") from None
         self.scaling = scaling
 
-    def targets(self, params: Any) -> list[str | None]:
+    def targets(self, params: Any, roles: Any = None) -> list[str | None]:
         """Each leaf's path where its products run in float8, None elsewhere: by default
-        every matrix (a layer stack's too) but LoRA's exclusions (embeddings, positions, the
-        head, norms, routers: in any case) and biases and scales (a stack's are matrices)."""
+        the weight of every linear layer, as ``roles`` (:class:`shardplug.plugin.Role` by
+        path, read from the traced step) says: not the head, embeddings, routers, a
+        mixture's experts, convolutions, norms or biases. Without ``roles`` (a model that
+        traces only inside a strategy's program), by name: every matrix (a layer stack's
+        too) but LoRA's exclusions and biases and scales (a stack's are matrices)."""
         out = []
         for path, leaf in zip(leaf_paths(params), jax.tree.leaves(params), strict=True):
             matrix = jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 2
             if self.pattern is not None:
-                chosen = self.pattern.search(path) is not None
+                chosen = self.pattern.search(path) is not None and not _NEVER.search(path)
+            elif roles is not None and path in roles:
+                chosen = roles[path].kind == "linear"
             else:
-                chosen = _NOT_TARGETS.search(path) is None
-            out.append(path if matrix and chosen and not _NEVER.search(path) else None)
+                chosen = _NOT_TARGETS.search(path) is None and not _NEVER.search(path)
+            out.append(path if matrix and chosen else None)
         if not any(out):
             said = (f"targets {self.pattern.pattern!r}" if self.pattern is not None
                     else "the default targets")  # fmt: skip
@@ -95,7 +100,7 @@ class Float8:
         return out
 
     @hookimpl
-    def held_weights(self, params, mesh):
+    def held_weights(self, params, mesh, roles):
         if is_explicit(mesh):
             warn_once(
                 "float8 on explicit mesh axes is not built yet (each of its products would "
@@ -111,7 +116,8 @@ class Float8:
                 f"Hopper GPUs and later)"
             )
         options = (("scaling", self.scaling),)
-        return [None if p is None else Hold(p, "float8", options) for p in self.targets(params)]
+        chosen = self.targets(params, roles)
+        return [None if p is None else Hold(p, "float8", options) for p in chosen]
 
 
 def _product(eqn: Any, ins: list[Any], at: int, hold: Hold) -> Any | None:

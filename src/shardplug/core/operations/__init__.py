@@ -3,7 +3,8 @@ fused kernels (``attention``, ``flash``, ``flash_pairs``), a layer stack's scan 
 per-layer gather (``layer_stack``, ``layer_gather``), rematerialisation by name
 (``remat``), and weights kept as parts: made beside a frozen weight (``beside``, LoRA's),
 held by an add-on (``held``, float8's), the forward pass rewritten around them
-(``rewrite``). Which of them a parallelism may compute its own way is ``core/ops.py``, part
+(``rewrite``); what each weight does in the traced loss (``roles``: LoRA's and float8's
+default targets). Which of them a parallelism may compute its own way is ``core/ops.py``, part
 of the contract.
 
 May import the rest of ``core``; nothing above it.
