@@ -153,6 +153,12 @@ class LoraAdapter(Adapter):
         from shardplug.core.units import count
 
         stored = f"; the targets stored in {self.quantize}" if self.quantize else ""
+        if self.pattern is None and self.roles is not None:
+            kinds = {r.kind for r in self.roles.values()}
+            left = sorted(kinds - {"linear", "grouped", "elementwise"})
+            stored += ("; chosen by their use in the traced step: linear layers"
+                       + (" and experts" if "grouped" in kinds else "")
+                       + (f", not the {', '.join(left)}" if left else ""))  # fmt: skip
         return (f"rank {self.rank}, alpha {self.alpha:g} on {len(self.targets())} weights: "
                 f"{count(self.size)} trainable parameters beside {count(self.base_size)} frozen "
                 f"({100 * self.size / self.base_size:.3g}%){stored}")  # fmt: skip
