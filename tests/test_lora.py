@@ -152,7 +152,8 @@ def test_the_command_line_fine_tunes_a_pretrained_model_and_resumes_its_adapters
     assert _first_loss(out.out) == plain_first
     lines = [x for x in out.err.splitlines() if x.startswith("shardplug: lora")]
     assert lines == ["shardplug: lora rank 4, alpha 8 on 7 weights: 4.1k trainable parameters "
-                     "beside 24.7k frozen (16.6%)"]  # fmt: skip
+                     "beside 24.7k frozen (16.6%); chosen by their use in the traced step: "
+                     "linear layers, not the embedding, head"]  # fmt: skip
     resume = ["train", "--resume", "--checkpoint-dir", str(ckpt), "--devices", "2"]
     assert main([*resume, "--steps", "3"]) == 0  # the adapters come back from the checkpoint
     assert "from step 2" in capsys.readouterr().out
