@@ -65,3 +65,14 @@ def test_the_compiled_step_is_the_hand_written_program(strategy, model_name):
     assert not missing, f"the twin does what shardplug does not: {dict(missing)}"
     assert extra == STEP_COUNTER_AND_KEY, f"shardplug does more: {dict(extra)}"
     assert collectives(mine) == collectives(twin)
+
+
+def test_benchs_default_strategies_are_found_by_what_their_plugins_declare(monkeypatch):
+    """No name list: every installed strategy with a hand-written twin that runs any model
+    with its batch split; tp (the batch replicated), pp, cp and ep (a stack, a sequence,
+    experts needed) are left, a third-party strategy without a twin too."""
+    from shardplug.planning.bench import default_strategies
+
+    found = default_strategies()
+    assert found[:4] == ["dp", "fsdp", "2d", "pmap"], found
+    assert not {"tp", "pp", "cp", "ep", "hsdp", "cp-gather"} & set(found)

@@ -177,9 +177,11 @@ def _bench_command(sub: Any) -> None:
     )
     add_flags(bench, "bench")
     _output(bench, "PNG of the bars")
-    bench.add_argument("--strategies", default="dp,fsdp,2d,pmap",
+    bench.add_argument("--strategies", default=None,
                        help="comma-separated strategies or compositions with a hand-written "
-                       "twin (default: dp,fsdp,2d,pmap)")  # fmt: skip
+                       "twin (default: every one that runs any model with its batch split, "
+                       "as its plugin declares: dp, fsdp, 2d and pmap when no other is "
+                       "installed)")  # fmt: skip
     bench.add_argument("--steps", type=_positive(int), default=20, help="steps per round")
     bench.add_argument("--rounds", type=_positive(int), default=7, help="interleaved rounds")
     bench.add_argument("--plan", action="store_true",

@@ -251,6 +251,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from shardplug.core.registry import get_strategy
 
     config = RunConfig.of(args)
+    if args.strategies is None:
+        from shardplug.planning.bench import default_strategies
+
+        args.strategies = ",".join(default_strategies())
     strategies = _named_once([s.strip() for s in args.strategies.split(",") if s.strip()])
     if not strategies:
         raise ConfigError("--strategies names no strategy: give e.g. dp,fsdp")

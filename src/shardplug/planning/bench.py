@@ -30,7 +30,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardplug.core.declared import declared
+from shardplug.core.declared import Capability, declared
 from shardplug.core.memory import any_off, on_host, peak_bytes
 from shardplug.core.operations.layer_gather import layer_specs
 from shardplug.core.registry import get_strategy, plain_strategy
@@ -67,6 +67,32 @@ class Result:
         )
         del out["losses"]
         return out
+
+
+#: what a strategy that any model runs under, its batch split, supports (bench's default)
+_ANY_MODEL = (Capability.BATCH_SPLIT, Capability.UNEVEN_SHAPES, Capability.WITHOUT_LAYER_STACK,
+              Capability.WITHOUT_SEQUENCE, Capability.WITHOUT_EXPERTS)  # fmt: skip
+
+
+def default_strategies() -> list[str]:
+    """Bench's default: every installed strategy with a hand-written twin that runs any
+    model with its batch split (needing no layer stack, sequence or experts), as the plugins
+    declare, the plainest first (today ``dp``, ``fsdp``, ``2d``, ``pmap``)."""
+    from shardplug.core.registry import list_strategies
+
+    found = []
+    for info in list_strategies():
+        strategy = get_strategy(info.name)
+        if hand_written_form(strategy) and not set(strategy.unsupported) & set(_ANY_MODEL):
+            found.append(info.name)
+    plain = plain_strategy()
+
+    def order(name: str) -> tuple:  # the plainest, parallelisms, compositions, whole ones
+        composition = get_strategy(name).composition
+        parts = len(composition.parts) if composition is not None else 99
+        return name != plain, parts, name
+
+    return sorted(found, key=order)
 
 
 def hand_written_form(strategy: Any) -> str | None:
