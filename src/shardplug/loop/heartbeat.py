@@ -1,9 +1,9 @@
 """A worker's heartbeat for the launcher that watches it (``launch --stall-seconds``): the
 step it dispatched last, written into a file of its own in the folder the launcher names
-(``SHARDPLUG_HEARTBEAT``), as each step is dispatched. Work that is no step (an evaluation,
-which compiles its own step first, a checkpoint's save, the run's end) removes the file, so
-it is not judged, and writes it again when done. A few microseconds a step;
-nothing where no launcher watches."""
+(``SHARDPLUG_HEARTBEAT``), as each step is dispatched, and as an evaluation or a save
+starts and ends (the launcher's limit bounds them too). Before the first step (compiling)
+there is no file, and the run's end removes it: a worker without one is not judged. A few
+microseconds a step; nothing where no launcher watches."""
 
 from __future__ import annotations
 

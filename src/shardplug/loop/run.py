@@ -204,9 +204,9 @@ class _Run:
         local = settings.local_checkpoint_every  # the frequent tier's, where not persistent
         local = local is not None and not due and state.step % local == 0
         evaluating = self.evaluate is not None and state.step % self.evaluate[0] == 0
-        aside = evaluating or due or local  # work that is no step: not watched
-        if aside:
-            heartbeat.end()  # an evaluation (its own step compiled first), a save
+        aside = evaluating or due or local  # work that is no step, watched from its start:
+        if aside:  # a beat removed here hid a worker stalled after the last save
+            heartbeat.beat(state.step)  # (an evaluation compiles its own step first)
         if len(self.pending) == settings.log_every or due or local or evaluating:
             self.flush(evaluating)
             stop.agree()  # at the same step in every process
@@ -214,7 +214,7 @@ class _Run:
             self.checkpoints.save(state, local=local)
             self.started = time.perf_counter()  # saving is not a step
         if aside:
-            heartbeat.beat(state.step)  # watched again, from now
+            heartbeat.beat(state.step)  # and from its end
 
     def flush(self, evaluating: bool = False) -> None:
         """Read the pending steps' metrics into rows (with the evaluation's on the last, when

@@ -44,9 +44,9 @@ class Beats:
     def stalled(self, ranks: Sequence[int]) -> tuple[int, int | None] | None:
         """``(rank, its last step)`` of the worker among ``ranks`` whose beat stopped
         longest ago, where one is older than the limit and every one of them beats; else
-        None. A worker without a beat is at work that is no step (compiling, reading its
-        first batch, evaluating, saving): while one is, the others wait for it, and no one
-        is judged."""
+        None. A worker without a beat has not begun (compiling, reading its first batch) or
+        is ending: while one is, the others wait for it, and no one is judged. An evaluation
+        or a save beats as it starts and ends: the limit bounds it too."""
         now, stale = time.time(), []
         for rank in ranks:
             try:
