@@ -74,14 +74,22 @@ def test_a_killed_worker_restarts_the_job_from_its_checkpoint(tmp_path):
     assert "every worker starts again from the checkpoint of step " in line
 
 
+KINDS = ("SIGKILL", "SIGTERM", "raise", "stall")
+
+
 @pytest.mark.parametrize("nprocs", [2])
 def test_chaos_of_every_kind(tmp_path, nprocs):
-    kills = ("3:1:SIGKILL,6:0:SIGTERM,9:1:raise,11:0:stall,13:0:SIGKILL,15:1:SIGTERM,"
-             "17:0:raise,19:1:stall")  # fmt: skip
-    said = _chaos(tmp_path, nprocs, kills, 22)
-    assert any("killed by SIGKILL" in s for s in said)
-    assert any("exited with code 1" in s for s in said)  # the raised error
-    assert sum("stalled" in s for s in said) == 2, said  # the stalled one named, not a follower
+    """20 faults at steps 3-60 of 64, three steps apart (closer, the second strikes while
+    the first is handled), checkpointed every 2 steps, so that half strike while a save is
+    written and half right after one: each kind five times, in process 0 and 1."""
+    kills = ",".join(f"{3 * (n + 1)}:{(n // 4 + n) % 2}:{KINDS[n % 4]}" for n in range(20))
+    said = _chaos(tmp_path, nprocs, kills, 64)
+    told = "\n".join(said)
+    assert sum("stalled at step" in s for s in said) == 5, told  # the stalled one named
+    assert sum("exited with code 1 " in s for s in said) == 5, told  # the raised error
+    assert sum("killed by SIGKILL" in s for s in said) >= 5, told  # and followers stopped
+    for rank in (0, 1):
+        assert sum(f"process {rank} " in s for s in said) >= 5, told
 
 
 def test_a_stalled_worker_is_the_one_whose_heartbeat_stopped_first(tmp_path):
