@@ -108,3 +108,42 @@ def test_a_task_whose_data_is_one_iterator_keeps_its_batches_and_chooses_by_name
         targets = shardplug.with_lora(one, rank=2).adapter.targets()
     assert not any("/out/" in p for p in targets)  # by name, as before
     assert np.array_equal(next(batches)["tokens"], first["tokens"])  # nothing was read
+
+
+def _roles_of(loss, params, batch):
+    """Roles of a loss written in plain JAX, ``loss(params, batch)``."""
+    import jax
+
+    from shardplug.core.operations.roles import roles_in
+
+    closed = jax.make_jaxpr(loss)(params, batch)
+    return {p: r.kind for p, r in roles_in(closed, sorted(params)).items()}
+
+
+def test_roles_by_use_where_names_and_simple_rules_mislead():
+    """A loss written as an einsum with one-hot labels (a product by no weight) still has its
+    head; a one-hot matmul is a lookup; a weight scaled, normalised or concatenated before
+    its product is still that product's; an activation penalty on a layer's output makes it
+    no head; a sort that carries the activations along chooses by its keys alone."""
+    import jax
+    import jax.numpy as jnp
+
+    V, D = 11, 8
+    p = {k: jnp.ones(s) for k, s in {"embed": (V, D), "g": (D,), "head": (D, V),
+                                     "v": (D, D), "wk": (D, D), "wq": (D, D)}.items()}  # fmt: skip
+    tokens = jnp.zeros((2, 5), jnp.int32)
+
+    def loss(p, tokens):
+        x = jax.nn.one_hot(tokens, V) @ p["embed"]  # a lookup written as a product
+        w = p["g"][None] * p["v"] / jnp.linalg.norm(p["v"], axis=0)[None]  # weight norm
+        x = x @ w
+        qk = x @ jnp.concatenate([p["wq"], p["wk"]], axis=1)
+        x = x + qk[..., :D] * qk[..., D:]
+        keys = jnp.broadcast_to(tokens[..., None], x.shape).astype(x.dtype)
+        x = x + jax.lax.sort((keys, x), num_keys=1)[1]  # x rides along: it chooses nothing
+        logp = jax.nn.log_softmax(x @ p["head"])
+        penalty = 1e-3 * jnp.mean(qk**2)  # on a layer's output: no head for it
+        return -jnp.einsum("bsv,bsv->", logp, jax.nn.one_hot(tokens, V)) + penalty
+
+    assert _roles_of(loss, p, tokens) == {"embed": "embedding", "g": "linear", "head": "head",
+                                          "v": "linear", "wk": "linear", "wq": "linear"}

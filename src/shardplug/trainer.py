@@ -95,10 +95,8 @@ class Trainer:
             self.state_shardings, rng, allocate=allocate), build=True)  # fmt: skip
         self._train = self._eval = None  # the training and evaluation Programs, once built
         self._loss_normalised = False  # the loss divides by a count of the batch (compile)
-        #: what each parameter does in the step, by its path (a ``Mapping`` of
-        #: :class:`shardplug.plugin.Role`, read from the traced loss when first asked; None
-        #: before compiling, or for a model that traces only inside a strategy's program)
-        self.roles: Any = None
+        #: each parameter's :class:`shardplug.plugin.Role` by path, read from the traced loss
+        self.roles: Any = None  # (None before compiling, or where the loss traces not alone)
         self._said = False  # the run's first line, said by the first fit
 
     def allocate(self) -> None:
@@ -175,7 +173,7 @@ class Trainer:
             return
         feed.check_resumed(feed.signature(batch), self.restored_meta)  # a restore came first
         start = time.perf_counter()
-        # the model alone, traced: its normaliser and its FLOPs
+        # the model alone, traced: its normaliser, its FLOPs and its weights' roles
         self._loss_normalised, flops, self.roles = programs.loss_facts(
             self.adapter, self.loss_fn, batch, self.mesh)  # fmt: skip
         self._train = self._build(batch)
@@ -187,6 +185,9 @@ class Trainer:
     def lower(self, batch: Any) -> Any:
         """The training step for batches shaped like ``batch``, lowered but not compiled: a
         ``jax.stages.Lowered`` (``.as_text()``, ``.compile()``)."""
+        if self._train is None:  # the facts compile reads, for the step it would build
+            self._loss_normalised, _, self.roles = programs.loss_facts(
+                self.adapter, self.loss_fn, batch, self.mesh)  # fmt: skip
         return self._build(batch, how=programs.lower)[0]
 
     def _build(self, batch: Any, train: bool = True, how: Callable = programs.build) -> Any:

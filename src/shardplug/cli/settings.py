@@ -253,7 +253,8 @@ class Declared:
     lora_targets: str | None = setting(
         "--lora-targets", part="lora", section=_LORA, metavar="REGEX", tags=("lora",),
         help="the weights with adapters: a pattern searched in each parameter's path "
-        "(default: every matrix but embeddings, positions, the output head and norms)")
+        "(default: the linear layers and experts, by their use in the traced step: not the "
+        "head, embeddings, routers or norms)")
     # how: the strategy and the devices
     strategy: str | None = setting(
         "--strategy", part="strategy",

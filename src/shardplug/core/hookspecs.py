@@ -339,19 +339,21 @@ def held_weights(params: Any, mesh: Any, roles: Any) -> list[Any] | None:
     :param roles: what each parameter does in the step, by its path: a
         :class:`shardplug.plugin.Role` (``kind``: ``"linear"``, ``"head"``, ``"embedding"``,
         ``"router"``, ``"grouped"``, ``"convolution"`` or ``"elementwise"``, and why), read
-        from the model's traced loss; None where the model does not trace alone. Choose
-        default targets by it, not by names (float8's: the ``"linear"`` ones).
+        from the model's traced loss; None where the model does not trace alone (its code
+        names a per-device program's axes) and for a model whose adapters multiply beside
+        their weights (LoRA's). Choose default targets by it, not by names (float8's: the
+        ``"linear"`` ones).
     :return: one ``Hold`` or None per leaf of ``params`` (``jax.tree.leaves`` order), or
         None: no weight is held (the default). Unlike the other hooks, every plugin's
         answer counts (two add-ons may hold different weights); two holding one weight are
         refused in one line.
 
-    Example, every matrix's products in a kind of one's own::
+    Example, every linear layer's products in a kind of one's own::
 
         @hookimpl
-        def held_weights(self, params):
-            return [Hold(path, "mine") if leaf.ndim == 2 else None
-                    for path, leaf in zip(leaf_paths(params), jax.tree.leaves(params))]
+        def held_weights(self, params, roles):
+            return [Hold(path, "mine") if roles and roles[path].kind == "linear" else None
+                    for path in leaf_paths(params)]
     """
 
 

@@ -381,23 +381,27 @@ class LoraAdapter(Adapter):
 def _roles(task: Any) -> dict[str, Any] | None:
     """Each parameter's role in ``task``'s loss on its first batch (for the default
     targets), or None, said once, where the batch cannot be read without taking it from the
-    run (its data is one iterator) or the model traces only inside a strategy's program."""
+    run (its data is one iterator) or the loss does not trace alone (it names a mesh's axes,
+    say)."""
     from shardplug.core.step import weight_roles
-    from shardplug.errors import ShardplugError, warn_once
+    from shardplug.errors import warn_once
 
-    fresh = callable(task.data)  # a function gives new batches each call: one can be read
-    data = task.data() if fresh else task.data
-    why = None
-    if not fresh and iter(data) is data:
-        why = "its data is one iterator, whose first batch the run needs"
-    else:
-        try:
-            batch = next(iter(data))
+    data, why = task.data, None
+    try:
+        if hasattr(data, "first"):  # shardplug's Batches: batch 0, with no read-ahead
+            batch = data.first()
+        else:
+            data = data() if callable(data) else data
+            if iter(data) is data and not callable(task.data):
+                why = "its data is one iterator, whose first batch the run needs"
+            else:
+                batch = next(iter(data))
+        if why is None:
             return weight_roles(task.adapter, task.loss_fn, batch)
-        except StopIteration:
-            why = "its data holds no batch"
-        except (NameError, ValueError, TypeError, ShardplugError) as exc:
-            why = f"its loss does not trace alone ({type(exc).__name__})"
+    except StopIteration:
+        why = "its data holds no batch"
+    except Exception as exc:  # any failure to trace: chosen by name, and said
+        why = f"its loss does not trace alone: {type(exc).__name__}"
     warn_once(f"lora: the default targets are chosen by name ({why}): give targets= (or "
               "--lora-targets) to choose them")  # fmt: skip
     return None

@@ -250,8 +250,9 @@ class _Run:
         agree on a stop, and save the last step where it is not saved yet."""
         if self.pending:
             self.flush()  # the last steps in flight, watched: a hang in them is a stall
-        heartbeat.end()  # what follows is no step
+        heartbeat.beat(self.state.step)  # as is one in the agreement on a stop,
         stop.agree()
+        heartbeat.end()  # but not the last save
         checkpoints = self.checkpoints  # the last step saved, and into the persistent tier
         if checkpoints is not None and (self.state.saved_step != self.state.step
                                         or checkpoints.saved_in is not checkpoints.store):

@@ -34,7 +34,7 @@ from shardplug.core.declared import Capability, declared
 from shardplug.core.memory import any_off, on_host, peak_bytes
 from shardplug.core.operations.layer_gather import layer_specs
 from shardplug.core.registry import get_strategy, plain_strategy
-from shardplug.errors import ConfigError
+from shardplug.errors import ConfigError, ShardplugError
 from shardplug.loop.feed import global_struct
 from shardplug.trainer import Trainer
 
@@ -82,7 +82,10 @@ def default_strategies() -> list[str]:
 
     found = []
     for info in list_strategies():
-        strategy = get_strategy(info.name)
+        try:
+            strategy = get_strategy(info.name)
+        except ShardplugError:  # one that needs options of its own: named, not defaulted
+            continue
         if hand_written_form(strategy) and not set(strategy.unsupported) & set(_ANY_MODEL):
             found.append(info.name)
     plain = plain_strategy()

@@ -26,6 +26,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 from jax.extend.core import Literal
 
 #: the roles, in the order a weight with several uses takes them
@@ -88,8 +89,9 @@ class _Graph:
             if _product(name):
                 self.products.append((eqn, here, ins_, outs[0]))
                 continue  # a product starts anew: nothing flows through it as a view
-            if name in _CHOOSERS:
-                self.choosers.append((ins_, outs))
+            if name in _CHOOSERS:  # a sort by its keys alone (the others ride along)
+                keys = eqn.params.get("num_keys", 1) if name == "sort" else 1
+                self.choosers.append((ins_[:keys], outs))
             if name == "gather":
                 size = eqn.invars[1].aval.size
                 self.gathers.append((ins_[0], size, outs[0]))
@@ -150,6 +152,17 @@ class _Graph:
             if a is not None:
                 self.link(a, b, "view")
 
+    def reach_within(self, start: Any, outside: set[Any]) -> set[Any]:
+        """The values computed from ``start`` alone: reached over every edge, none of
+        ``outside`` (what the batch reaches) among them."""
+        seen, todo = {start}, [start]
+        while todo:
+            for b, _ in self.edges.get(todo.pop(), ()):
+                if b not in seen and b not in outside:
+                    seen.add(b)
+                    todo.append(b)
+        return seen
+
     def reach(self, starts: list[Any], hows: tuple[str, ...] = ("view", "flow")) -> set[Any]:
         """The values reached from ``starts`` along edges of kinds ``hows``."""
         seen, todo = set(starts), list(starts)
@@ -181,51 +194,77 @@ def _open(jaxpr: Any) -> Any:
 def roles_in(closed: Any, paths: list[str]) -> dict[str, Role]:
     """Each parameter's :class:`Role` in ``closed``, a traced loss whose first inputs are the
     parameters' leaves (``paths``, in order) and whose first output is the loss
-    (:func:`shardplug.core.step.trace_loss`)."""
+    (:func:`shardplug.core.step.trace_loss`).
+
+    A product's weights are the parameters its operand is computed from alone, no input of
+    the batch reaching it (cast, sliced, scaled, concatenated, normalised, gathered across
+    devices). A product by no weight (attention's scores, a loss written as an einsum) is
+    passed through; the head is a weight's product whose output reaches the loss and no
+    other weight's product."""
     jaxpr = _open(closed)
     graph = _Graph()
     outs = graph.add(jaxpr, ())
-    params = [((), v) for v in jaxpr.invars[: len(paths)]]
-    views = {i: graph.reach([p], ("view",)) for i, p in enumerate(params)}
     loss = outs[0]
-    # what reaches the loss: backwards over every edge
+    params = [((), v) for v in jaxpr.invars[: len(paths)]]
+    inputs = [((), v) for v in jaxpr.invars[len(paths):]]
+    floats = [x for x in inputs if jnp.issubdtype(x[1].aval.dtype, jnp.inexact)]
+    every = ("view", "flow", "product")
+    for _, _, ins, out in graph.products:
+        for a in ins:
+            if a is not None:
+                graph.link(a, out, "product")
+    batch = graph.reach(inputs, every)  # what an input of the batch (or state, or key) reaches
+    computed = graph.reach(params + floats, every)  # what is more than integers and constants
+    pure = {i: {n for n in graph.reach_within(p, batch)} for i, p in enumerate(params)}
+    weighted: list[tuple[Any, list[Any], Any, dict[int, int]]] = []  # (eqn, ins, out, weights)
+    for eqn, _, ins, out in graph.products:
+        weights = {i: k for k, a in enumerate(ins) if a is not None
+                   for i, seen in pure.items() if a in seen}  # fmt: skip
+        if weights and any(a is not None and a in batch for a in ins):
+            weighted.append((eqn, ins, out, weights))
+        else:  # by no weight, or by weights alone (an adapter's L @ R): passed through
+            for a in ins:
+                if a is not None:
+                    graph.link(a, out, "through")
+    # what reaches the loss, backwards over every edge
     back: dict[Any, list[Any]] = defaultdict(list)
     for a, nexts in graph.edges.items():
         for b, _ in nexts:
             back[b].append(a)
-    for _, _, ins, out in graph.products:
-        for a in ins:
-            if a is not None:
-                back[out].append(a)
     live, todo = {loss}, [loss]
     while todo:
         for a in back.get(todo.pop(), ()):
             if a not in live:
                 live.add(a)
                 todo.append(a)
-    chosen = [i for ins, outs_ in graph.choosers if any(o in live for o in outs_) for i in ins]
-    chosen = {c for c in chosen if c is not None}
+    chosen = {i for ins, outs_ in graph.choosers if any(o in live for o in outs_) for i in ins
+              if i is not None}  # fmt: skip
+    read_by: dict[Any, int] = {}  # an activation a weight's product reads -> the product
+    for n, (_, ins, _, weights) in enumerate(weighted):
+        for k, a in enumerate(ins):
+            if a is not None and k not in weights.values():
+                read_by[a] = n
     uses: dict[int, set[str]] = defaultdict(set)
-    for eqn, _, ins, out in graph.products:
-        # the products' outputs, followed through everything but another product
-        reached = graph.reach([out])
-        for i, seen in views.items():
-            at = [k for k, a in enumerate(ins) if a in seen]
-            if not at:
-                continue
-            name = eqn.primitive.name
-            if reached & chosen:
-                uses[i].add("router")
-            elif loss in reached:
+    for n, (eqn, ins, out, weights) in enumerate(weighted):
+        reached = graph.reach([out], ("view", "flow", "through"))
+        others = {read_by[v] for v in reached if v in read_by} - {n}
+        activations = [a for k, a in enumerate(ins) if a is not None and k not in weights.values()]
+        name = eqn.primitive.name
+        for i, k in weights.items():
+            if loss in reached and not others:  # (a top-k over its losses chooses no expert)
                 uses[i].add("head")
-            elif name == "conv_general_dilated":
+            elif reached & chosen:
+                uses[i].add("router")
+            elif activations and not any(a in computed for a in activations):
+                uses[i].add("embedding")  # by a one-hot of the tokens: a lookup
+            elif name.startswith("conv_general"):
                 uses[i].add("convolution")
-            elif name != "dot_general" or _batched(eqn, at[0]):
+            elif name != "dot_general" or _batched(eqn, k):
                 uses[i].add("grouped")
             else:
                 uses[i].add("linear")
     for operand, size, _ in graph.gathers:
-        for i, seen in views.items():
+        for i, seen in pure.items():
             if size > 1 and operand in seen:
                 uses[i].add("embedding")
     roles = {}
