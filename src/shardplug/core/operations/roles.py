@@ -283,7 +283,15 @@ class Roles(Mapping):
 
     def _all(self) -> dict[str, Role]:
         if self._roles is None:
-            self._roles = self._read()
+            try:
+                self._roles = self._read()
+            except Exception as exc:  # a program this reading does not know: by name, said
+                from shardplug.errors import one_line, warn_once
+
+                warn_once(f"the weights' roles could not be read from the traced loss "
+                          f"({type(exc).__name__}: {one_line(exc)}): default targets are "
+                          "chosen by name")  # fmt: skip
+                self._roles = {}
         return self._roles
 
     def __getitem__(self, path: str) -> Role:
