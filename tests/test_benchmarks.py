@@ -110,7 +110,8 @@ def test_the_gpu_check_script_runs_every_offload_lora_and_float8_mode_on_a_tiny_
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
-    assert len(rows) == 10 and rows["h100_smoke-offload"]["addons"] == ["offload"]
+    assert len(rows) == 11 and rows["h100_smoke-offload"]["addons"] == ["offload"]
+    assert rows["h100_smoke-remat-offload"]["remat"] == "offload"
     assert rows["h100_smoke-float8-row"]["options"] == ["float8.scaling=row"]
     assert rows["h100_smoke-qlora16-nf4"]["lora_quantize"] == "nf4"
     assert rows["h100_smoke-offload-params"]["options"] == ["offload.params=true"]
