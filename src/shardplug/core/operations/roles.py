@@ -311,10 +311,4 @@ def _batched(eqn: Any, at: int) -> bool:
     return bool((lhs_batch, rhs_batch)[min(at, 1)])
 
 
-def targets_by_role(roles: dict[str, Role], kind: str) -> set[str]:
-    """The paths whose role ``kind`` (``"lora"``, ``"float8"``) adapts by default
-    (:data:`ADAPTED`)."""
-    return {path for path, role in roles.items() if role.kind in ADAPTED[kind]}
-
-
-__all__ = ["ADAPTED", "ROLES", "Role", "Roles", "roles_in", "targets_by_role"]
+__all__ = ["ADAPTED", "ROLES", "Role", "Roles", "roles_in"]
