@@ -213,21 +213,29 @@ def as_present(device: Any) -> Iterator[None]:
     local GPU for its compute capability, neither of which a CPU machine has; they answer
     here for the GPU compiled for and the cuDNN its run would load (:data:`CUDNN`). XLA
     compiles cuDNN's kernel as a custom call without the library. A JAX whose checks have
-    other names lowers XLA's attention in its place, said in the report."""
+    other names lowers XLA's attention in its place, said in the report.
+
+    What compiles within is kept out of JAX's persistent compilation cache: JAX writes a
+    program for a compile-only device to it and fails to load it back, so the same program
+    compiled twice with a cache directory set would fail the second time."""
     from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    from shardplug.core.cache import uncached
+    from shardplug.core.devices import is_compile_only
 
     target = next((t for t in TARGETS.values() if t.kind == device.device_kind), None)
     names = ("check_cudnn_version", "check_compute_capability",
              "is_cuda_compute_capability_equal")  # fmt: skip
-    if target is None or not all(hasattr(fused, n) for n in names):
-        yield
-        return
-    have = (target.capability, 0)
-
-    def version(text: str) -> tuple[int, ...]:
-        return tuple(int(x) for x in text.split("."))
-
     with contextlib.ExitStack() as undo:  # every patch undone, whatever ends the compile
+        if is_compile_only(device):
+            undo.enter_context(uncached())
+        if target is None or not all(hasattr(fused, n) for n in names):
+            yield
+            return
+        have = (target.capability, 0)
+
+        def version(text: str) -> tuple[int, ...]:
+            return tuple(int(x) for x in text.split("."))
 
         def patch(module: Any, name: str, value: Any) -> None:
             undo.callback(setattr, module, name, getattr(module, name))
