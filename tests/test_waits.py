@@ -122,7 +122,7 @@ def test_a_one_shot_iterator_is_refused_as_evaluation_data(make_trainer):
 
 
 def test_a_slow_wait_outside_the_process_is_announced(capsys):
-    from shardplug.loop.waits import announced
+    from shardplug.running.waiting import announced
 
     with announced("the checkpoint write in /slow/disk", after_s=0.1):
         time.sleep(0.4)

@@ -19,39 +19,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from shardplug.errors import BatchError
+from shardplug.running.waiting import NOTICE_S
 
-#: after this long waiting for a batch, one line says so (seconds)
-NOTICE_S = 30.0
 POLL_S = 0.25
 _EXPIRE = signal.SIGUSR1  # sent to the waiting thread when the limit passes
-
-
-@contextlib.contextmanager
-def announced(what: str, after_s: float = NOTICE_S) -> Iterator[None]:
-    """Say in one line what the code inside waits for, if it takes longer than ``after_s``
-    (a checkpoint write on a slow disk, say); and how long it took, when it ends."""
-    start, lock, said = time.monotonic(), threading.Lock(), []
-
-    def say() -> None:  # once, by the timer or, where a busy machine ran it late, at the end
-        with lock:
-            if not said:
-                said.append(True)
-                print(f"shardplug: waiting {after_s:g} s for {what}", file=sys.stderr, flush=True)
-
-    timer = threading.Timer(after_s, say)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-        if time.monotonic() - start > after_s:
-            say()
-            print(f"shardplug: {what}: done after {time.monotonic() - start:.0f} s",
-                  file=sys.stderr, flush=True)  # fmt: skip
-        else:
-            with lock:  # the timer, if it runs now, says nothing
-                said.append(True)
 
 
 class Interrupted(Exception):

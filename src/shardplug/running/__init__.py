@@ -6,9 +6,11 @@ readability, the arrays compared), ``data`` (``Batches``: host data as the step'
 arrays), ``optim`` (``Optimizer``: the knobs, built by optax), ``launch`` (the local
 launcher: restarts, lost hosts), ``distributed`` (``jax.distributed``, joined and watched),
 ``native`` (the runtime's C++ lines in shardplug's words), ``orbax_noise``, ``export``
-(``.npz`` export and loading). The host-side loop that calls them is ``loop/``.
+(``.npz`` export and loading), ``waiting`` (a slow wait said in one line). The host-side
+loop that calls them is ``loop/``.
 
-May import: ``core``, ``loop``; never ``cli``, ``planning`` or a strategy's own module.
+May import: ``core``; never ``loop`` (which calls it), ``cli``, ``planning`` or a
+strategy's own module.
 """
 
 from __future__ import annotations

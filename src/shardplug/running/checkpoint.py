@@ -29,7 +29,6 @@ import numpy as np
 
 from shardplug.core.sharding import path_str
 from shardplug.errors import CheckpointError, ConfigError, ShardplugWarning
-from shardplug.loop.waits import announced
 from shardplug.running.checkpoint_checks import (
     _check_frozen,
     _check_same_arrays,
@@ -41,6 +40,7 @@ from shardplug.running.checkpoint_checks import (
     readable,
 )
 from shardplug.running.orbax_noise import quiet_when_failing
+from shardplug.running.waiting import announced
 
 FORMAT = 1
 
@@ -146,7 +146,7 @@ class Checkpoints:
 
     def wait(self) -> None:
         """Block until every save started has been written and committed (announced when it
-        takes longer than :data:`shardplug.loop.waits.NOTICE_S`: a slow or hung disk)."""
+        takes longer than :data:`shardplug.running.waiting.NOTICE_S`: a slow or hung disk)."""
         with announced(f"the checkpoint write in {self.directory}"):
             self._manager.wait_until_finished()
 
