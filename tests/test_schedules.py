@@ -500,11 +500,15 @@ def test_recommend_picks_a_schedule_as_well_as_a_composition():
     model = shardplug.get_model("transformer")
     task = model.task("nnx", layers=8)
 
-    def compile_trainer(name, options=None):
-        strategy = shardplug.get_strategy(name, **(options or {}))
-        trainer = task.trainer(strategy=strategy, mesh="stage=4,data=2", allocate=False,
-                               precision="float32")  # fmt: skip
-        return trainer, next(model.batches(model.batch_size, 0))
+    made = {}
+
+    def compile_trainer(name, options=None):  # each made once: the second call reads them
+        key = (name, tuple(sorted((options or {}).items())))
+        if key not in made:
+            strategy = shardplug.get_strategy(name, **(options or {}))
+            made[key] = task.trainer(strategy=strategy, mesh="stage=4,data=2", allocate=False,
+                                     precision="float32")  # fmt: skip
+        return made[key], next(model.batches(model.batch_size, 0))
 
     roomy = recommend(compile_trainer, 1 << 30, ["pp+dp"])
     assert roomy["recommended"] == "pp+dp" and roomy["options"] == {"schedule": "zb"}
