@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from shardplug.errors import BatchError
-from shardplug.running.waiting import NOTICE_S
+from shardplug.running.waiting import NOTICE_S, announced  # noqa: F401 (its old home)
 
 POLL_S = 0.25
 _EXPIRE = signal.SIGUSR1  # sent to the waiting thread when the limit passes

@@ -218,16 +218,16 @@ def as_present(device: Any) -> Iterator[None]:
     What compiles within is kept out of JAX's persistent compilation cache: JAX writes a
     program for a compile-only device to it and fails to load it back, so the same program
     compiled twice with a cache directory set would fail the second time."""
+    import jax
     from jax._src.cudnn import fused_attention_stablehlo as fused
 
     from shardplug.core.cache import uncached
-    from shardplug.core.devices import is_compile_only
 
     target = next((t for t in TARGETS.values() if t.kind == device.device_kind), None)
     names = ("check_cudnn_version", "check_compute_capability",
              "is_cuda_compute_capability_equal")  # fmt: skip
     with contextlib.ExitStack() as undo:  # every patch undone, whatever ends the compile
-        if is_compile_only(device):
+        if is_compile_only(device) and jax.config.jax_compilation_cache_dir:
             undo.enter_context(uncached())
         if target is None or not all(hasattr(fused, n) for n in names):
             yield
