@@ -249,6 +249,20 @@ def test_recommend_compares_strategies_of_its_own_and_takes_no_strategy_option(c
         assert "unrecognized arguments" in capsys.readouterr().err
 
 
+def test_a_flag_of_another_command_is_said_to_be_its(capsys):
+    """train takes no --target (it runs on the devices here): the commands that do are named,
+    and the help pointed to is the command's own; a flag no command takes is just unknown."""
+    assert main(["train", "--target", "h100"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == ("shardplug: error: unrecognized arguments: --target h100: train takes no "
+                    "--target; explain, recommend and bench take it (see shardplug train --help)")
+    assert main(["explain", "--restarts=2"]) == 2
+    assert "explain takes no --restarts; launch takes it" in capsys.readouterr().err
+    assert main(["train", "--bogus", "3"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "shardplug: error: unrecognized arguments: --bogus 3 (see shardplug train --help)")
+
+
 def test_a_resume_reads_the_run_the_checkpoint_holds():
     from pathlib import Path
 

@@ -22,6 +22,34 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_BAD_INPUT, f"shardplug: error: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """argparse's, but a flag another command takes is said to be that command's."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            helped = f"{self.prog} {command}" if command else self.prog
+            self.exit(EXIT_BAD_INPUT, f"shardplug: error: {_unrecognized(self, command, extras)} "
+                      f"(see {helped} --help)\n")  # fmt: skip
+        return parsed
+
+
+def _unrecognized(root: argparse.ArgumentParser, command: str | None, extras: list[str]) -> str:
+    """``unrecognized arguments: --target h100``, and where the first flag is another
+    command's, which commands take it (``train --target``: explain, recommend and bench)."""
+    said = f"unrecognized arguments: {' '.join(extras)}"
+    flag = next((e.split("=", 1)[0] for e in extras if e.startswith("--")), None)
+    commands = next((a.choices for a in root._actions
+                     if isinstance(a, argparse._SubParsersAction)), {})  # fmt: skip
+    if flag is None or command not in commands:
+        return said
+    takers = [name for name, parser in commands.items()
+              if name != command and flag in parser._option_string_actions]  # fmt: skip
+    if not takers:
+        return said
+    if len(takers) == 1:
+        return f"{said}: {command} takes no {flag}; {takers[0]} takes it"
+    return f"{said}: {command} takes no {flag}; {', '.join(takers[:-1])} and {takers[-1]} take it"
+
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
