@@ -39,7 +39,9 @@ def test_off_a_gpu_it_is_jax_s_attention():
         ("cpu", jnp.bfloat16, 64, "xla", None),
         ("gpu", jnp.bfloat16, 64, "cudnn", None),
         ("gpu", jnp.float16, 128, "cudnn", None),
-        ("gpu", jnp.float32, 64, "xla", "float32 inputs take XLA's attention"),
+        ("gpu", jnp.float32, 64, "xla", "take XLA's attention: cuDNN's fused attention takes "
+                                         "bfloat16 or float16 (train with --precision bf16, or "
+                                         "precision='bf16' in Python)"),
         ("gpu", jnp.bfloat16, 12, "xla", "head dimension 12"),
     ],
 )

@@ -170,7 +170,7 @@ def choose(query: Any, key: Any, value: Any, *, platform: str) -> tuple[Implemen
     if dtype not in FUSED_DTYPES:
         return "xla", (
             f"{jnp.dtype(dtype).name} inputs take XLA's attention: cuDNN's fused attention "
-            "takes bfloat16 or float16 (train with precision='bf16')"
+            "takes bfloat16 or float16 (train with --precision bf16, or precision='bf16' in Python)"
         )
     head = query.shape[-1]
     if head % 8 or head > 256:
