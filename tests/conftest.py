@@ -44,6 +44,22 @@ from helpers import reference_trainer  # noqa: E402
 
 
 @pytest.fixture
+def own_cache(tmp_path):
+    """JAX's persistent cache in a folder of this test's, every program written to it."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    config = jax.config
+    was = (config.jax_compilation_cache_dir, config.jax_persistent_cache_min_compile_time_secs)
+    config.update("jax_compilation_cache_dir", str(tmp_path))
+    config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    compilation_cache.reset_cache()
+    yield tmp_path
+    config.update("jax_compilation_cache_dir", was[0])
+    config.update("jax_persistent_cache_min_compile_time_secs", was[1])
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture
 def make_trainer():
     """``make_trainer(model, strategy, adapter=, optimizer=, addons=, **trainer_kwargs)`` ->
     ``(model, trainer)``: the one trainer factory of the suite."""

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import PartitionSpec as P
 
 import shardplug
@@ -40,20 +39,6 @@ def test_a_collective_inside_a_conditional_is_found_at_any_depth():
     assert collectives_in_conditionals(_traced(in_cond))
     assert collectives_in_conditionals(_traced(nested))
     assert not collectives_in_conditionals(_traced(outside))
-
-
-@pytest.fixture
-def own_cache(tmp_path):
-    """JAX's persistent cache in a folder of this test's, every program written to it."""
-    config = jax.config
-    was = (config.jax_compilation_cache_dir, config.jax_persistent_cache_min_compile_time_secs)
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    compilation_cache.reset_cache()
-    yield tmp_path
-    jax.config.update("jax_compilation_cache_dir", was[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", was[1])
-    compilation_cache.reset_cache()
 
 
 @pytest.mark.parametrize("strategy", ["pp", "fsdp"])

@@ -357,35 +357,24 @@ def test_float8_products_are_float8_gemms_in_the_h100_program():
 
 
 @needs_plugin
-def test_a_gpu_program_compiles_twice_with_a_persistent_cache_set(tmp_path):
+def test_a_gpu_program_compiles_twice_with_a_persistent_cache_set(own_cache):
     """JAX writes a compile-only GPU's program to its persistent cache and cannot load it
     back: what compiles under ``as_present`` (bench --plan's twin, the benchmarks' own
     hand-written steps) stays out of it, so a second compile of the same program is a
     compile, not a failed load (CI's failure when two tests compiled the same twin)."""
     import jax.numpy as jnp
-    from jax.experimental.compilation_cache import compilation_cache
     from jax.sharding import SingleDeviceSharding
 
     from shardplug.core.compiled.targets import as_present
 
-    config = jax.config
-    was = (config.jax_compilation_cache_dir, config.jax_persistent_cache_min_compile_time_secs)
-    config.update("jax_compilation_cache_dir", str(tmp_path))
-    config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    compilation_cache.reset_cache()
-    try:
-        device = target_devices("h100", 1)[0]
-        x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=SingleDeviceSharding(device))
-        for _ in range(2):
-            with as_present(device):
-                text = jax.jit(lambda a: jnp.tanh(a @ a)).lower(x).compile().as_text()
-            assert "__cublas" in text or "dot(" in text
-        assert not list(tmp_path.iterdir())  # nothing written that could not be read
-        assert config.jax_enable_compilation_cache  # the cache is on again after
-    finally:
-        config.update("jax_compilation_cache_dir", was[0])
-        config.update("jax_persistent_cache_min_compile_time_secs", was[1])
-        compilation_cache.reset_cache()
+    device = target_devices("h100", 1)[0]
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=SingleDeviceSharding(device))
+    for _ in range(2):
+        with as_present(device):
+            text = jax.jit(lambda a: jnp.tanh(a @ a)).lower(x).compile().as_text()
+        assert "__cublas" in text or "dot(" in text
+    assert not list(own_cache.iterdir())  # nothing written that could not be read
+    assert jax.config.jax_enable_compilation_cache  # the cache is on again after
 
 
 @needs_plugin
