@@ -29,6 +29,29 @@ KINDS = ("strategies", "adapters", "models", "schedules")
 DEFAULT_DEVICES = 8
 
 
+def compile_fast() -> None:
+    """Compile as a test session that checks numbers, not speed, may: XLA's CPU backend skips
+    its LLVM optimisations (compiling, most of a strategy suite's time, halves), and compiled
+    programs are kept in JAX's persistent cache in the system's temporary folder, shared by
+    pytest-xdist's workers and by the commands the tests start (a kept one loads in a quarter
+    of its compile time). Call it in a ``conftest.py``, before JAX starts its backend; a cache
+    directory already chosen is kept."""
+    import tempfile
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+    cache = os.environ.setdefault(
+        "JAX_COMPILATION_CACHE_DIR",
+        os.path.join(tempfile.gettempdir(), f"shardplug-tests-jax-cache-{os.getuid()}"),
+    )
+    least = os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    jax = sys.modules.get("jax")  # imported already: its configuration read the environment
+    if jax is not None and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", float(least))
+
+
 def installed_strategies() -> list[str]:
     """Entry-point names in the group ``shardplug``, built-ins first, as the registry loads
     them (``SHARDPLUG_PLUGINS`` narrows third-party ones), without importing any of them."""
