@@ -2,6 +2,8 @@
 framework, the loss following bfloat16's; checkpoints are unchanged (a float8 run resumes
 without it and back); what it cannot do is one line."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -14,12 +16,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:float8 on cpu")
 
 
 def trained(strategy="dp", addons=(), framework="nnx", steps=200, mesh=None, options=None,
-            **model_options):  # fmt: skip
-    """The reference transformer's losses (every 20 steps) in bf16, and its trainer."""
+            log_every=20, **model_options):  # fmt: skip
+    """The reference transformer's losses (every ``log_every`` steps) in bf16, and its
+    trainer."""
     model = shardplug.get_model("transformer")
     task = model.task(framework, **model_options)
     made = shardplug.get_strategy(strategy, addons=list(addons), **(options or {}))
-    trainer = task.trainer(strategy=made, precision="bf16", log_every=min(20, steps), mesh=mesh)
+    trainer = task.trainer(strategy=made, precision="bf16", log_every=min(log_every, steps), mesh=mesh)
     trainer.fit(task.batches(), steps=steps)
     return np.array([r["loss"] for r in trainer.history]), trainer
 
@@ -49,20 +52,34 @@ def test_float8_runs_the_linear_layers_products_in_every_framework(framework, mo
 
 
 @pytest.mark.slow
+def test_float8_follows_bf16_over_200_steps():
+    """The issue's measure: 200 steps of the built-in data, every 20 steps' loss within 2%
+    of bf16's (measured: within 0.4%). That a strategy changes none of it is the next test's."""
+    want = trained()[0]
+    got, trainer = trained(addons=("float8",))
+    assert float8_share(trainer) > 0.8
+    np.testing.assert_allclose(got, want, rtol=0.02)
+
+
+@functools.cache
+def float8_on_dp():
+    return trained(addons=("float8",), steps=20, log_every=1)[0]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "mesh", "options"), [
-    ("dp", None, {}),
     ("fsdp+tp", None, {}),
     ("pp+fsdp", "stage=2,fsdp=4", {"min_size": 0}),
     ("fsdp+cp", "fsdp=2,context=4", {}),
 ])  # fmt: skip
-def test_float8_follows_bf16_over_200_steps_under_each_strategy(strategy, mesh, options):
-    """The issue's measure: 200 steps of the built-in data, every 20 steps' loss within 2%
-    of bf16's under the same strategy (measured: within 0.4% under all four), float8's
-    products in the step (pp's stages make each layer's weight in their own loop)."""
-    want = trained(strategy, mesh=mesh, options=options)[0]
-    got, trainer = trained(strategy, ("float8",), mesh=mesh, options=options)
+def test_float8_trains_under_each_strategy_as_under_dp(strategy, mesh, options):
+    """Every step's loss of 20 under the strategy is float8's under dp within 0.5% (measured:
+    0.13% at most, the size of bf16's own differences in summation order), float8's products
+    in the step (pp's stages make each layer's weight in their own loop)."""
+    got, trainer = trained(strategy, ("float8",), steps=20, log_every=1, mesh=mesh,
+                           options=options)  # fmt: skip
     assert float8_share(trainer) > 0.5
-    np.testing.assert_allclose(got, want, rtol=0.02)
+    np.testing.assert_allclose(got, float8_on_dp(), rtol=5e-3)
 
 
 def test_float8_options_and_what_it_cannot_do_are_one_line(capsys):
