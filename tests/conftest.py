@@ -125,7 +125,24 @@ SLOW_ROWS = (
 )
 
 
+#: The longest tests (a minute or more on 2 cores, from CI's durations), started first: at the
+#: end of a run one of them alone would keep a worker busy for minutes while the other idles.
+LONG = (
+    "tests/test_restarts.py::test_chaos_of_every_kind",
+    "tests/test_benchmarks.py::test_the_gpu_check_script",
+    "tests/test_commands.py::test_every_command_runs[README.md]",
+    "tests/test_restarts.py::test_a_lost_host_leaves_fewer_processes",
+    "tests/test_docs.py::test_code_blocks_run[guide.md]",
+    "tests/test_float8_addon.py::test_float8_follows_bf16_over_200_steps",
+    "tests/test_schedules.py::test_recommend_picks_a_schedule_as_well_as_a_composition",
+    "tests/test_restarts.py::test_a_killed_worker_restarts_the_job_from_its_checkpoint",
+    "tests/test_lora.py::test_every_framework_fine_tunes_alike_under_fsdp_tp[linen]",
+    "tests/test_qlora.py::test_the_command_line_trains_resumes_and_exports_a_quantized_base",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(LONG))  # stable: the rest as found
     for item in items:
         other_adapter = any(f"{a}-" in item.nodeid or f"-{a}" in item.nodeid
                             for a in ("linen", "equinox"))  # fmt: skip

@@ -190,7 +190,8 @@ def test_core_names_no_parallelism_and_no_axis_of_one():
 
 def test_the_declared_floors_are_the_versions_ci_tests():
     """pyproject.toml's lower bound of each package .ci/floor.txt pins is that pin: CI
-    installs the floors on Python 3.11 and runs the suite on them (.ci/run)."""
+    installs the floors on Python 3.11 and runs on them the tests of what rests on their APIs
+    (.ci/run)."""
     root = SRC.parent.parent
     pins = dict(re.findall(r"^([\w.-]+)==([\w.]+)$", (root / ".ci/floor.txt").read_text(), re.M))
     assert {"jax", "flax", "optax", "equinox", "orbax-checkpoint", "qwix"} <= pins.keys()
