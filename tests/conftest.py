@@ -125,8 +125,10 @@ SLOW_ROWS = (
 )
 
 
-#: The longest tests (a minute or more on 2 cores, from CI's durations), started first: at the
-#: end of a run one of them alone would keep a worker busy for minutes while the other idles.
+#: The longest tests (a minute or more on 2 cores, from CI's durations), started first, in
+#: this order: at the end of a run one of them alone would keep a worker busy for minutes
+#: while the other idles. (pytest-xdist hands each worker a block of tests to begin with, so
+#: one worker starts on these and the other on the rest; the slow run measured balanced.)
 LONG = (
     "tests/test_restarts.py::test_chaos_of_every_kind",
     "tests/test_benchmarks.py::test_the_gpu_check_script",
@@ -142,7 +144,10 @@ LONG = (
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: not item.nodeid.startswith(LONG))  # stable: the rest as found
+    def rank(item):  # LONG's order, then the rest as collected (a stable sort)
+        return next((i for i, p in enumerate(LONG) if item.nodeid.startswith(p)), len(LONG))
+
+    items.sort(key=rank)
     for item in items:
         other_adapter = any(f"{a}-" in item.nodeid or f"-{a}" in item.nodeid
                             for a in ("linen", "equinox"))  # fmt: skip
