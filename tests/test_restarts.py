@@ -88,8 +88,11 @@ def test_chaos_of_every_kind(tmp_path, nprocs):
     assert sum("stalled at step" in s for s in said) == 5, told  # the stalled one named
     assert sum("exited with code 1 " in s for s in said) == 5, told  # the raised error
     assert sum("killed by SIGKILL" in s for s in said) >= 5, told  # and followers stopped
+    # each process is named, though not always for its own faults: the launcher names the
+    # first it sees fail, and a fault in one can reach its peer first (its collective fails
+    # too), more often under load (CI once saw process 1 named 4 times of its 10)
     for rank in (0, 1):
-        assert sum(f"process {rank} " in s for s in said) >= 5, told
+        assert sum(f"process {rank} " in s for s in said) >= 2, told
 
 
 def test_a_stalled_worker_is_the_one_whose_heartbeat_stopped_first(tmp_path):
