@@ -37,9 +37,10 @@ class Settings:
     :param checkpoint_every: steps between checkpoints (None: only when ``fit`` ends).
     :param local_checkpoint_dir: a second, frequent tier of checkpoints, in a folder of
         fast local storage (a RAM disk: ``/dev/shm/...``), saved every
-        ``local_checkpoint_every`` steps and keeping the newest alone; ``restore`` takes the
-        newest complete checkpoint of either tier. Where it is not on storage every process
-        of a job shares, a process sees its own shards only, so across hosts keep it off.
+        ``local_checkpoint_every`` steps and keeping the newest two: each process writes its
+        own shards and a copy of the previous process's, so that a host lost with its
+        storage loses nothing; a save blocks for the copy off the devices alone. ``restore``
+        takes the newest complete checkpoint of either tier, onto any device count.
     :param keep: how many checkpoints to keep.
     :param config: JSON-serialisable settings to store in each checkpoint (the command line
         stores its arguments), read back as ``trainer.restored_meta["config"]``.

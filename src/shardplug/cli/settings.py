@@ -341,8 +341,9 @@ class Declared:
         help="checkpoints to keep (default 3)")
     local_checkpoint_dir: Path | None = setting(
         "--local-checkpoint-dir", part="train", section="checkpoints", type=Path, trainer=True,
-        help="a frequent tier of checkpoints in fast local storage (a RAM disk, /dev/shm/RUN), "
-        "the newest kept; --resume takes the newest of either tier")  # fmt: skip
+        help="a frequent tier of checkpoints in fast local storage (a RAM disk, /dev/shm/RUN): "
+        "each host its own shards and a copy of a peer's, the newest two kept; --resume takes "
+        "the newest of either tier")  # fmt: skip
     local_checkpoint_every: int | None = setting(
         "--local-checkpoint-every", part="train", section="checkpoints", type=_INT,
         trainer=True, metavar="K", help="steps between the local tier's checkpoints")

@@ -78,10 +78,11 @@ class RunCheckpoints:
         if settings.checkpoint_dir is None:
             return None
         from shardplug.running.checkpoint import Checkpoints
+        from shardplug.running.local_checkpoint import LocalCheckpoints
 
         local = None
         if settings.local_checkpoint_dir is not None:
-            local = Checkpoints(settings.local_checkpoint_dir, keep=1)
+            local = LocalCheckpoints(settings.local_checkpoint_dir)
         return cls(Checkpoints(settings.checkpoint_dir, keep=settings.keep), meta, adapter,
                    local)  # fmt: skip
 

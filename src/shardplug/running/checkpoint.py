@@ -336,18 +336,33 @@ class Checkpoints:
 
 
 def complete_steps(directory: Path) -> list[int]:
-    """Orbax commits a checkpoint by renaming its temporary directory to the step number."""
+    """The complete checkpoints' steps in ``directory``, of either tier: Orbax commits one by
+    renaming its temporary directory to the step number; the frequent tier's folders hold
+    every process's shards between them."""
+    from shardplug.running.local_checkpoint import complete_local_steps, is_local
+
     if not directory.is_dir():
         return []
+    if is_local(directory):
+        return complete_local_steps(directory)
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def _record(directory: Path, step: int) -> Any:
+    """Checkpoint ``step``'s JSON, of either tier (raises OSError or ValueError)."""
+    from shardplug.running.local_checkpoint import is_local, local_record
+
+    if is_local(directory):
+        return local_record(directory, step)
+    with open(directory / str(step) / "meta" / "metadata") as f:
+        return json.load(f)
 
 
 def saved_config(directory: Path, step: int) -> dict[str, Any]:
     """The configuration in the newest checkpoint's JSON (best effort: a damaged one is
     reported by the restore, which falls back to an older checkpoint)."""
     try:
-        with open(directory / str(step) / "meta" / "metadata") as f:
-            config = json.load(f).get("config", {})
+        config = _record(directory, step).get("config", {})
     except (OSError, ValueError, AttributeError):
         return {}
     return config if isinstance(config, dict) else {}
@@ -357,8 +372,7 @@ def saved_layout(directory: Path, step: int) -> dict[str, Any]:
     """What the newest checkpoint's run ran on: ``{"devices", "mesh", "strategy"}`` as its
     JSON holds them (best effort, as :func:`saved_config`)."""
     try:
-        with open(directory / str(step) / "meta" / "metadata") as f:
-            meta = json.load(f)
+        meta = _record(directory, step)
     except (OSError, ValueError):
         return {}
     if not isinstance(meta, dict):
