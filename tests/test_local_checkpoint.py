@@ -89,6 +89,32 @@ local = LocalCheckpoints(f"{folder}/host{rank}")  # each host its own RAM disk
 local.save(2, trainer.state, {"data_position": 2})
 local.wait()
 jax.experimental.multihost_utils.sync_global_devices("written")
+# both hosts whole: each process lays out its own shards, onto dp's replicated layout
+other = task.trainer(strategy="dp")
+state, _ = LocalCheckpoints(f"{folder}/host{rank}").restore(other.state, other.state_shardings)
+assert all(np.array_equal(a, b) for a, b in zip(leaves(state), before, strict=True))
+assert [x.sharding for x in jax.tree.leaves(state)] == jax.tree.leaves(other.state_shardings)
+# bfloat16, int8, bool, a key and host memory, split over both processes
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+on = lambda spec, kind=None: NamedSharding(mesh, spec, memory_kind=kind)
+numbers = np.arange(16 * 4, dtype=np.float32).reshape(16, 4) / 7
+made = lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i])
+odd = {"w": made(numbers.astype(jax.numpy.bfloat16), on(P("a", "b"))),
+       "q": made((numbers * 3).astype(np.int8), on(P(None, "a"))),
+       "mask": made(numbers > 3, on(P("b"))),
+       "key": jax.random.split(jax.random.key(1), 4),
+       "moment": made(numbers, on(P("a"), "pinned_host"))}
+store = LocalCheckpoints(f"{folder}/odd{rank}")
+store.save(1, odd, {})
+store.wait()
+jax.experimental.multihost_utils.sync_global_devices("odd written")
+into = {"w": on(P()), "q": on(P("b")), "mask": on(P(None, "a")), "key": on(P("b")),
+        "moment": on(P("b"), "pinned_host")}
+back, _ = store.restore(odd, into)
+assert all(a.dtype == b.dtype and np.array_equal(a, b)
+           for a, b in zip(leaves(back), leaves(odd), strict=True))
+assert {k: v.sharding for k, v in back.items()} == into
 if rank == 1:  # host 1 replaced by a new one: its RAM disk empty
     import shutil; shutil.rmtree(f"{folder}/host1/p1")
 jax.experimental.multihost_utils.sync_global_devices("lost")
@@ -102,10 +128,11 @@ print("restored", rank)
 
 
 def test_a_host_that_lost_its_storage_restores_from_its_peers_copy(tmp_path):
-    """Two processes, each host its own folder; host 1's emptied (a replacement): both
-    agree on step 2, process 0 lays out both processes' shards (its own and its copy of
-    process 1's), process 1 gets the step's record from it, and the state is the one saved,
-    bit for bit."""
+    """Two processes, each host its own folder. Whole, each process lays out its own shards
+    onto another mesh; every dtype and host memory too. Then host 1's folder is emptied (a
+    replacement): both agree on step 2, process 0 lays out both processes' shards (its own
+    and its copy of process 1's), process 1 gets the step's record from it, and the state is
+    the one saved, bit for bit."""
     import subprocess
     import sys
 

@@ -224,6 +224,5 @@ task = shardplug.Task(model.adapter("nnx", layers=1), model.loss_fn, optax.adam(
     assert [r["step"] for r in rows] == list(range(12))  # each step once, none lost
     np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in calm_rows],
                                rtol=1e-5)  # fmt: skip
-    assert not list((tmp_path / "shm" / "p1").glob("[0-9]*"))  # restored without its steps
     assert sorted(p.name for p in (tmp_path / "shm" / "p0").iterdir()) == ["10", "12"]
     assert (tmp_path / "ckpt" / "12").is_dir()  # and the end, persistent

@@ -74,7 +74,7 @@ class RunCheckpoints:
            adapter: Any = None) -> RunCheckpoints | None:  # fmt: skip
         """The checkpoints of a run with these :class:`~shardplug.settings.Settings` (in its
         ``checkpoint_dir``, keeping ``keep``; the frequent tier in ``local_checkpoint_dir``,
-        keeping the newest), or None without a directory."""
+        keeping the newest two), or None without a directory."""
         if settings.checkpoint_dir is None:
             return None
         from shardplug.running.checkpoint import Checkpoints
@@ -138,13 +138,17 @@ class RunCheckpoints:
 
     def refuse_existing(self) -> None:
         """Refuse to start a run over another's checkpoints (restore() continues that run)."""
-        existing = self.store.steps()
-        if existing:
-            raise CheckpointError(
-                f"{self.store.directory} already holds checkpoints (newest: step "
-                f"{existing[-1]}): call restore() to continue that run, or choose an empty "
-                f"directory"
-            )
+        from shardplug.running.checkpoint import complete_steps
+
+        for directory, existing in [(self.store.directory, self.store.steps())] + (
+            [] if self.local is None else
+            [(self.local.directory, complete_steps(self.local.directory))]
+        ):  # fmt: skip
+            if existing:
+                raise CheckpointError(
+                    f"{directory} already holds checkpoints (newest: step {existing[-1]}): "
+                    f"call restore() to continue that run, or choose an empty directory"
+                )
 
 
 def _finite(tree: Any) -> jax.Array:

@@ -88,7 +88,7 @@ def lines(timing: dict[str, Any]) -> list[str]:
             f"  a checkpoint copies {timing['checkpoint_bytes'] / 1e9:,.2f} GB off each device: "
             f"{copy * 1e3:,.1f} ms over PCIe, {share:.0%} of a step; saved every 10 steps, "
             f"{share / 10:.1%} (--local-checkpoint-every into a RAM disk blocks for this copy "
-            f"alone; a failure then loses 5 steps on average)"
+            f"alone, twice across hosts with a peer's; a failure loses 5 steps on average)"
         )
     if timing.get("unresolved"):
         out.append(f"  {timing['unresolved']} conditionals' branches not told by the program: "

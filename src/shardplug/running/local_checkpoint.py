@@ -25,6 +25,7 @@ mesh that saved it; a shardplug resume goes onto fewer hosts and other meshes, h
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -65,6 +66,13 @@ class LocalCheckpoints:
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory).absolute()
         _check_writable(self.directory)
+        earlier = sorted(p.name for p in self.directory.iterdir() if p.name.isdigit())
+        if earlier:
+            raise CheckpointError(
+                f"{self.directory} holds Orbax checkpoints (steps {', '.join(earlier)}) of "
+                f"shardplug's earlier local tier: move them aside or choose another "
+                f"--local-checkpoint-dir"
+            )
         self.me, self.nprocs = jax.process_index(), jax.process_count()
         self.folder = self.directory / f"p{self.me}"
         self.folder.mkdir(exist_ok=True)
@@ -127,9 +135,9 @@ class LocalCheckpoints:
                 index[str(origin)] = entries
             record = {**record, "nprocs": self.nprocs, "writer": self.me, "origins": index}
             (temp / "index.json").write_text(json.dumps(record))
-            final = self.path(step)
-            shutil.rmtree(final, ignore_errors=True)  # the same step of a run rolled back
-            temp.rename(final)
+            for later in [s for s in _steps_in(self.folder) if s >= step]:
+                shutil.rmtree(self.path(later), ignore_errors=True)  # a run rolled back: theirs
+            temp.rename(self.path(step))
             for old in _steps_in(self.folder)[:-KEEP]:
                 shutil.rmtree(self.path(old), ignore_errors=True)
             self.written = (time.perf_counter() - began, time.thread_time() - cpu)
@@ -155,17 +163,19 @@ class LocalCheckpoints:
         process calls it) from what each one's folders hold."""
         return sorted(self._agreed())
 
-    def _agreed(self) -> dict[int, dict[int, int]]:
-        """``{step: {origin: the process that restores it}}`` for every complete step."""
+    def _agreed(self) -> dict[int, tuple[int, dict[int, int]]]:
+        """``{step: (the processes that saved it, {origin: the process that restores it})}``
+        for every complete step (of two saves of one step by other process counts, the
+        last complete one)."""
         rows = [(s, n, o) for (s, n), origins in _held(self.directory).items() for o in origins]
         found: dict[tuple[int, int], dict[int, list[int]]] = {}
         for process, theirs in enumerate(_allgathered(rows, self.nprocs)):
             for s, n, o in theirs:
                 found.setdefault((s, n), {}).setdefault(o, []).append(process)
-        complete: dict[int, dict[int, int]] = {}
+        complete: dict[int, tuple[int, dict[int, int]]] = {}
         for (s, n), origins in sorted(found.items()):
             if set(origins) == set(range(n)):  # its own process where it holds it, else spread
-                complete[s] = {o: o if o in h else h[o % len(h)] for o, h in origins.items()}
+                complete[s] = (n, {o: o if o in h else h[o % len(h)] for o, h in origins.items()})
         return complete
 
     def restore(self, like: Any, shardings: Any, *, step: int | None = None,
@@ -180,14 +190,18 @@ class LocalCheckpoints:
             raise CheckpointError(f"no complete local checkpoint in {self.directory}")
         problems = []
         for candidate in candidates:
-            mine = [o for o, p in agreed[candidate].items() if p == self.me]
-            record, pieces, problem, folder = self._read(candidate, mine)
+            saved_by, holders = agreed[candidate]
+            mine = [o for o, p in holders.items() if p == self.me]
+            try:  # whatever goes wrong in one process, every process learns it below
+                record, pieces, problem, folder = self._read(candidate, saved_by, mine)
+            except Exception as exc:  # an index that lies: damage too
+                record, pieces, problem, folder = None, [], f"{type(exc).__name__}: {exc}", None
             if not any(_allgathered([(1,)] if problem else [], self.nprocs)):
                 record = _everywhere(record, self.nprocs)
                 self._forget_after(candidate)
                 return self._laid_out(candidate, record, pieces, like, shardings)
-            if problem and quarantine and folder is not None and folder.is_dir():
-                folder.rename(folder.with_name(f"{candidate}.damaged"))
+            if problem and quarantine and folder is not None:
+                _set_aside(folder)
             problem = (f"local checkpoint of step {candidate} in {self.directory} is damaged"
                        f" ({problem or 'in another process'})")  # fmt: skip
             problems.append(problem)
@@ -196,16 +210,16 @@ class LocalCheckpoints:
                           ShardplugWarning, stacklevel=2)  # fmt: skip
         raise CheckpointError("no good local checkpoint: " + "; ".join(problems))
 
-    def _read(self, step: int, origins: list[int]) -> tuple[
+    def _read(self, step: int, saved_by: int, origins: list[int]) -> tuple[
         dict[str, Any] | None, list[tuple[str, tuple[slice, ...], bytes]], str, Path | None
     ]:  # fmt: skip
         """Every shard of ``origins`` at ``step`` from the folders seen (an origin's own
         first), checked against its CRC: the step's JSON (None where this host has none of
         its folders), the pieces, what is wrong ("" if nothing) and the folder it is in."""
         pieces: list[tuple[str, tuple[slice, ...], bytes]] = []
-        record = local_record(self.directory, step) or None
+        record = local_record(self.directory, step, saved_by) or None
         for origin in origins:
-            folders = sorted(_step_folders(self.directory, step, origin),
+            folders = sorted(_step_folders(self.directory, step, origin, saved_by),
                              key=lambda f: f.parent.name != f"p{origin}")  # fmt: skip
             folder = folders[0]
             try:
@@ -278,8 +292,9 @@ def _copied(arrays: list[tuple[str, jax.Array]], me: int, nprocs: int) -> Pieces
             data.copy_to_host_async()
         for origin, name, index, data in chunk:
             host = np.asarray(data)  # a GPU's: a new host array, the async copy's
-            if next(iter(data.devices())).platform == "cpu":  # its buffer itself, donated next
-                host = host.copy()
+            kind = data.sharding.memory_kind
+            if next(iter(data.devices())).platform == "cpu" or kind not in (None, "device"):
+                host = host.copy()  # perhaps the buffer itself, which the next step donates
             pieces[origin].append((name, _slices(index, host.shape), host))
         chunk.clear()
 
@@ -330,32 +345,30 @@ def _rotated(sharding: Any) -> Any:
 
 def _assembled(shape: tuple[int, ...], dtype: Any, pieces: list[tuple[tuple[slice, ...], bytes]],
                sharding: Any, nprocs: int) -> jax.Array:  # fmt: skip
-    """One array in ``sharding`` from the pieces each process holds of it."""
+    """One array in ``sharding`` from the pieces each process holds of it: the bits summed
+    over the processes (integers: exact) onto every device, then laid out from host memory
+    into ``sharding``, whatever its mesh and memory."""
     width = np.dtype(f"uint{8 * dtype.itemsize}")
     bits = np.zeros(shape, width)
     for where, data in pieces:
-        block = np.frombuffer(data, width).reshape([s.stop - s.start for s in where])
-        bits[where] = block
-    if nprocs == 1:
-        return jax.device_put(bits.view(dtype), sharding)
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        bits[where] = np.frombuffer(data, width).reshape([s.stop - s.start for s in where])
+    if nprocs > 1:
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    grid = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)), dtype=object)
-    mesh = Mesh(grid.reshape(nprocs, -1), ("processes", "local"))
-    stacked = jax.make_array_from_single_device_arrays(
-        (nprocs, *shape), NamedSharding(mesh, PartitionSpec("processes")),
-        [jax.device_put(bits[None], d) for d in jax.local_devices()],
-    )  # fmt: skip
-    on_devices = sharding.with_memory_kind("device") if sharding.memory_kind else sharding
-    array = jax.jit(_place, static_argnums=1, out_shardings=on_devices)(stacked, dtype)
-    return array if on_devices is sharding else jax.device_put(array, sharding)
+        grid = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+        mesh = Mesh(grid.reshape(nprocs, -1), ("processes", "local"))
+        stacked = jax.make_array_from_single_device_arrays(
+            (nprocs, *shape), NamedSharding(mesh, PartitionSpec("processes")),
+            [jax.device_put(bits[None], d) for d in jax.local_devices()],
+        )  # fmt: skip
+        total = jax.jit(_sum, out_shardings=NamedSharding(mesh, PartitionSpec()))(stacked)
+        bits = np.asarray(total.addressable_data(0))
+    whole = bits != 0 if dtype == np.bool_ else bits.view(dtype)
+    return jax.make_array_from_callback(shape, sharding, lambda index: whole[index])
 
 
-def _place(bits: jax.Array, dtype: Any) -> jax.Array:
-    total = bits.sum(0, dtype=bits.dtype)  # one process wrote each element, zeros the rest
-    if dtype == np.bool_:
-        return total != 0
-    return jax.lax.bitcast_convert_type(total, dtype)
+def _sum(bits: jax.Array) -> jax.Array:
+    return bits.sum(0, dtype=bits.dtype)  # one process wrote each element, zeros the rest
 
 
 def _allgathered(rows: list[tuple[int, ...]], nprocs: int) -> list[list[tuple[int, ...]]]:
@@ -401,13 +414,37 @@ def _steps_in(folder: Path) -> list[int]:
     return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir())
 
 
-def _step_folders(directory: Path, step: int, origin: int | None) -> list[Path]:
-    """The folders of ``step`` seen here that hold ``origin``'s shards (any, for None)."""
+def _step_folders(directory: Path, step: int, origin: int | None,
+                  saved_by: int | None = None) -> list[Path]:  # fmt: skip
+    """The folders of ``step`` seen here that hold ``origin``'s shards (any, for None), saved
+    by ``saved_by`` processes (any count, for None)."""
     found = []
     for folder in sorted(directory.glob(f"p*/{step}")):
-        if origin is None or (folder / f"{origin}.bin").is_file():
-            found.append(folder)
+        if origin is not None and not (folder / f"{origin}.bin").is_file():
+            continue
+        if saved_by is not None and _saved_by(folder) != saved_by:
+            continue
+        found.append(folder)
     return found
+
+
+def _saved_by(folder: Path) -> int | None:
+    try:
+        return int(json.loads((folder / "index.json").read_text())["nprocs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _set_aside(folder: Path) -> None:
+    """Rename a damaged step's folder ``<step>.damaged`` (``.damaged.N`` when taken): a run
+    going on from an older step may save that step again."""
+    target = folder.with_name(f"{folder.name}.damaged")
+    suffix = 1
+    while target.exists():
+        target = folder.with_name(f"{folder.name}.damaged.{suffix}")
+        suffix += 1
+    with contextlib.suppress(OSError):  # gone, or taken by another process: skipped the same
+        folder.rename(target)
 
 
 def _held(directory: Path) -> dict[tuple[int, int], set[int]]:
@@ -431,9 +468,9 @@ def complete_local_steps(directory: Path) -> list[int]:
     return sorted(steps)
 
 
-def local_record(directory: Path, step: int) -> dict[str, Any]:
+def local_record(directory: Path, step: int, saved_by: int | None = None) -> dict[str, Any]:
     """The JSON of local step ``step`` (best effort: {} when unreadable)."""
-    for folder in _step_folders(directory, step, None):
+    for folder in _step_folders(directory, step, None, saved_by):
         try:
             record = json.loads((folder / "index.json").read_text())
         except (OSError, ValueError):
