@@ -103,7 +103,8 @@ made = lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i])
 odd = {"w": made(numbers.astype(jax.numpy.bfloat16), on(P("a", "b"))),
        "q": made((numbers * 3).astype(np.int8), on(P(None, "a"))),
        "mask": made(numbers > 3, on(P("b"))),
-       "key": jax.random.split(jax.random.key(1), 4),
+       "key": jax.random.wrap_key_data(made(np.asarray(jax.random.key_data(
+           jax.random.split(jax.random.key(1), 4))), on(P()))),
        "moment": made(numbers, on(P("a"), "pinned_host"))}
 store = LocalCheckpoints(f"{folder}/odd{rank}")
 store.save(1, odd, {})

@@ -339,7 +339,7 @@ def complete_steps(directory: Path) -> list[int]:
     """The complete checkpoints' steps in ``directory``, of either tier: Orbax commits one by
     renaming its temporary directory to the step number; the frequent tier's folders hold
     every process's shards between them."""
-    from shardplug.running.local_checkpoint import complete_local_steps, is_local
+    from shardplug.running.local_layout import complete_local_steps, is_local
 
     if not directory.is_dir():
         return []
@@ -350,7 +350,7 @@ def complete_steps(directory: Path) -> list[int]:
 
 def _record(directory: Path, step: int) -> Any:
     """Checkpoint ``step``'s JSON, of either tier (raises OSError or ValueError)."""
-    from shardplug.running.local_checkpoint import is_local, local_record
+    from shardplug.running.local_layout import is_local, local_record
 
     if is_local(directory):
         return local_record(directory, step)

@@ -50,6 +50,7 @@ from shardplug.running.checkpoint_checks import (
     _is_key,
     fingerprints,
 )
+from shardplug.running.local_layout import held, local_record, step_folders, steps_in
 from shardplug.running.waiting import announced
 
 KEEP = 2  # steps kept per folder: a step written by some processes and not others (a
@@ -135,10 +136,10 @@ class LocalCheckpoints:
                 index[str(origin)] = entries
             record = {**record, "nprocs": self.nprocs, "writer": self.me, "origins": index}
             (temp / "index.json").write_text(json.dumps(record))
-            for later in [s for s in _steps_in(self.folder) if s >= step]:
+            for later in [s for s in steps_in(self.folder) if s >= step]:
                 shutil.rmtree(self.path(later), ignore_errors=True)  # a run rolled back: theirs
             temp.rename(self.path(step))
-            for old in _steps_in(self.folder)[:-KEEP]:
+            for old in steps_in(self.folder)[:-KEEP]:
                 shutil.rmtree(self.path(old), ignore_errors=True)
             self.written = (time.perf_counter() - began, time.thread_time() - cpu)
         except Exception as exc:  # said by the next save or wait, in the training thread
@@ -167,7 +168,7 @@ class LocalCheckpoints:
         """``{step: (the processes that saved it, {origin: the process that restores it})}``
         for every complete step (of two saves of one step by other process counts, the
         last complete one)."""
-        rows = [(s, n, o) for (s, n), origins in _held(self.directory).items() for o in origins]
+        rows = [(s, n, o) for (s, n), origins in held(self.directory).items() for o in origins]
         found: dict[tuple[int, int], dict[int, list[int]]] = {}
         for process, theirs in enumerate(_allgathered(rows, self.nprocs)):
             for s, n, o in theirs:
@@ -219,7 +220,7 @@ class LocalCheckpoints:
         pieces: list[tuple[str, tuple[slice, ...], bytes]] = []
         record = local_record(self.directory, step, saved_by) or None
         for origin in origins:
-            folders = sorted(_step_folders(self.directory, step, origin, saved_by),
+            folders = sorted(step_folders(self.directory, step, origin, saved_by),
                              key=lambda f: f.parent.name != f"p{origin}")  # fmt: skip
             folder = folders[0]
             try:
@@ -271,7 +272,7 @@ class LocalCheckpoints:
             folders += [f for f in self.directory.glob("p*")
                         if f.name[1:].isdigit() and int(f.name[1:]) >= self.nprocs]  # fmt: skip
         for folder in folders:
-            for s in _steps_in(folder):
+            for s in steps_in(folder):
                 if s > step:
                     shutil.rmtree(folder / str(s), ignore_errors=True)
 
@@ -408,33 +409,6 @@ def _everywhere(record: dict[str, Any] | None, nprocs: int) -> dict[str, Any]:
     return record
 
 
-def _steps_in(folder: Path) -> list[int]:
-    if not folder.is_dir():
-        return []
-    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir())
-
-
-def _step_folders(directory: Path, step: int, origin: int | None,
-                  saved_by: int | None = None) -> list[Path]:  # fmt: skip
-    """The folders of ``step`` seen here that hold ``origin``'s shards (any, for None), saved
-    by ``saved_by`` processes (any count, for None)."""
-    found = []
-    for folder in sorted(directory.glob(f"p*/{step}")):
-        if origin is not None and not (folder / f"{origin}.bin").is_file():
-            continue
-        if saved_by is not None and _saved_by(folder) != saved_by:
-            continue
-        found.append(folder)
-    return found
-
-
-def _saved_by(folder: Path) -> int | None:
-    try:
-        return int(json.loads((folder / "index.json").read_text())["nprocs"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def _set_aside(folder: Path) -> None:
     """Rename a damaged step's folder ``<step>.damaged`` (``.damaged.N`` when taken): a run
     going on from an older step may save that step again."""
@@ -445,43 +419,3 @@ def _set_aside(folder: Path) -> None:
         suffix += 1
     with contextlib.suppress(OSError):  # gone, or taken by another process: skipped the same
         folder.rename(target)
-
-
-def _held(directory: Path) -> dict[tuple[int, int], set[int]]:
-    """``{(step, processes that saved it): origins held}`` in the folders seen here."""
-    held: dict[tuple[int, int], set[int]] = {}
-    for process in sorted(directory.glob("p*")):
-        for step in _steps_in(process):
-            try:
-                record = json.loads((process / str(step) / "index.json").read_text())
-                key = (step, int(record["nprocs"]))
-                held.setdefault(key, set()).update(int(o) for o in record["origins"])
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # unreadable: not counted (the restore would find it damaged)
-    return held
-
-
-def complete_local_steps(directory: Path) -> list[int]:
-    """The steps complete in the folders seen from here, oldest first (no collective: the
-    launcher's and the command line's view)."""
-    steps = {s for (s, n), origins in _held(directory).items() if origins >= set(range(n))}
-    return sorted(steps)
-
-
-def local_record(directory: Path, step: int, saved_by: int | None = None) -> dict[str, Any]:
-    """The JSON of local step ``step`` (best effort: {} when unreadable)."""
-    for folder in _step_folders(directory, step, None, saved_by):
-        try:
-            record = json.loads((folder / "index.json").read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict):
-            return record
-    return {}
-
-
-def is_local(directory: Path) -> bool:
-    """Whether ``directory`` is a frequent tier's (its folders ``p<i>``)."""
-    return directory.is_dir() and any(
-        p.is_dir() and p.name[1:].isdigit() for p in directory.glob("p*")
-    )
